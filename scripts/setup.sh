@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for omni_rt from the package registries only.
+#   scripts/setup.sh          the SDK and the WebRTC server (enough for `omni-rt serve`)
+#   scripts/setup.sh test     also the test tools: transformers (the reference), Playwright, Chromium, ruff
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# torch 2.13.0 is pinned on its own first: an unpinned torch pulls a multi-GB CUDA build.
+python3 -m pip install -q "torch==2.13.0"
+if [ "${1:-}" = "test" ]; then
+  python3 -m pip install -q -e ".[server,bench,test]"
+  if ! command -v chromium >/dev/null 2>&1; then
+    # Debian's Chromium for the browser test (Playwright never downloads a browser here).
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq && apt-get install -y -qq chromium >/dev/null
+  fi
+else
+  python3 -m pip install -q -e ".[server]"
+fi

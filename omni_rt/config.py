@@ -1,0 +1,167 @@
+"""Public settings of omni_rt: engine, session and sampling, as pydantic models validated at construction.
+
+Every pipeline optimisation is a switch on `EngineSettings`, so the benchmark can turn each one off and
+show its share; `EngineSettings.all_off()` behaves like a stock serving stack (the Talker starts after the
+Thinker's output of a whole step arrives, an extra Talker step before frame 0, fixed 4-frame Code2Wav
+chunks, no Thinker yield, no CUDA graphs).
+
+Model shapes are not here: they live in `omni_rt.model.config` (frozen dataclasses read from a
+checkpoint's config.json or a preset).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from omni_rt.model.config import PRESETS
+
+__all__ = ["PRESETS", "EngineSettings", "SessionSettings", "StageSampling", "Sampling", "OUTPUT_SAMPLE_RATES"]
+
+# PCM rates a session can ask for: the model's native 24 kHz, WebRTC's 48 kHz, speech tooling's 16 kHz.
+OUTPUT_SAMPLE_RATES = (24000, 48000, 16000)
+
+
+class _Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineSettings(_Settings):
+    """How the engine runs the pipeline. Defaults are the fastest configuration."""
+
+    # capacity: caches are allocated once at engine start, one slot per open session
+    max_sessions: int = Field(4, ge=1, le=256, description="session slots (KV cache rows) per stage")
+    max_context: int = Field(4096, ge=16, description="Thinker KV cache length per session (tokens)")
+    max_talker_context: int = Field(4096, ge=16, description="Talker KV cache length per session")
+    event_queue_size: int = Field(4096, ge=16, description="events buffered per session before failing it")
+
+    # pipeline optimisations (each one can be turned off)
+    talker_overlap_prefill: bool = Field(
+        True, description="prefill the Talker's prompt prefix while the Thinker prefills"
+    )
+    frame0_in_prefill: bool = Field(
+        True, description="run the code predictor for frame 0 in the step that finishes the Talker prefill"
+    )
+    handoff: Literal["event", "after_step"] = Field(
+        "event",
+        description="'event': each Thinker token goes to the Talker the moment it is sampled; "
+        "'after_step': a step's tokens are handed over when the Thinker's next step completes (stock)",
+    )
+    first_chunk_frames: int = Field(1, ge=1, le=64, description="codec frames in the first Code2Wav chunk")
+    chunk_growth: bool = Field(True, description="double the Code2Wav chunk after each chunk")
+    max_chunk_frames: int = Field(16, ge=1, le=256, description="cap on a grown Code2Wav chunk")
+    yield_to_talker_ms: float = Field(
+        12.0, ge=0.0, le=1000.0, description="longest the Thinker's next step waits for a pending frame 0"
+    )
+    cuda_graphs: bool = Field(True, description="capture per-token/per-frame steps in CUDA graphs (GPU only)")
+    moe_backend: Literal["auto", "grouped_mm", "loop"] = Field("auto", description="expert FFN backend")
+    deterministic: bool = Field(
+        False,
+        description="run every sequence's step on its own (batch-invariant results) instead of batching",
+    )
+
+    @model_validator(mode="after")
+    def _chunks(self) -> EngineSettings:
+        if self.max_chunk_frames < self.first_chunk_frames:
+            raise ValueError(
+                f"max_chunk_frames ({self.max_chunk_frames}) < first_chunk_frames ({self.first_chunk_frames})"
+            )
+        return self
+
+    @classmethod
+    def all_off(cls, **overrides: object) -> EngineSettings:
+        """Every optimisation off: what a stock serving stack does (the benchmark's baseline row)."""
+        base: dict[str, object] = dict(
+            talker_overlap_prefill=False,
+            frame0_in_prefill=False,
+            handoff="after_step",
+            first_chunk_frames=4,
+            chunk_growth=False,
+            max_chunk_frames=4,
+            yield_to_talker_ms=0.0,
+            cuda_graphs=False,
+        )
+        return cls(**(base | overrides))
+
+    def chunk_sizes(self) -> list[int]:
+        """Distinct Code2Wav chunk sizes the runner uses (fixed shapes, for graph capture)."""
+        sizes, n = [], self.first_chunk_frames
+        while True:
+            sizes.append(n)
+            if not self.chunk_growth or n >= self.max_chunk_frames:
+                return sizes
+            n = min(2 * n, self.max_chunk_frames)
+
+    def chunk_size(self, chunk_index: int) -> int:
+        """Frames in Code2Wav chunk number `chunk_index` of a response: 1, 2, 4, ... up to the cap."""
+        sizes = self.chunk_sizes()
+        return sizes[min(chunk_index, len(sizes) - 1)]
+
+
+class StageSampling(_Settings):
+    """Sampling of one stage. `do_sample=False` is greedy; repetition penalty applies in both modes."""
+
+    do_sample: bool = True
+    temperature: float = Field(1.0, gt=0.0)
+    top_k: int = Field(0, ge=0, description="0: no top-k filter")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+
+
+def _thinker_default() -> StageSampling:
+    # The Qwen3-Omni model card's recommended text sampling.
+    return StageSampling(temperature=0.6, top_k=20, top_p=0.95)
+
+
+def _talker_default() -> StageSampling:
+    # transformers' Qwen3OmniMoeForConditionalGeneration.generate defaults for the Talker.
+    return StageSampling(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)
+
+
+def _code_predictor_default() -> StageSampling:
+    # The reference samples the 15 residual codes with top-k 50, top-p 0.8 whenever the Talker samples.
+    return StageSampling(temperature=1.0, top_k=50, top_p=0.8)
+
+
+class Sampling(_Settings):
+    """Sampling of all three token-producing stages; the reference implementation's defaults.
+
+    The code predictor follows the Talker: when the Talker is greedy, so is the code predictor (as in the
+    reference). The Talker's suppression of codec special ids (all but EOS) is not a setting: it is part
+    of the model's logits processing and always applies.
+    """
+
+    thinker: StageSampling = Field(default_factory=_thinker_default)
+    talker: StageSampling = Field(default_factory=_talker_default)
+    code_predictor: StageSampling = Field(default_factory=_code_predictor_default)
+    seed: int | None = Field(None, description="seed of the response's random generators; None: fresh")
+
+    @classmethod
+    def greedy(cls, seed: int | None = None) -> Sampling:
+        """Greedy Thinker, Talker and code predictor; the repetition penalties are kept."""
+        d = cls()
+        return cls(
+            thinker=d.thinker.model_copy(update={"do_sample": False}),
+            talker=d.talker.model_copy(update={"do_sample": False}),
+            code_predictor=d.code_predictor.model_copy(update={"do_sample": False}),
+            seed=seed,
+        )
+
+    @property
+    def effective_code_predictor(self) -> StageSampling:
+        """The code predictor's sampling as run: greedy whenever the Talker is greedy."""
+        if self.talker.do_sample:
+            return self.code_predictor
+        return self.code_predictor.model_copy(update={"do_sample": False})
+
+
+class SessionSettings(_Settings):
+    """One conversation's settings; `Engine.session(**kwargs)` builds this."""
+
+    voice: str = "ethan"
+    instructions: str | None = Field(None, description="system prompt; None: no system turn")
+    output_sample_rate: int = 24000
+    sampling: Sampling = Field(default_factory=Sampling)
+    max_output_tokens: int = Field(1024, ge=1)
+    max_audio_frames: int = Field(4096, ge=1)

@@ -1,0 +1,201 @@
+"""Events a Session yields, named as the OpenAI Realtime API (GA) names them.
+
+Each event is a pydantic model with a literal `type`. In process, audio travels as a numpy int16 array
+(`ResponseOutputAudioDelta.pcm`); `to_wire()` gives the JSON-ready dict of the Realtime protocol (audio
+as base64 PCM16 little-endian) for the server.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = [
+    "Event",
+    "ResponseCreated",
+    "ResponseOutputTextDelta",
+    "ResponseOutputAudioTranscriptDelta",
+    "ResponseOutputAudioDelta",
+    "ResponseOutputAudioDone",
+    "ResponseDone",
+    "ErrorEvent",
+    "ErrorInfo",
+    "Usage",
+    "Metrics",
+    "AnyEvent",
+]
+
+_ids = itertools.count(1)
+
+
+def _event_id() -> str:
+    return f"event_{next(_ids)}"
+
+
+class Event(BaseModel):
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    type: str
+    event_id: str = Field(default_factory=_event_id)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The Realtime protocol's JSON object for this event."""
+        return self.model_dump(mode="json")
+
+
+class _ResponseEvent(Event):
+    response_id: str
+
+
+class ResponseCreated(_ResponseEvent):
+    type: Literal["response.created"] = "response.created"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "type": self.type,
+            "event_id": self.event_id,
+            "response": {"id": self.response_id, "object": "realtime.response", "status": "in_progress"},
+        }
+
+
+class ResponseOutputTextDelta(_ResponseEvent):
+    """New text of the reply, as soon as the Thinker samples it."""
+
+    type: Literal["response.output_text.delta"] = "response.output_text.delta"
+    delta: str
+    token_ids: list[int]
+
+
+class ResponseOutputAudioTranscriptDelta(_ResponseEvent):
+    """Text the audio has reached: sent when the Talker consumes those tokens (one per codec frame)."""
+
+    type: Literal["response.output_audio_transcript.delta"] = "response.output_audio_transcript.delta"
+    delta: str
+
+
+class ResponseOutputAudioDelta(_ResponseEvent):
+    """A chunk of PCM: mono int16 at `sample_rate`. `frame_index` is the chunk's first codec frame."""
+
+    type: Literal["response.output_audio.delta"] = "response.output_audio.delta"
+    pcm: np.ndarray
+    sample_rate: int
+    frame_index: int
+    num_frames: int
+
+    @field_validator("pcm")
+    @classmethod
+    def _int16_mono(cls, v: np.ndarray) -> np.ndarray:
+        if not isinstance(v, np.ndarray) or v.dtype != np.int16 or v.ndim != 1:
+            raise ValueError("pcm must be a 1-D numpy int16 array")
+        return v
+
+    @property
+    def duration_s(self) -> float:
+        return len(self.pcm) / self.sample_rate
+
+    def b64(self) -> str:
+        """The PCM as the wire carries it: base64 of little-endian int16."""
+        return base64.b64encode(self.pcm.astype("<i2", copy=False).tobytes()).decode("ascii")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "type": self.type,
+            "event_id": self.event_id,
+            "response_id": self.response_id,
+            "output_index": 0,
+            "content_index": 0,
+            "delta": self.b64(),
+        }
+
+
+class ResponseOutputAudioDone(_ResponseEvent):
+    type: Literal["response.output_audio.done"] = "response.output_audio.done"
+
+
+class Usage(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    input_tokens: int = 0  # new prompt tokens prefilled for this response
+    cached_tokens: int = 0  # conversation tokens reused from the session's KV cache
+    output_tokens: int = 0  # text tokens generated
+    audio_frames: int = 0  # codec frames generated (80 ms each)
+
+
+class Metrics(BaseModel):
+    """Per-response timings, all in ms from `respond()` on one monotonic clock (time.perf_counter)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    ttft_ms: float | None = None  # first text delta handed to the caller
+    ttfa_ms: float | None = None  # first audio delta handed to the caller
+    thinker_first_token_ms: float | None = None  # Thinker sampled its first token
+    talker_first_code_ms: float | None = None  # Talker sampled code 0 of frame 0
+    first_pcm_ms: float | None = None  # Code2Wav produced its first PCM
+    total_ms: float | None = None
+    text_tokens_per_s: float | None = None  # decode tokens after the first over their time
+    audio_seconds: float = 0.0
+    rtf: float | None = None  # generation time / audio duration
+
+
+class ErrorInfo(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    type: str  # "invalid_request_error" | "server_error" | ...
+    code: str | None = None  # the omni_rt exception class name, e.g. "InvalidRequestError"
+    message: str
+
+
+class ResponseDone(_ResponseEvent):
+    """Always the last event of a response, whatever happened."""
+
+    type: Literal["response.done"] = "response.done"
+    status: Literal["completed", "cancelled", "failed"]
+    usage: Usage = Field(default_factory=Usage)
+    metrics: Metrics = Field(default_factory=Metrics)
+    error: ErrorInfo | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        response: dict[str, Any] = {
+            "id": self.response_id,
+            "object": "realtime.response",
+            "status": self.status,
+            "usage": self.usage.model_dump(),
+            "metrics": self.metrics.model_dump(),
+        }
+        if self.error is not None:
+            response["status_details"] = {"type": self.status, "error": self.error.model_dump()}
+        return {"type": self.type, "event_id": self.event_id, "response": response}
+
+
+class ErrorEvent(Event):
+    type: Literal["error"] = "error"
+    error: ErrorInfo
+    response_id: str | None = None
+
+    @classmethod
+    def from_exception(cls, exc: BaseException, response_id: str | None = None) -> ErrorEvent:
+        from omni_rt.errors import InvalidRequestError
+
+        kind = "invalid_request_error" if isinstance(exc, InvalidRequestError) else "server_error"
+        return cls(
+            error=ErrorInfo(type=kind, code=type(exc).__name__, message=str(exc)), response_id=response_id
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.type, "event_id": self.event_id, "error": self.error.model_dump()}
+
+
+AnyEvent = Annotated[
+    ResponseCreated
+    | ResponseOutputTextDelta
+    | ResponseOutputAudioTranscriptDelta
+    | ResponseOutputAudioDelta
+    | ResponseOutputAudioDone
+    | ResponseDone
+    | ErrorEvent,
+    Field(discriminator="type"),
+]

@@ -95,7 +95,7 @@ def moe_grouped_mm(
 ) -> torch.Tensor:
     """Sort (token, slot) pairs by expert and run two `torch._grouped_mm` calls: the prefill path.
 
-    No GPU->CPU sync (group offsets come from a cumulative bincount), so it is graph-capturable. Needs
+    No GPU->CPU sync (group offsets from a scatter-add count), so it is graph-capturable. Needs
     contiguous weights whose rows are 16-byte aligned (true for every Qwen3-Omni shape).
     """
     n, k = topk_ids.shape
@@ -105,7 +105,9 @@ def moe_grouped_mm(
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert
     token_of = order // k  # [N*k]
     x = hidden[token_of]  # [N*k, H]
-    counts = torch.bincount(flat, minlength=e_count)  # [E]
+    # rows per expert by scatter_add: bincount sizes its output from the data, a GPU->CPU sync
+    counts = torch.zeros(e_count, dtype=torch.int32, device=hidden.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # [E]
     offs = torch.cumsum(counts, 0).to(torch.int32)  # [E] end offset of each expert's group
     gu = torch._grouped_mm(x, gate_up_proj.transpose(1, 2), offs=offs)  # [N*k, 2I]
     act = F.silu(gu[:, :inter]) * gu[:, inter:]  # [N*k, I]
@@ -208,16 +210,16 @@ def moe_decode_triton(
     gate_up_proj: torch.Tensor,  # [E, 2I, H]
     down_proj: torch.Tensor,  # [E, H, I]
     *,
-    block_i: int = 16,
-    block_h: int = 256,
-    block_h_down: int = 16,
+    block_i: int = 8,
+    block_h: int = 512,
+    block_h_down: int = 8,
     block_i_down: int = 256,
     num_warps: int = 4,
 ) -> torch.Tensor:  # [N, H]
     """The two-launch Triton expert computation; fp32 accumulation, output in hidden's dtype.
 
-    Block sizes are tunable (scripts/gpu_kernels.py sweeps them on the H200); the defaults keep
-    >= 128 programs per launch at the Thinker's and Talker's decode shapes with one token.
+    Block sizes are tunable (scripts/gpu_kernels.py sweeps them on the H200); the defaults were the
+    fastest or within 10 % of it at every Thinker and Talker decode shape measured (docs/performance.md).
     """
     gate_up_act, down_weighted = _kernels()
     n, k = topk_ids.shape

@@ -240,7 +240,7 @@ def test_misshaped_tensor_names_expected_and_got(small_ckpt):
     assert f"{bad['name']}: expected [{inter}, {cfg.thinker.hidden_size}]" in str(e.value)
     assert f"got [{inter - 1}, {cfg.thinker.hidden_size}]" in str(e.value)
     # validated before writing: nothing was loaded
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_index_naming_missing_shard(small_ckpt):
@@ -293,7 +293,7 @@ def test_init_random_is_seeded_and_finite_at_tiny():
     init_random(a, seed=1)
     init_random(b, seed=1)
     init_random(c, seed=2)
-    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
     assert not torch.equal(a.thinker.lm_head.weight, c.thinker.lm_head.weight)
     assert torch.all(a.thinker.model.norm.weight == 1)
     logits = _thinker_forward(a.thinker)

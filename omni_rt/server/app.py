@@ -1,0 +1,273 @@
+"""`omni-rt serve`: the demo page and the realtime endpoint `/ws` on one port.
+
+HTTP GET requests for the page are answered from the handshake hook of `websockets` (no second web
+framework); `/ws` upgrades to a WebSocket and gets its own `Peer` and `Session`. Checks happen before
+the upgrade: the Origin (same origin unless allowed), then the token. Everything past the upgrade that
+goes wrong is an `error` event to that client, never a crash of the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import mimetypes
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.datastructures import Headers
+from websockets.http11 import Request, Response
+
+from omni_rt.server import protocol
+from omni_rt.server.peer import Peer, PeerSettings
+from omni_rt.server.protocol import ProtocolError
+
+log = logging.getLogger("omni_rt.server")
+
+
+def find_web_dir() -> Path:
+    """The demo page: packaged as `omni_rt/web` when installed, `<repo>/web` in a checkout."""
+    package = Path(__file__).resolve().parent.parent  # omni_rt/
+    for candidate in (package / "web", package.parent / "web"):
+        if (candidate / "index.html").is_file():
+            return candidate
+    raise FileNotFoundError(f"the demo page (web/index.html) is neither in {package} nor beside it")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8080  # 0: any free port (tests)
+    token: str | None = None  # required on /ws when set: ?token=T or "Authorization: Bearer T"
+    max_sessions: int = 4
+    allowed_origins: Sequence[str] = ()  # besides the server's own origin; "*" allows any
+    web_dir: Path | None = None  # None: find_web_dir()
+    peer: PeerSettings = field(default_factory=PeerSettings)
+
+
+class Server:
+    """Serves one started `Engine` to browsers and realtime clients. Use as `async with Server(...)`."""
+
+    def __init__(self, engine: Any, settings: ServerSettings | None = None) -> None:
+        self.engine = engine
+        self.settings = settings or ServerSettings()
+        self.web_dir = (self.settings.web_dir or find_web_dir()).resolve()
+        self.peers: set[Peer] = set()
+        self._server: Any = None
+        self._handlers: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        s = self.settings
+        self._server = await serve(
+            self._handle,
+            s.host,
+            s.port,
+            process_request=self._process_request,
+            # Our own limit answers with an error event; this one is the backstop for absurd frames.
+            max_size=4 * s.peer.max_message_bytes,
+            max_queue=16,
+            ping_interval=20,
+            ping_timeout=20,
+        )
+
+    async def close(self) -> None:
+        if self._server is None:
+            return
+        self._server.close()  # stops accepting, closes every socket: each peer then cleans up
+        await self._server.wait_closed()
+        await asyncio.gather(*(p.close() for p in list(self.peers)), return_exceptions=True)
+        self._server = None
+
+    async def __aenter__(self) -> Server:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def port(self) -> int:
+        return self._server.sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        host = self.settings.host
+        host = f"[{host}]" if ":" in host else host
+        url = f"http://{host}:{self.port}/"
+        return f"{url}?token={self.settings.token}" if self.settings.token else url
+
+    # -- HTTP, before any upgrade ---------------------------------------------------------------------
+
+    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        url = urlsplit(request.path)
+        if url.path == "/ws":
+            return self._check_ws(connection, request, url.query)
+        if url.path == "/health":
+            body = json.dumps(
+                {"ok": True, "sessions": len(self.peers), "max_sessions": self.settings.max_sessions}
+            )
+            return _response(HTTPStatus.OK, body.encode(), "application/json")
+        return self._static(url.path)
+
+    def _check_ws(self, connection: ServerConnection, request: Request, query: str) -> Response | None:
+        origin = request.headers.get("Origin")
+        if origin is not None and not self._origin_allowed(origin, request.headers.get("Host", "")):
+            log.warning("refused /ws from origin %s", origin)
+            return connection.respond(HTTPStatus.FORBIDDEN, "Origin not allowed.\n")
+        if self.settings.token is not None:
+            given = parse_qs(query).get("token", [""])[0]
+            auth = request.headers.get("Authorization", "")
+            if auth.startswith("Bearer "):
+                given = auth.removeprefix("Bearer ").strip()
+            if not hmac.compare_digest(given.encode(), self.settings.token.encode()):
+                return connection.respond(HTTPStatus.UNAUTHORIZED, "A valid token is required.\n")
+        return None  # websockets answers a plain GET here with 426 Upgrade Required
+
+    def _origin_allowed(self, origin: str, host: str) -> bool:
+        allowed = self.settings.allowed_origins
+        if "*" in allowed or origin in allowed:
+            return True
+        # Same origin: a page this server served, reached under the same host:port.
+        parts = urlsplit(origin)
+        return parts.scheme in ("http", "https") and parts.netloc.lower() == host.lower()
+
+    def _static(self, path: str) -> Response:
+        name = "index.html" if path in ("/", "/index.html") else path.lstrip("/")
+        file = (self.web_dir / name).resolve()
+        # Only plain files directly inside web/: no traversal, no hidden files, no directories.
+        if file.parent != self.web_dir or name.startswith(".") or not file.is_file():
+            return _response(HTTPStatus.NOT_FOUND, b"Not found.\n", "text/plain")
+        kind = mimetypes.guess_type(file.name)[0] or "application/octet-stream"
+        if kind.startswith("text/") or kind in ("application/javascript", "text/javascript"):
+            kind += "; charset=utf-8"
+        return _response(HTTPStatus.OK, file.read_bytes(), kind)
+
+    # -- WebSocket ------------------------------------------------------------------------------------
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        if len(self.peers) >= self.settings.max_sessions:
+            busy = ProtocolError(
+                "session_limit",
+                f"the server is at its limit of {self.settings.max_sessions} sessions; try again later",
+                type="server_error",
+            )
+            await ws.send(json.dumps(protocol.error(busy)))
+            await ws.close(1013, "session limit")
+            return
+        peer = Peer(self.engine, ws, self.settings.peer)
+        self.peers.add(peer)
+        try:
+            await peer.run()
+        finally:
+            self.peers.discard(peer)
+
+
+def _response(status: HTTPStatus, body: bytes, content_type: str) -> Response:
+    headers = Headers()
+    headers["Content-Type"] = content_type
+    headers["Content-Length"] = str(len(body))
+    headers["Cache-Control"] = "no-cache"
+    headers["X-Content-Type-Options"] = "nosniff"
+    headers["Referrer-Policy"] = "no-referrer"  # the page's URL may carry the token
+    return Response(status.value, status.phrase, headers, body)
+
+
+# -- the command ------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="omni-rt serve",
+        description="Serve the demo page and realtime sessions over WebRTC and WebSocket.",
+    )
+    p.add_argument("--model", default="tiny", help="preset name or checkpoint directory (default: tiny)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: the engine's choice)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: the engine's choice)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port for the page and /ws (default: 8080)")
+    p.add_argument("--token", default=None, help="require this token on /ws (?token=T or a Bearer header)")
+    p.add_argument("--max-sessions", type=int, default=4, help="concurrent sessions (default: 4)")
+    p.add_argument("--voice", default="ethan", help="default voice of new sessions")
+    p.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="another page origin allowed on /ws",
+    )
+    p.add_argument(
+        "--ice-server",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="STUN/TURN URL (default: none; LAN only)",
+    )
+    p.add_argument(
+        "--idle",
+        choices=("nothing", "silence"),
+        default="nothing",
+        help="what the audio track sends between replies (default: nothing, the lowest latency)",
+    )
+    args = p.parse_args(argv)
+    if args.max_sessions < 1:
+        p.error("--max-sessions must be at least 1")
+    if not 0 <= args.port < 65536:
+        p.error("--port must be 0..65535")
+    return args
+
+
+async def serve_forever(args: argparse.Namespace) -> None:
+    import omni_rt
+
+    load_kwargs: dict[str, Any] = {}
+    if args.device:
+        load_kwargs["device"] = args.device
+    if args.dtype:
+        load_kwargs["dtype"] = args.dtype
+    print(f"omni-rt: loading {args.model} ...", flush=True)
+    engine = omni_rt.Engine.load(args.model, **load_kwargs)
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        token=args.token,
+        max_sessions=args.max_sessions,
+        allowed_origins=tuple(args.allow_origin),
+        peer=PeerSettings(
+            model=Path(args.model).name, voice=args.voice, ice_servers=tuple(args.ice_server), idle=args.idle
+        ),
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):  # not on Windows
+            loop.add_signal_handler(sig, stop.set)
+    async with engine, Server(engine, settings) as server:
+        print(f"omni-rt: serving {args.model} at {server.url}  (Ctrl-C to stop)", flush=True)
+        await stop.wait()
+    print("omni-rt: stopped", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("aioice").setLevel(logging.WARNING)
+    logging.getLogger("aiortc").setLevel(logging.WARNING)
+    try:
+        asyncio.run(serve_forever(args))
+    except OSError as exc:  # the port is taken, the address is not ours
+        print(f"omni-rt serve: {exc}", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,608 @@
+"""One client connection ↔ one `Session`: signaling, the events both ways, the media tracks.
+
+A client opens the WebSocket `/ws`. The server opens a Session for it at once and says
+`session.created`. The client may then send `webrtc.offer` to get audio over WebRTC (an outgoing track,
+its microphone consumed, and a data channel named `events`), or stay on the socket alone, where audio
+comes as base64 PCM16 in `response.output_audio.delta` events.
+
+Every client event, from the socket or the data channel, goes through one bounded inbox and is handled
+in order by one loop. Replies go out on the data channel once it is open, else on the socket. The
+connection lives as long as the socket: when it closes (or WebRTC fails), the response in progress is
+cancelled, which stops its GPU work, and the session is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError
+
+from omni_rt.errors import OmniRtError
+from omni_rt.server import protocol
+from omni_rt.server.protocol import ProtocolError
+from omni_rt.server.track import AudioOutputTrack, Idle
+
+if TYPE_CHECKING:
+    from websockets.asyncio.server import ServerConnection
+
+log = logging.getLogger("omni_rt.server")
+
+INBOX_SIZE = 64  # client events waiting to be handled; a client that floods gets an error
+OUTBOX_SIZE = 1024  # server events waiting for a slow socket; past that the client is dropped
+AUDIO_QUEUE_SIZE = 256  # PCM chunks between the session and the track (a few seconds to a minute)
+MAX_CHANNEL_BUFFERED = 8 * 1024 * 1024  # bytes a data channel may hold unsent before the peer is dropped
+SESSION_SAMPLE_RATE = 24000  # what socket clients receive (the model's own rate); the track makes 48 kHz
+_END = object()  # end of one response's audio in the audio queue
+
+
+@dataclass(frozen=True)
+class PeerSettings:
+    """What every connection is allowed and how it behaves; the server passes one to each peer."""
+
+    model: str = "omni_rt"
+    voice: str = "ethan"
+    instructions: str | None = None
+    ice_servers: Sequence[str] = ()
+    idle: Idle = "nothing"
+    max_message_bytes: int = protocol.MAX_MESSAGE_BYTES
+    max_output_tokens: int = 1024  # a client may ask for fewer, never more
+
+
+@dataclass
+class _Response:
+    item_id: str
+    task: asyncio.Task | None = None
+    id: str | None = None  # the session's response id, once it says response.created
+    cancelled: bool = False
+    transcript: list[str] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+
+
+class Peer:
+    def __init__(self, engine: Any, ws: ServerConnection, settings: PeerSettings) -> None:
+        self.engine = engine
+        self.ws = ws
+        self.settings = settings
+        self.session_id = protocol.new_id("sess")
+        self.voice = settings.voice
+        self.instructions = settings.instructions or ""
+        self.output_modalities: list[str] = ["audio"]
+
+        self.session: Any = None
+        self._session_stack: contextlib.AsyncExitStack | None = None
+        self._inbox: asyncio.Queue[tuple[str | bytes, str] | None] = asyncio.Queue(INBOX_SIZE)
+        self._outbox: asyncio.Queue[str] = asyncio.Queue(OUTBOX_SIZE)
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = asyncio.Event()
+        self._closing = False
+
+        self.pc: RTCPeerConnection | None = None
+        self.channel: Any = None  # the `events` RTCDataChannel once the client opens it
+        self.track: AudioOutputTrack | None = None
+        # (response, pcm or _END, sample rate): the response rides along so a cancelled one is skipped.
+        self._audio: asyncio.Queue[tuple[_Response, Any, int]] = asyncio.Queue(AUDIO_QUEUE_SIZE)
+
+        self._pending_input: list[str] = []  # user text since the last response.create
+        self._last_item_id: str | None = None
+        self._response: _Response | None = None
+        self._announced_audio_input = False
+
+        # Counters: what the client sent us as audio, and what we played to it.
+        self.input_audio_frames = 0
+        self.responses = 0
+
+    # -- lifetime ---------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve this connection until the socket closes or the peer fails; always cleans up."""
+        try:
+            self._spawn(self._write_socket(), "socket writer")
+            try:
+                await self._open_session()
+            except OmniRtError as exc:
+                await self._fail_now(
+                    ProtocolError("session_unavailable", str(exc), type="server_error"), 1013
+                )
+                return
+            self.send(protocol.session_created(self._session_object()))
+            self._spawn(self._read_socket(), "socket reader")
+            while (item := await self._inbox.get()) is not None:
+                raw, source = item
+                try:
+                    await self._handle(raw, source)
+                except ProtocolError as exc:
+                    self.send(protocol.error(exc))
+                    if exc.fatal:
+                        await self._flush_and_close(1009 if exc.code == "message_too_large" else 1008)
+                        return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # A bug here must cost this client its connection, never the server.
+            log.exception("peer %s failed", self.session_id)
+            self.send(protocol.error(ProtocolError("server_error", "internal error", type="server_error")))
+            await self._flush_and_close(1011)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Stop everything this peer started. Safe to call more than once, from anywhere."""
+        if self._closing:
+            await self._closed.wait()
+            return
+        self._closing = True
+        try:
+            await self._stop_response()
+            if self.track is not None:
+                self.track.stop()
+            current = asyncio.current_task()
+            tasks = [t for t in self._tasks if t is not current]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if self.pc is not None:
+                await self.pc.close()
+            if self._session_stack is not None:
+                await self._session_stack.aclose()
+                self._session_stack = None
+                self.session = None
+            await self.ws.close()
+        finally:
+            self._closed.set()
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=f"{self.session_id} {name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _shutdown(self) -> None:
+        """Ask the main loop to end (socket gone, WebRTC failed, client too slow)."""
+        with contextlib.suppress(asyncio.QueueFull):
+            self._inbox.put_nowait(None)
+        if self._inbox.full():
+            # The inbox is full of client events: make room for the sentinel; they will not be served.
+            while not self._inbox.empty():
+                self._inbox.get_nowait()
+            self._inbox.put_nowait(None)
+
+    async def _open_session(self) -> None:
+        stack = contextlib.AsyncExitStack()
+        kwargs: dict[str, Any] = {"voice": self.voice, "output_sample_rate": SESSION_SAMPLE_RATE}
+        if self.instructions:
+            kwargs["instructions"] = self.instructions
+        self.session = await stack.enter_async_context(self.engine.session(**kwargs))
+        self._session_stack = stack
+
+    def _session_object(self) -> dict[str, Any]:
+        return protocol.session_object(
+            self.session_id,
+            self.settings.model,
+            self.voice,
+            self.instructions,
+            self.output_modalities,
+            SESSION_SAMPLE_RATE,
+        )
+
+    # -- transport --------------------------------------------------------------------------------------
+
+    def send(self, event: dict[str, Any]) -> None:
+        """One server event to the client: on the data channel when it is open, else on the socket."""
+        if self._closing and event.get("type") != "error":
+            return
+        data = json.dumps(event)
+        channel = self.channel
+        if channel is not None and channel.readyState == "open":
+            if channel.bufferedAmount > MAX_CHANNEL_BUFFERED:
+                log.warning("peer %s: data channel not drained, dropping the client", self.session_id)
+                self._shutdown()
+                return
+            channel.send(data)
+            return
+        self._send_socket(data)
+
+    def _send_socket(self, data: str) -> None:
+        try:
+            self._outbox.put_nowait(data)
+        except asyncio.QueueFull:
+            log.warning("peer %s: socket not drained, dropping the client", self.session_id)
+            self._shutdown()
+
+    async def _write_socket(self) -> None:
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            while True:
+                data = await self._outbox.get()
+                await self.ws.send(data)
+        except ConnectionClosed:
+            self._shutdown()
+
+    async def _read_socket(self) -> None:
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            async for raw in self.ws:
+                await self._inbox.put((raw, "socket"))  # waits when full: back-pressure on the socket
+        except ConnectionClosed:
+            pass
+        finally:
+            self._shutdown()
+
+    def _on_channel_message(self, raw: str | bytes) -> None:
+        try:
+            self._inbox.put_nowait((raw, "channel"))
+        except asyncio.QueueFull:
+            self.send(protocol.error(ProtocolError("rate_limited", "too many events in flight; slow down")))
+
+    async def _flush_and_close(self, code: int) -> None:
+        """Give queued events (the error that explains the close) a moment to leave, then close."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):
+                while not self._outbox.empty():
+                    await asyncio.sleep(0.01)
+        await self.ws.close(code)
+
+    async def _fail_now(self, exc: ProtocolError, code: int) -> None:
+        self._send_socket(json.dumps(protocol.error(exc)))
+        await self._flush_and_close(code)
+
+    # -- client events ----------------------------------------------------------------------------------
+
+    async def _handle(self, raw: str | bytes, source: str) -> None:
+        if isinstance(raw, bytes) and source == "socket":
+            raise ProtocolError(
+                "invalid_event", "binary messages are not accepted: send JSON text", fatal=True
+            )
+        event = protocol.parse_client_event(raw, self.settings.max_message_bytes)
+        match event:
+            case protocol.WebRtcOffer():
+                if source != "socket":
+                    raise ProtocolError(
+                        "invalid_event", "send webrtc.offer on the WebSocket", event_id=event.event_id
+                    )
+                await self._on_offer(event)
+            case protocol.SessionUpdate():
+                await self._on_session_update(event)
+            case protocol.ConversationItemCreate():
+                self._on_item_create(event)
+            case protocol.ResponseCreate():
+                self._on_response_create(event)
+            case protocol.ResponseCancel():
+                await self._on_response_cancel(event)
+            case protocol.InputAudioBufferAppend():
+                self._on_audio_append(event)
+
+    async def _on_session_update(self, event: protocol.SessionUpdate) -> None:
+        s = event.session
+        voice = s.voice or (s.audio.output.voice if s.audio and s.audio.output else None)
+        modalities = s.output_modalities or s.modalities
+        if modalities is not None:
+            self.output_modalities = list(dict.fromkeys(modalities))
+        changed = (voice is not None and voice != self.voice) or (
+            s.instructions is not None and s.instructions != self.instructions
+        )
+        if changed:
+            if self._response is not None:
+                raise ProtocolError(
+                    "conversation_already_has_active_response",
+                    "voice and instructions cannot change while a response is in progress",
+                    event_id=event.event_id,
+                )
+            old = (self.voice, self.instructions)
+            self.voice = voice or self.voice
+            self.instructions = s.instructions if s.instructions is not None else self.instructions
+            # A Session's voice and system prompt are fixed when it opens: open a fresh one (the
+            # conversation starts over, as it would with a new system prompt anyway).
+            if self._session_stack is not None:
+                await self._session_stack.aclose()
+                self._session_stack = None
+            try:
+                await self._open_session()
+            except OmniRtError as exc:
+                self.voice, self.instructions = old
+                await self._open_session()
+                raise ProtocolError(
+                    "invalid_value", str(exc), param="session", event_id=event.event_id
+                ) from None
+        self.send(protocol.session_updated(self._session_object()))
+
+    def _on_item_create(self, event: protocol.ConversationItemCreate) -> None:
+        item = event.item
+        if item.role != "user":
+            raise ProtocolError(
+                "invalid_value",
+                "only user messages can be added; set instructions with session.update",
+                param="item.role",
+                event_id=event.event_id,
+            )
+        try:
+            text = protocol.user_text(item)
+        except ProtocolError as exc:
+            exc.event_id = event.event_id
+            raise
+        item_id = item.id or protocol.new_id("item")
+        self._pending_input.append(text)
+        wire = protocol.item_object(item_id, "user", text)
+        self.send(protocol.conversation_item_added(wire, self._last_item_id))
+        self.send(protocol.conversation_item_done(wire, self._last_item_id))
+        self._last_item_id = item_id
+
+    def _on_response_create(self, event: protocol.ResponseCreate) -> None:
+        if self._response is not None:
+            raise ProtocolError(
+                "conversation_already_has_active_response",
+                "a response is already in progress; cancel it first",
+                event_id=event.event_id,
+            )
+        if not self._pending_input:
+            raise ProtocolError(
+                "no_input",
+                "nothing to respond to: add a user message with conversation.item.create first",
+                event_id=event.event_id,
+            )
+        text = "\n".join(self._pending_input)
+        self._pending_input.clear()
+        limit = self.settings.max_output_tokens
+        asked = event.response.max_output_tokens
+        max_tokens = limit if asked in (None, "inf") else max(1, min(int(asked), limit))
+        modalities = list(event.response.output_modalities or self.output_modalities)
+        response = _Response(item_id=protocol.new_id("item"))
+        self._response = response
+        response.task = self._spawn(self._run_response(response, text, max_tokens, modalities), "response")
+
+    async def _on_response_cancel(self, event: protocol.ResponseCancel) -> None:
+        response = self._response
+        if response is None or (event.response_id and event.response_id != response.id):
+            raise ProtocolError(
+                "response_cancel_not_active",
+                "there is no response in progress to cancel",
+                event_id=event.event_id,
+            )
+        await self._cancel_response(response)
+
+    def _on_audio_append(self, event: protocol.InputAudioBufferAppend) -> None:
+        self.input_audio_frames += 1
+        if not self._announced_audio_input:
+            self._announced_audio_input = True
+            raise ProtocolError(
+                "unsupported_event",
+                "speech input is not supported yet: input audio is counted and dropped",
+                event_id=event.event_id,
+            )
+
+    # -- responses --------------------------------------------------------------------------------------
+
+    async def _run_response(
+        self, response: _Response, text: str, max_tokens: int, modalities: list[str]
+    ) -> None:
+        audio_out = "audio" in modalities
+        use_track = self.track is not None
+        done_sent = False
+        try:
+            async for ev in self.session.respond(text, max_output_tokens=max_tokens):
+                kind = ev.type
+                if kind == "response.created":
+                    response.id = ev.response_id
+                    self.responses += 1
+                    self.send(protocol.response_created(response.id))
+                elif response.id is None:
+                    continue  # nothing precedes response.created in a well-formed stream
+                elif kind == "response.output_text.delta":
+                    response.text.append(ev.delta)
+                    if "text" in modalities:
+                        self.send(protocol.text_delta(response.id, response.item_id, ev.delta))
+                elif kind == "response.output_audio_transcript.delta":
+                    response.transcript.append(ev.delta)
+                    if audio_out:
+                        self.send(protocol.transcript_delta(response.id, response.item_id, ev.delta))
+                elif kind == "response.output_audio.delta":
+                    if not audio_out or response.cancelled:
+                        continue
+                    if use_track:
+                        await self._audio.put((response, ev.pcm, ev.sample_rate))
+                    else:
+                        self.send(protocol.audio_delta(response.id, response.item_id, ev.pcm))
+                elif kind == "response.output_audio.done":
+                    if audio_out and not response.cancelled:
+                        if use_track:
+                            await self._audio.put((response, _END, 0))
+                        self.send(protocol.audio_done(response.id, response.item_id))
+                elif kind == "error":
+                    self.send(protocol.error(_session_error(ev)))
+                elif kind == "response.done":
+                    self._finish_texts(response, modalities)
+                    self.send(protocol.response_done(self._response_object(response, ev)))
+                    done_sent = True
+        except asyncio.CancelledError:
+            raise
+        except OmniRtError as exc:
+            self.send(protocol.error(ProtocolError(type(exc).__name__, str(exc), type="server_error")))
+        except Exception:
+            log.exception("peer %s: response failed", self.session_id)
+            self.send(
+                protocol.error(ProtocolError("server_error", "the response failed", type="server_error"))
+            )
+        finally:
+            if not done_sent and response.id is not None and not self._closing:
+                # The Session promises response.done; if the stream broke anyway, the client still gets one.
+                status = "cancelled" if response.cancelled else "failed"
+                self.send(protocol.response_done(protocol.response_object(response.id, status)))
+            if self._response is response:
+                self._response = None
+
+    def _finish_texts(self, response: _Response, modalities: list[str]) -> None:
+        if "audio" in modalities and response.transcript:
+            self.send(protocol.transcript_done(response.id, response.item_id, "".join(response.transcript)))
+        if "text" in modalities:
+            self.send(protocol.text_done(response.id, response.item_id, "".join(response.text)))
+
+    def _response_object(self, response: _Response, done: Any) -> dict[str, Any]:
+        transcript = "".join(response.transcript or response.text)
+        item = protocol.item_object(response.item_id, "assistant", transcript, status=done.status)
+        details = None
+        if getattr(done, "error", None) is not None:
+            details = {"type": done.status, "error": done.error.model_dump()}
+        elif done.status == "cancelled":
+            details = {"type": "cancelled", "reason": "client_cancelled"}
+        usage = done.usage.model_dump() if getattr(done, "usage", None) is not None else None
+        return protocol.response_object(
+            response.id,
+            done.status,
+            [item],
+            status_details=details,
+            usage=usage,
+            metrics=protocol.metrics_dict(getattr(done, "metrics", None)),
+        )
+
+    async def _cancel_response(self, response: _Response) -> None:
+        """Barge-in: stop the model, drop every sample not yet sent, keep the session."""
+        if response.cancelled:
+            return
+        response.cancelled = True
+        self._drop_queued_audio()
+        if response.id is not None and self.track is not None:
+            self.send(protocol.output_audio_buffer("cleared", response.id))
+        if self.session is not None:
+            await self.session.cancel()
+
+    def _drop_queued_audio(self) -> None:
+        while not self._audio.empty():
+            self._audio.get_nowait()
+        if self.track is not None:
+            self.track.clear()
+
+    async def _stop_response(self) -> None:
+        """On close: cancel the response in progress (which frees its GPU work) and wait for it."""
+        response = self._response
+        if response is None:
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._cancel_response(response), 5.0)
+        if response.task is not None:
+            try:
+                # Let it see its response.done (the session's promise); then stop it regardless.
+                await asyncio.wait_for(asyncio.shield(response.task), 2.0)
+            except TimeoutError:
+                response.task.cancel()
+                await asyncio.gather(response.task, return_exceptions=True)
+            except Exception:
+                pass
+
+    # -- WebRTC -----------------------------------------------------------------------------------------
+
+    async def _on_offer(self, event: protocol.WebRtcOffer) -> None:
+        if self.pc is not None:
+            raise ProtocolError(
+                "renegotiation_unsupported", "this connection already has WebRTC", event_id=event.event_id
+            )
+        config = RTCConfiguration(iceServers=[RTCIceServer(urls=url) for url in self.settings.ice_servers])
+        pc = RTCPeerConnection(configuration=config)
+        self.pc = pc
+        pc.on("datachannel", self._on_datachannel)
+        pc.on("track", self._on_remote_track)
+
+        @pc.on("connectionstatechange")
+        def _state() -> None:
+            if pc.connectionState in ("failed", "closed") and not self._closing:
+                log.info("peer %s: WebRTC %s", self.session_id, pc.connectionState)
+                self._shutdown()
+
+        try:
+            await pc.setRemoteDescription(RTCSessionDescription(sdp=event.sdp, type="offer"))
+        except Exception as exc:
+            raise ProtocolError(
+                "invalid_sdp",
+                f"the offer could not be used: {exc}",
+                param="sdp",
+                event_id=event.event_id,
+                fatal=True,
+            ) from None
+        kinds = {t.kind for t in pc.getTransceivers()}
+        has_channel = "m=application" in event.sdp
+        if "audio" not in kinds and not has_channel:
+            raise ProtocolError(
+                "invalid_sdp",
+                "the offer has no audio and no data channel",
+                param="sdp",
+                event_id=event.event_id,
+                fatal=True,
+            )
+        if "audio" in kinds:
+            # Added after setRemoteDescription and before createAnswer, so that it rides the offer's
+            # audio transceiver even when the browser only receives (no microphone).
+            self.track = AudioOutputTrack(
+                idle=self.settings.idle, on_started=self._on_audio_started, on_stopped=self._on_audio_stopped
+            )
+            pc.addTrack(self.track)
+            self._spawn(self._feed_track(self.track), "track feeder")
+        try:
+            answer = await pc.createAnswer()
+            await pc.setLocalDescription(answer)
+        except Exception as exc:
+            raise ProtocolError(
+                "invalid_sdp",
+                f"no answer to this offer: {exc}",
+                param="sdp",
+                event_id=event.event_id,
+                fatal=True,
+            ) from None
+        # Signaling always goes on the socket: the data channel does not exist until this answer lands.
+        self._send_socket(json.dumps(protocol.webrtc_answer(pc.localDescription.sdp)))
+
+    def _on_datachannel(self, channel: Any) -> None:
+        if channel.label != "events" or self.channel is not None:
+            channel.close()
+            return
+        self.channel = channel
+        channel.on("message", self._on_channel_message)
+
+    def _on_remote_track(self, track: Any) -> None:
+        if track.kind == "audio":
+            self._spawn(self._consume_remote_audio(track), "microphone")
+        else:
+            # Nobody will read it, and an unread remote track queues frames without bound.
+            self._spawn(self._consume_remote_audio(track), "remote video")
+
+    async def _consume_remote_audio(self, track: Any) -> None:
+        """Always read the client's media: aiortc queues unread frames without bound.
+
+        Speech input is not part of the Session yet: the frames are counted and dropped.
+        """
+        try:
+            while True:
+                await track.recv()
+                self.input_audio_frames += 1
+        except MediaStreamError:
+            pass
+
+    async def _feed_track(self, track: AudioOutputTrack) -> None:
+        while True:
+            response, pcm, rate = await self._audio.get()
+            if response.cancelled:
+                continue  # queued (or put while a cancel cleared the queue) before the cancel: drop it
+            try:
+                if pcm is _END:
+                    await track.end_response(response.id)
+                else:
+                    await track.write(pcm, rate, response.id)
+            except MediaStreamError:
+                return
+
+    def _on_audio_started(self, response_id: str) -> None:
+        self.send(protocol.output_audio_buffer("started", response_id))
+
+    def _on_audio_stopped(self, response_id: str) -> None:
+        self.send(protocol.output_audio_buffer("stopped", response_id))
+
+
+def _session_error(ev: Any) -> ProtocolError:
+    info = ev.error
+    return ProtocolError(info.code or "error", info.message, type=info.type)

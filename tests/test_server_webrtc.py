@@ -1,0 +1,235 @@
+"""End to end through `/ws`: an aiortc client in the test, a data channel for events, an audio track back."""
+
+import asyncio
+import json
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("aiortc")
+
+import aioice.ice  # noqa: E402
+import websockets  # noqa: E402
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription  # noqa: E402
+from aiortc.mediastreams import MediaStreamError  # noqa: E402
+from server_fakes import FakeEngine  # noqa: E402
+
+from omni_rt.server import PeerSettings, Server, ServerSettings  # noqa: E402
+from omni_rt.server.track import FRAME_SAMPLES, SAMPLE_RATE, AudioOutputTrack  # noqa: E402
+
+FRAME_S = FRAME_SAMPLES / SAMPLE_RATE
+CODEC_FRAME_S = 0.080
+
+
+@pytest.fixture(autouse=True)
+def loopback_ice(monkeypatch):
+    # aioice never offers 127.0.0.1; in a loopback-only namespace there would be no candidate at all.
+    original = aioice.ice.get_host_addresses
+
+    def with_loopback(use_ipv4, use_ipv6):
+        return original(use_ipv4, use_ipv6) or ["127.0.0.1"]
+
+    monkeypatch.setattr(aioice.ice, "get_host_addresses", with_loopback)
+
+
+class Client:
+    """A realtime client as a browser would be: signaling on the socket, events on a data channel."""
+
+    def __init__(self, ws):
+        self.ws = ws
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.frames: list[tuple[float, object]] = []
+        self._tasks: list[asyncio.Task] = []
+
+    async def connect(self) -> dict:
+        created = json.loads(await self.ws.recv())
+        self.pc.addTransceiver("audio", direction="recvonly")
+        self.channel = self.pc.createDataChannel("events")
+        opened = asyncio.Event()
+        self.channel.on("open", opened.set)
+        self.channel.on("message", lambda m: self.events.put_nowait(json.loads(m)))
+        self.pc.on("track", lambda track: self._tasks.append(asyncio.create_task(self._read(track))))
+        await self.pc.setLocalDescription(await self.pc.createOffer())
+        await self.ws.send(json.dumps({"type": "webrtc.offer", "sdp": self.pc.localDescription.sdp}))
+        answer = json.loads(await asyncio.wait_for(self.ws.recv(), 10))
+        assert answer["type"] == "webrtc.answer", answer
+        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type="answer"))
+        await asyncio.wait_for(opened.wait(), 10)
+        return created
+
+    async def _read(self, track):
+        try:
+            while True:
+                frame = await track.recv()
+                self.frames.append((time.monotonic(), frame))
+        except MediaStreamError:
+            pass
+
+    def send(self, event: dict) -> None:
+        self.channel.send(json.dumps(event))
+
+    def say(self, text: str) -> None:
+        self.send(
+            {
+                "type": "conversation.item.create",
+                "item": {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": text}],
+                },
+            }
+        )
+        self.send({"type": "response.create"})
+
+    async def until(self, *types: str, timeout: float = 15) -> list[dict]:
+        """Events up to and including the first of each of `types` (in any order)."""
+        seen, wanted = [], set(types)
+        async with asyncio.timeout(timeout):
+            while wanted:
+                ev = await self.events.get()
+                seen.append(ev)
+                wanted.discard(ev["type"])
+        return seen
+
+    async def close(self):
+        await self.pc.close()
+        for t in self._tasks:
+            t.cancel()
+
+
+@pytest.fixture
+def sent_frames(monkeypatch) -> list[tuple[float, int, bool]]:
+    """(time, pts, audible) of every frame the server's tracks hand to aiortc's sender."""
+    sent: list[tuple[float, int, bool]] = []
+    recv = AudioOutputTrack.recv
+
+    async def logged(self):
+        frame = await recv(self)
+        sent.append((time.monotonic(), frame.pts, bool(frame.to_ndarray().any())))
+        return frame
+
+    monkeypatch.setattr(AudioOutputTrack, "recv", logged)
+    return sent
+
+
+def audible(frame) -> bool:
+    samples = frame.to_ndarray().astype(np.float64)
+    return np.sqrt(np.mean(samples**2)) > 300  # the tone is 6000; decoded silence is ~0
+
+
+# aiortc's receiver holds the newest 4 audio packets back (JitterBuffer prefetch=4) until later ones
+# arrive. With idle="nothing" nothing follows a reply, so its last 4 frames stay there; a browser's
+# jitter buffer plays out on its own clock and has no such tail.
+AIORTC_PREFETCH = 4
+
+
+@pytest.mark.parametrize("idle", ["nothing", "silence"])
+async def test_reply_over_data_channel_and_audio_track(idle, sent_frames):
+    engine = FakeEngine(step_s=0.03, frames_per_word=2, reply="one two three four five six seven eight")
+    async with Server(engine, ServerSettings(port=0, peer=PeerSettings(idle=idle))) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            client = Client(ws)
+            created = await client.connect()
+            assert created["type"] == "session.created"
+            assert created["session"]["audio"]["output"]["voice"] == "ethan"
+            client.say("hello")
+            events = await client.until("response.done", "output_audio_buffer.stopped")
+            await asyncio.sleep(0.3)  # the last packets are still in flight and in aiortc's jitter buffer
+
+            types = [e["type"] for e in events]
+            assert types.index("response.created") < types.index("response.output_audio_transcript.delta")
+            assert types.index("output_audio_buffer.started") < types.index("output_audio_buffer.stopped")
+            transcript = "".join(
+                e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta"
+            )
+            assert transcript == "one two three four five six seven eight"  # all deltas, in order
+            done = next(e for e in events if e["type"] == "response.done")["response"]
+            assert done["status"] == "completed"
+            assert done["metrics"]["ttfa_ms"] > 0 and done["metrics"]["ttft_ms"] > 0
+            assert done["output"][0]["content"][0]["transcript"] == transcript
+
+            session = engine.sessions[0]
+            pcm_s = session.pcm_samples[done["id"]] / 24000
+
+            # What the server's track sent: contiguous pts, paced, never ahead of real time.
+            sent = [s for s in sent_frames if s[2]] if idle == "nothing" else sent_frames
+            assert sum(s[2] for s in sent) * FRAME_S == pytest.approx(pcm_s, abs=CODEC_FRAME_S)
+            pts = [p for _, p, _ in sent]
+            assert np.all(np.diff(pts) == FRAME_SAMPLES)
+            t0, p0 = sent[0][0], sent[0][1]
+            ahead = [(p - p0) / SAMPLE_RATE - (t - t0) for t, p, _ in sent]
+            assert max(ahead) <= 3 * FRAME_S
+
+            # What the client received and decoded: the same duration of non-silent audio.
+            got = [f for _, f in client.frames]
+            assert got, "no audio frames arrived"
+            assert all(f.sample_rate == SAMPLE_RATE and f.samples == FRAME_SAMPLES for f in got)
+            assert np.all(np.diff([f.pts for f in got]) == FRAME_SAMPLES)
+            heard = sum(audible(f) for f in got) + (AIORTC_PREFETCH if idle == "nothing" else 0)
+            assert heard * FRAME_S == pytest.approx(pcm_s, abs=CODEC_FRAME_S + 1e-9)
+            # Received in real time too: never more than a few frames ahead of the wall clock.
+            r0 = client.frames[0][0]
+            lead = [i * FRAME_S - (t - r0) for i, (t, _) in enumerate(client.frames)]
+            assert max(lead) <= 5 * FRAME_S
+            await client.close()
+
+
+async def test_cancel_mid_reply_clears_audio_and_the_next_reply_works():
+    engine = FakeEngine(step_s=0.02, frames_per_word=4, reply=" ".join(["word"] * 40))
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            client = Client(ws)
+            await client.connect()
+            client.say("talk for a while")
+            await client.until("output_audio_buffer.started")
+            client.send({"type": "response.cancel"})
+            events = await client.until("response.done")
+            done = next(e for e in events if e["type"] == "response.done")
+            assert done["response"]["status"] == "cancelled"
+            assert "output_audio_buffer.cleared" in [e["type"] for e in events]
+            (peer,) = server.peers
+            assert peer.track.buffered_ms == 0
+            steps = engine.steps
+            await asyncio.sleep(0.2)
+            assert engine.steps == steps  # the model stopped
+
+            engine.reply = "again"
+            client.say("once more")
+            events = await client.until("response.done")
+            assert events[-1]["response"]["status"] == "completed"
+            await client.close()
+
+
+async def test_socket_only_client_gets_base64_audio():
+    engine = FakeEngine(step_s=0.0, frames_per_word=1, reply="a b c")
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "conversation.item.create",
+                        "item": {
+                            "type": "message",
+                            "role": "user",
+                            "content": [{"type": "input_text", "text": "hi"}],
+                        },
+                    }
+                )
+            )
+            await ws.send(
+                json.dumps({"type": "response.create", "response": {"output_modalities": ["audio", "text"]}})
+            )
+            events = []
+            while not events or events[-1]["type"] != "response.done":
+                events.append(json.loads(await asyncio.wait_for(ws.recv(), 5)))
+            audio = [e for e in events if e["type"] == "response.output_audio.delta"]
+            import base64
+
+            pcm = np.frombuffer(b"".join(base64.b64decode(e["delta"]) for e in audio), dtype="<i2")
+            assert pcm.size == 3 * 1920  # three 80 ms chunks at 24 kHz, as the session made them
+            text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+            assert text == "a b c"
+            assert "response.output_audio.done" in [e["type"] for e in events]

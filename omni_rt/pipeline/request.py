@@ -1,0 +1,116 @@
+"""A request as the pipeline sees it, and the messages the pipeline sends back to its session.
+
+Plain Python, no torch: the scheduler and its tests never touch tensors. A request is written by the
+stage threads (each field by one stage) and read by the session only through the messages below, which
+the pipeline posts to the session's event loop in order.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from omni_rt.config import Sampling
+
+STAGES = ("thinker", "talker", "code2wav")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Messages to the session (posted through `Request.sink`, in order)
+
+
+@dataclass(frozen=True)
+class TextOut:
+    token_id: int  # a generated Thinker token (the end-of-turn token included; the session skips it)
+
+
+@dataclass(frozen=True)
+class TranscriptOut:
+    token_id: int  # a text token the Talker has just spoken (read into a codec frame)
+
+
+@dataclass(frozen=True)
+class AudioOut:
+    pcm: Any  # float32 numpy [samples] at 24 kHz
+    frame_index: int  # first codec frame of this chunk
+    num_frames: int
+
+
+@dataclass(frozen=True)
+class AudioDoneOut:
+    pass
+
+
+@dataclass(frozen=True)
+class ErrorOut:
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class DoneOut:
+    status: Literal["completed", "cancelled", "failed"]
+
+
+Message = TextOut | TranscriptOut | AudioOut | AudioDoneOut | ErrorOut | DoneOut
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Request
+
+
+@dataclass(eq=False)
+class Request:
+    """One response being generated. `eq=False`: requests are compared and hashed by identity."""
+
+    id: str
+    slot: int  # the session's row in every stage's cache, held for the session's life
+    prompt_ids: list[int]  # the whole conversation up to this turn's assistant header
+    thinker_start: int  # prompt_ids[:thinker_start] are already in the Thinker's cache for this slot
+    talker_start: int  # Talker cache positions reused from earlier turns (their user-turn tokens)
+    speaker_id: int
+    sampling: Sampling
+    max_output_tokens: int
+    max_audio_frames: int
+    sink: Callable[[Message], None]  # thread-safe post to the session
+    t0: float  # respond() time on the pipeline's clock
+    ignore_eos: bool = False  # benchmark: run to the length limits
+
+    # state written by the stages
+    tokens: list[int] = field(default_factory=list)  # generated text tokens, in order (Thinker)
+    text_done: bool = False  # the Thinker will send no more tokens
+    frames: int = 0  # codec frames emitted (Talker)
+    samples: int = 0  # 24 kHz samples emitted (Code2Wav)
+    error: BaseException | None = None
+    cancelled: bool = False
+    # frame 0 is pending: the Talker has the first token and can make frame 0 without more text
+    frame0_pending: bool = False
+    yielded: bool = False  # the Thinker has already waited once for this request's frame 0
+
+    # timestamps on the pipeline's clock (None until they happen)
+    t_thinker_first: float | None = None
+    t_thinker_last: float | None = None
+    t_talker_first_code: float | None = None
+    t_first_pcm: float | None = None
+    t_done: float | None = None
+
+    # the stages still holding the request; the last to let go posts DoneOut
+    holders: set[str] = field(default_factory=lambda: set(STAGES))
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def stopped(self) -> bool:
+        """Cancelled or failed: every stage drops it at its next step."""
+        return self.cancelled or self.error is not None
+
+    @property
+    def status(self) -> Literal["completed", "cancelled", "failed"]:
+        if self.error is not None:
+            return "failed"
+        return "cancelled" if self.cancelled else "completed"
+
+    @property
+    def new_prompt_ids(self) -> list[int]:
+        """What the Thinker must prefill for this turn."""
+        return self.prompt_ids[self.thinker_start :]

@@ -1,0 +1,600 @@
+"""The streaming scheduler: three stage threads (Thinker, Talker, Code2Wav) joined by inboxes.
+
+Plain Python: it moves token ids, codes and PCM between stage runners (see `stages.py`) and applies the
+pipeline's policy; it never touches tensors. Every hand-off is a message that wakes the receiver through
+a Condition (`Inbox`); nothing sleeps on a timer or polls.
+
+    Thinker thread   admit → prefill → first token ─┬─ text deltas → session
+                     (wait ≤ yield_to_talker_ms for a pending frame 0) → batched decode step → ...
+                                                    ▼ "first", "text", "text_end"
+    Talker thread    prefix prefill (during the Thinker prefill) → last position at the first token →
+                     code 0 → code predictor → frame 0 → one frame per next text token (batched)
+                                                    ▼ "frame", "end"
+    Code2Wav thread  chunks of 1, 2, 4, ... frames → exact streaming decode → PCM → session
+
+A request is held by all three stages; the last stage to let go of it posts `DoneOut` to the session,
+after everything else it sent. A failing stage fails only the requests of the failing call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from omni_rt.config import EngineSettings
+from omni_rt.errors import EngineClosedError, OmniRtError, StageError
+from omni_rt.model.config import TokenIds
+from omni_rt.pipeline.inbox import Inbox, InboxClosed
+from omni_rt.pipeline.request import (
+    AudioDoneOut,
+    AudioOut,
+    DoneOut,
+    ErrorOut,
+    Message,
+    Request,
+    TextOut,
+    TranscriptOut,
+)
+from omni_rt.pipeline.stages import Code2WavStage, TalkerStage, ThinkerStage
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One stage call, for tests and the benchmark: which requests, when (pipeline clock)."""
+
+    stage: str
+    kind: str  # thinker: prefill/decode; talker: prefix/last/step/predict; code2wav: chunk
+    t_start: float
+    t_end: float
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class YieldRecord:
+    """One wait of the Thinker for a pending frame 0."""
+
+    t_start: float
+    t_end: float
+    woke_by: str  # "frame0" | "cap" | "stop"
+
+
+def talker_text_id(
+    tokens: list[int], step: int, text_done: bool, ids: TokenIds, ignore_eos: bool
+) -> int | None:
+    """The Thinker-vocabulary id the Talker reads at decode step `step` >= 1, or None (wait for text).
+
+    The same rule as `omni_rt.model.talker.talker_text_id` (tests check they agree), restated here so the
+    scheduler stays free of torch: step k reads generated token k; the text ends at the first
+    `<|im_end|>` (not spoken); then `tts_eos` once, then `tts_pad`.
+    """
+    n = len(tokens)
+    if not ignore_eos:
+        for j, tok in enumerate(tokens):
+            if tok == ids.im_end:
+                n, text_done = j, True
+                break
+    if step < n:
+        return tokens[step]
+    if not text_done:
+        return None
+    return ids.tts_eos if step == max(n, 1) else ids.tts_pad
+
+
+@dataclass(eq=False)
+class _TalkerSeq:
+    req: Request
+    want_prefix: bool = False
+    prefix_done: bool = False
+    first: int | None = None
+    started: bool = False
+    step: int = 1  # next decode step (step k reads text token k)
+    text: list[int] = field(default_factory=list)  # text tokens handed over so far
+    text_done: bool = False
+    code0: int | None = None  # sampled code 0 whose residual codes are not predicted yet
+    codes_sampled: int = 0
+    last_frame: list[int] | None = None
+    done: bool = False
+
+
+@dataclass(eq=False)
+class _AudioSeq:
+    req: Request
+    pending: list[list[int]] = field(default_factory=list)
+    next_frame: int = 0  # index of pending[0] in the response
+    chunk: int = 0  # chunks decoded so far
+    opened: bool = False
+    ended: bool = False
+
+
+class Pipeline:
+    def __init__(
+        self,
+        thinker: ThinkerStage,
+        talker: TalkerStage,
+        code2wav: Code2WavStage,
+        settings: EngineSettings,
+        ids: TokenIds,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.thinker, self.talker, self.code2wav = thinker, talker, code2wav
+        self.settings, self.ids, self.clock = settings, ids, clock
+        self.thinker_inbox = Inbox("thinker")
+        self.talker_inbox = Inbox("talker")
+        self.code2wav_inbox = Inbox("code2wav")
+        self._frame0 = threading.Condition()  # the Talker notifies it when a frame 0 leaves
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+        self.running = False
+        self.steps: list[StepRecord] = []  # bounded: see _record
+        self.yields: list[YieldRecord] = []
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.running:
+            return
+        self._stopping = False
+        self._threads = [
+            threading.Thread(target=self._thinker_loop, name="omni-rt-thinker", daemon=True),
+            threading.Thread(target=self._talker_loop, name="omni-rt-talker", daemon=True),
+            threading.Thread(target=self._code2wav_loop, name="omni-rt-code2wav", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        self.running = True
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the stage threads; requests still in flight end failed (EngineClosedError)."""
+        if not self.running:
+            return
+        self._stopping = True
+        with self._frame0:
+            self._frame0.notify_all()
+        for inbox in (self.thinker_inbox, self.talker_inbox, self.code2wav_inbox):
+            inbox.close()
+        for t in self._threads:
+            t.join(timeout)
+        self._threads = []
+        self.running = False
+
+    def submit(self, req: Request) -> None:
+        if not self.running or self._stopping:
+            raise EngineClosedError("the engine is not running: use `async with engine:`")
+        self.thinker_inbox.put(("admit", req))
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request at every stage's next step (within one codec frame)."""
+        with req.lock:
+            req.cancelled = True
+        self._stop_everywhere(req)
+
+    # -- helpers ---------------------------------------------------------------------------------------
+
+    def _stop_everywhere(self, req: Request) -> None:
+        """Tell every stage that `req` stopped: each lets go of it, even one that never saw it."""
+        for inbox in (self.thinker_inbox, self.talker_inbox, self.code2wav_inbox):
+            inbox.put(("stop", req))
+        self._clear_frame0(req)
+
+    def _post(self, req: Request, msg: Message) -> None:
+        try:
+            req.sink(msg)
+        except Exception as e:  # the session is gone or cannot keep up: stop generating for it
+            if not isinstance(msg, ErrorOut | DoneOut):
+                self._fail(req, e)
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        with req.lock:
+            first = req.error is None
+            if first:
+                req.error = exc
+        if first:
+            self._post(req, ErrorOut(exc))
+            self._stop_everywhere(req)
+
+    def _release(self, req: Request, stage: str) -> None:
+        with req.lock:
+            if stage not in req.holders:
+                return
+            req.holders.discard(stage)
+            last = not req.holders
+        if stage == "talker" or req.stopped:
+            self._clear_frame0(req)
+        if last:
+            req.t_done = self.clock()
+            self._post(req, DoneOut(req.status))
+
+    def _clear_frame0(self, req: Request) -> None:
+        with self._frame0:
+            if req.frame0_pending:
+                req.frame0_pending = False
+                self._frame0.notify_all()
+
+    def _record(self, stage: str, kind: str, t0: float, reqs: list[Request]) -> None:
+        self.steps.append(StepRecord(stage, kind, t0, self.clock(), tuple(r.id for r in reqs)))
+        if len(self.steps) > 20000:  # keep the log bounded on a long-running engine
+            del self.steps[:10000]
+
+    def _stage_error(self, stage: str, kind: str, e: Exception) -> OmniRtError:
+        if isinstance(e, OmniRtError):
+            return e
+        err = StageError(f"{stage} {kind} failed: {type(e).__name__}: {e}")
+        err.__cause__ = e
+        return err
+
+    # -- Thinker ---------------------------------------------------------------------------------------
+
+    def _thinker_loop(self) -> None:
+        active: list[Request] = []
+        held: list[tuple] = []  # "after_step" hand-off: the previous iteration's messages to the Talker
+        try:
+            while True:
+                msgs = self.thinker_inbox.take(block=not active)
+                try:
+                    active, held = self._thinker_iteration(msgs, active, held)
+                except Exception as e:  # a scheduler bug: fail what this stage holds, keep serving
+                    for req in active:
+                        self._fail(req, self._stage_error("thinker", "loop", e))
+                        self._release(req, "thinker")
+                    active, held = [], []
+        except InboxClosed:
+            for req in active:
+                self._fail(req, EngineClosedError("the engine stopped"))
+                self._release(req, "thinker")
+
+    def _thinker_iteration(
+        self, msgs: list[tuple], active: list[Request], held: list[tuple]
+    ) -> tuple[list[Request], list[tuple]]:
+        s = self.settings
+        out: list[tuple] = []  # messages for the Talker made in this iteration
+        for req in [r for r in active if r.stopped]:
+            active.remove(req)
+            self._release(req, "thinker")
+        for kind, req in msgs:
+            if kind != "admit":
+                continue  # "stop": the request is dropped above or at admission
+            if req.stopped:
+                self._release(req, "thinker")
+                continue
+            if s.talker_overlap_prefill:
+                self.talker_inbox.put(("prefix", req))  # the Talker prefills its prefix meanwhile
+            else:
+                out.append(("prefix", req))
+            t0 = self.clock()
+            try:
+                token = self.thinker.prefill(req)
+            except Exception as e:
+                self._fail(req, self._stage_error("thinker", "prefill", e))
+                self._release(req, "thinker")
+                continue
+            self._record("thinker", "prefill", t0, [req])
+            req.t_thinker_first = self.clock()
+            self._accept_token(req, token, out)
+            if not req.text_done:
+                active.append(req)
+
+        # Hand off what the prefills made before the decode step (event mode), so the Talker works on
+        # frame 0 while the Thinker yields and decodes.
+        if s.handoff == "event":
+            self._deliver(out)
+            out = []
+
+        batch = [r for r in active if not r.stopped]
+        if batch:
+            self._yield_to_talker(batch)
+            t0 = self.clock()
+            try:
+                tokens = self.thinker.decode(batch)
+            except Exception as e:
+                for req in batch:
+                    self._fail(req, self._stage_error("thinker", "decode", e))
+                    self._release(req, "thinker")
+                tokens = []
+                batch = []
+            else:
+                self._record("thinker", "decode", t0, batch)
+            for req, token in zip(batch, tokens, strict=True):
+                self._accept_token(req, token, out)
+        for req in active:
+            if req.stopped:  # cancelled or failed while this iteration ran
+                self._release(req, "thinker")
+        active = [r for r in active if not r.text_done and not r.stopped]
+
+        if s.handoff == "event":
+            self._deliver(out)
+            return active, []
+        # after_step: this iteration's output waits for the next iteration to finish, unless none follows
+        self._deliver(held)
+        if active:
+            return active, out
+        self._deliver(out)
+        return active, []
+
+    def _accept_token(self, req: Request, token: int, out: list[tuple]) -> None:
+        first = not req.tokens
+        req.tokens.append(token)
+        req.t_thinker_last = self.clock()
+        self._post(req, TextOut(token))
+        out.append(("first", req, token) if first else ("text", req, token))
+        eos = token == self.ids.im_end and not req.ignore_eos
+        # the next decode would write this token at position len(prompt) + len(tokens) - 1
+        full = len(req.prompt_ids) + len(req.tokens) > self.settings.max_context
+        if eos or full or len(req.tokens) >= req.max_output_tokens:
+            req.text_done = True
+            out.append(("text_end", req))
+            self._release(req, "thinker")
+
+    def _deliver(self, msgs: list[tuple]) -> None:
+        for m in msgs:
+            if m[0] == "first" and self.settings.frame0_in_prefill:
+                # From here the Talker can make frame 0 with no more text: the Thinker may yield to it.
+                with self._frame0:
+                    m[1].frame0_pending = not m[1].stopped
+            self.talker_inbox.put(m)
+
+    def _yield_to_talker(self, batch: list[Request]) -> None:
+        """Let a pending frame 0 go first: wait for it, at most `yield_to_talker_ms`, on a Condition."""
+        cap = self.settings.yield_to_talker_ms / 1000.0
+        if cap <= 0:
+            return
+        with self._frame0:
+            waiting = [r for r in batch if r.frame0_pending and not r.yielded]
+            if not waiting:
+                return
+            for r in waiting:
+                r.yielded = True  # one wait per response: the step right after its first token
+            t0 = self.clock()
+            deadline = t0 + cap
+            woke_by = "frame0"
+            while any(r.frame0_pending for r in waiting):
+                if self._stopping:
+                    woke_by = "stop"
+                    break
+                left = deadline - self.clock()
+                if left <= 0:
+                    woke_by = "cap"
+                    break
+                self._frame0.wait(left)  # notified when a frame 0 leaves the Talker
+            self.yields.append(YieldRecord(t0, self.clock(), woke_by))
+
+    # -- Talker ----------------------------------------------------------------------------------------
+
+    def _talker_loop(self) -> None:
+        seqs: dict[Request, _TalkerSeq] = {}
+        try:
+            while True:
+                msgs = self.talker_inbox.take(block=not self._talker_has_work(seqs))
+                try:
+                    self._talker_iteration(msgs, seqs)
+                except Exception as e:
+                    for s in list(seqs.values()):
+                        self._fail(s.req, self._stage_error("talker", "loop", e))
+                        self._talker_drop(s, seqs)
+        except InboxClosed:
+            for s in list(seqs.values()):
+                self._fail(s.req, EngineClosedError("the engine stopped"))
+                self._talker_drop(s, seqs)
+
+    def _next_text_id(self, s: _TalkerSeq) -> int | None:
+        return talker_text_id(s.text, s.step, s.text_done, self.ids, s.req.ignore_eos)
+
+    def _talker_has_work(self, seqs: dict[Request, _TalkerSeq]) -> bool:
+        for s in seqs.values():
+            if s.req.stopped:
+                return True
+            if s.want_prefix and not s.prefix_done:
+                return True
+            if s.prefix_done and s.first is not None and not s.started:
+                return True
+            if s.started and not s.done and self._next_text_id(s) is not None:
+                return True
+        return False
+
+    def _talker_iteration(self, msgs: list[tuple], seqs: dict[Request, _TalkerSeq]) -> None:
+        for m in msgs:
+            kind, req = m[0], m[1]
+            s = seqs.get(req)
+            if s is None:
+                if "talker" not in req.holders:
+                    continue  # already finished here: late text for it
+                s = seqs[req] = _TalkerSeq(req)
+            if kind == "prefix":
+                s.want_prefix = True
+            elif kind == "first":
+                s.first = m[2]
+                s.text.append(m[2])
+            elif kind == "text":
+                s.text.append(m[2])
+            elif kind == "text_end":
+                s.text_done = True
+        for s in [s for s in seqs.values() if s.req.stopped]:
+            self._talker_drop(s, seqs)
+
+        # 1. prompt prefixes (during the Thinker's prefill when overlapped)
+        for s in [s for s in seqs.values() if s.want_prefix and not s.prefix_done]:
+            t0 = self.clock()
+            try:
+                self.talker.prefill_prefix(s.req)
+            except Exception as e:
+                self._fail(s.req, self._stage_error("talker", "prefix prefill", e))
+                self._talker_drop(s, seqs)
+                continue
+            self._record("talker", "prefix", t0, [s.req])
+            s.prefix_done = True
+
+        # 2. the last prompt position at the first text token → code 0 (→ frame 0 in the same step)
+        starting = [s for s in seqs.values() if s.prefix_done and s.first is not None and not s.started]
+        for s in starting:
+            t0 = self.clock()
+            try:
+                code0 = self.talker.prefill_last(s.req, s.first)
+            except Exception as e:
+                self._fail(s.req, self._stage_error("talker", "prefill", e))
+                self._talker_drop(s, seqs)
+                continue
+            self._record("talker", "last", t0, [s.req])
+            s.req.t_talker_first_code = self.clock()
+            s.started = True
+            self._post(s.req, TranscriptOut(s.first))
+            self._take_code0(s, code0, seqs)
+        if self.settings.frame0_in_prefill:
+            self._predict([s for s in starting if s.code0 is not None], seqs)
+
+        # 3. one batched step for every started sequence whose next text input is there
+        ready = []
+        for s in seqs.values():
+            if s.started and not s.done:
+                text_id = self._next_text_id(s)
+                if text_id is not None:
+                    ready.append((s, text_id))
+        if not ready:
+            return
+        # frame0_in_prefill off: a frame's residual codes come at the start of the next step (stock)
+        self._predict([s for s, _ in ready if s.code0 is not None], seqs)
+        ready = [(s, t) for s, t in ready if not s.done and s.last_frame is not None]
+        if not ready:
+            return
+        reqs = [s.req for s, _ in ready]
+        t0 = self.clock()
+        try:
+            code0s = self.talker.step(reqs, [s.last_frame for s, _ in ready], [t for _, t in ready])
+        except Exception as e:
+            for s, _ in ready:
+                self._fail(s.req, self._stage_error("talker", "step", e))
+                self._talker_drop(s, seqs)
+            return
+        self._record("talker", "step", t0, reqs)
+        for (s, text_id), code0 in zip(ready, code0s, strict=True):
+            s.step += 1
+            if text_id not in (self.ids.tts_eos, self.ids.tts_pad):
+                self._post(s.req, TranscriptOut(text_id))
+            self._take_code0(s, code0, seqs)
+        if self.settings.frame0_in_prefill:
+            self._predict([s for s, _ in ready if s.code0 is not None], seqs)
+
+    def _take_code0(self, s: _TalkerSeq, code0: int, seqs: dict[Request, _TalkerSeq]) -> None:
+        if code0 == self.ids.codec_eos and not s.req.ignore_eos:
+            self._talker_finish(s, seqs)
+            return
+        s.code0 = code0
+        s.codes_sampled += 1
+
+    def _predict(self, batch: list[_TalkerSeq], seqs: dict[Request, _TalkerSeq]) -> None:
+        if not batch:
+            return
+        reqs = [s.req for s in batch]
+        t0 = self.clock()
+        try:
+            frames = self.talker.predict(reqs, [s.code0 for s in batch])
+        except Exception as e:
+            for s in batch:
+                self._fail(s.req, self._stage_error("talker", "code predictor", e))
+                self._talker_drop(s, seqs)
+            return
+        self._record("talker", "predict", t0, reqs)
+        for s, codes in zip(batch, frames, strict=True):
+            s.code0 = None
+            s.last_frame = codes
+            index = s.req.frames
+            s.req.frames += 1
+            self.code2wav_inbox.put(("frame", s.req, codes, index))
+            if index == 0:
+                self._clear_frame0(s.req)  # wakes a Thinker yielding to this frame
+            if s.codes_sampled >= s.req.max_audio_frames:
+                self._talker_finish(s, seqs)
+
+    def _talker_finish(self, s: _TalkerSeq, seqs: dict[Request, _TalkerSeq]) -> None:
+        s.done = True
+        seqs.pop(s.req, None)
+        self.code2wav_inbox.put(("end", s.req))
+        self._release(s.req, "talker")
+
+    def _talker_drop(self, s: _TalkerSeq, seqs: dict[Request, _TalkerSeq]) -> None:
+        s.done = True
+        seqs.pop(s.req, None)
+        self._release(s.req, "talker")
+
+    # -- Code2Wav --------------------------------------------------------------------------------------
+
+    def _code2wav_loop(self) -> None:
+        seqs: dict[Request, _AudioSeq] = {}
+        try:
+            while True:
+                msgs = self.code2wav_inbox.take(block=True)  # all its work arrives as messages
+                try:
+                    self._code2wav_iteration(msgs, seqs)
+                except Exception as e:
+                    for a in list(seqs.values()):
+                        self._fail(a.req, self._stage_error("code2wav", "loop", e))
+                        self._code2wav_close(a, seqs)
+        except InboxClosed:
+            for a in list(seqs.values()):
+                self._fail(a.req, EngineClosedError("the engine stopped"))
+                self._code2wav_close(a, seqs)
+
+    def _code2wav_iteration(self, msgs: list[tuple], seqs: dict[Request, _AudioSeq]) -> None:
+        for m in msgs:
+            kind, req = m[0], m[1]
+            if "code2wav" not in req.holders:
+                continue
+            a = seqs.get(req)
+            if a is None:
+                a = seqs[req] = _AudioSeq(req)
+            if kind == "frame":
+                a.pending.append(m[2])
+            elif kind == "end":
+                a.ended = True
+        for a in list(seqs.values()):
+            if a.req.stopped:
+                self._code2wav_close(a, seqs)
+                continue
+            try:
+                self._decode_chunks(a)
+            except Exception as e:
+                self._fail(a.req, self._stage_error("code2wav", "decode", e))
+                self._code2wav_close(a, seqs)
+                continue
+            if a.ended and not a.pending:
+                self._post(a.req, AudioDoneOut())
+                self._code2wav_close(a, seqs)
+
+    def _decode_chunks(self, a: _AudioSeq) -> None:
+        """Decode every whole chunk pending (1, 2, 4, ... frames); at the end, the remainder too."""
+        while a.pending:
+            n = self.settings.chunk_size(a.chunk)
+            if len(a.pending) < n:
+                if not a.ended:
+                    return
+                n = len(a.pending)
+            frames, a.pending = a.pending[:n], a.pending[n:]
+            if not a.opened:
+                self.code2wav.open(a.req)
+                a.opened = True
+            t0 = self.clock()
+            pcm = self.code2wav.push(a.req, frames)
+            if a.ended and not a.pending:
+                tail = self.code2wav.flush(a.req)
+                if len(tail):
+                    pcm = np.concatenate([pcm, tail])
+            self._record("code2wav", "chunk", t0, [a.req])
+            if a.req.stopped:
+                return  # cancelled while decoding: drop the chunk
+            if a.req.t_first_pcm is None:
+                a.req.t_first_pcm = self.clock()
+            a.req.samples += len(pcm)
+            self._post(a.req, AudioOut(pcm, a.next_frame, n))
+            a.next_frame += n
+            a.chunk += 1
+
+    def _code2wav_close(self, a: _AudioSeq, seqs: dict[Request, _AudioSeq]) -> None:
+        seqs.pop(a.req, None)
+        if a.opened:
+            try:
+                self.code2wav.close(a.req)
+            except Exception as e:
+                self._fail(a.req, self._stage_error("code2wav", "close", e))
+        self._release(a.req, "code2wav")

@@ -1,0 +1,55 @@
+"""What the scheduler needs from each stage runner. Plain Python types at this seam: token ids and codes
+are ints, PCM is a float32 numpy array. The real runners (`runners.py`) own the tensors, caches and
+graphs behind it; the fake ones (`fake.py`) script durations for the policy tests.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from omni_rt.pipeline.request import Request
+
+
+class ThinkerStage(Protocol):
+    def prefill(self, req: Request) -> int:
+        """Feed `req.new_prompt_ids` at positions `req.thinker_start`...; return the first sampled token."""
+        ...
+
+    def decode(self, reqs: list[Request]) -> list[int]:
+        """One step for every request: feed its last token at its next position; return the next tokens."""
+        ...
+
+
+class TalkerStage(Protocol):
+    def prefill_prefix(self, req: Request) -> None:
+        """Feed every Talker prompt position but the last (needs only the prompt ids)."""
+        ...
+
+    def prefill_last(self, req: Request, first_token: int) -> int:
+        """Feed the last prompt position (first text token + codec bos); return code 0 of frame 0."""
+        ...
+
+    def predict(self, reqs: list[Request], code0: list[int]) -> list[list[int]]:
+        """The code predictor: the frame's 16 codes for each request, from its last Talker step."""
+        ...
+
+    def step(self, reqs: list[Request], frames: list[list[int]], text_ids: list[int]) -> list[int]:
+        """One Talker step: input = the previous frame's code embeddings + the projected text id.
+        Returns the next frame's code 0 for each request."""
+        ...
+
+
+class Code2WavStage(Protocol):
+    samples_per_frame: int
+
+    def open(self, req: Request) -> None: ...
+
+    def push(self, req: Request, frames: list[list[int]]) -> np.ndarray:
+        """Decode more frames of the request's stream: float32 PCM (exact streaming)."""
+        ...
+
+    def flush(self, req: Request) -> np.ndarray: ...
+
+    def close(self, req: Request) -> None: ...

@@ -1,0 +1,350 @@
+"""The scheduler's policy with fake stages (scripted durations): who waits for whom, and for how long."""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+import types
+
+import pytest
+
+from omni_rt.config import EngineSettings, Sampling
+from omni_rt.errors import EngineClosedError, StageError
+from omni_rt.model.config import TokenIds
+from omni_rt.pipeline import inbox as inbox_mod
+from omni_rt.pipeline import scheduler as scheduler_mod
+from omni_rt.pipeline.fake import FakeCode2Wav, FakeTalker, FakeThinker, FakeTimings
+from omni_rt.pipeline.request import (
+    AudioDoneOut,
+    AudioOut,
+    DoneOut,
+    ErrorOut,
+    Request,
+    TextOut,
+    TranscriptOut,
+)
+from omni_rt.pipeline.scheduler import Pipeline
+
+IDS = TokenIds()
+PROMPT = [
+    IDS.im_start,
+    IDS.user,
+    IDS.newline,
+    11,
+    12,
+    13,
+    IDS.im_end,
+    IDS.newline,
+    IDS.im_start,
+    IDS.assistant,
+    198,
+]
+
+
+class Collector:
+    """A request's sink: every message with its arrival time; `done` is set by DoneOut."""
+
+    def __init__(self) -> None:
+        self.msgs: list[tuple[float, object]] = []
+        self.done = threading.Event()
+
+    def __call__(self, msg: object) -> None:
+        self.msgs.append((time.perf_counter(), msg))
+        if isinstance(msg, DoneOut):
+            self.done.set()
+
+    def of(self, kind: type) -> list:
+        return [m for _, m in self.msgs if isinstance(m, kind)]
+
+
+def make(
+    settings: EngineSettings | None = None, timings: FakeTimings | None = None, reply_len: int = 8, **fail
+):
+    t = timings or FakeTimings()
+    p = Pipeline(
+        FakeThinker(t, IDS, reply_len=reply_len, fail_on=fail.get("thinker")),
+        FakeTalker(t, IDS, fail_on=fail.get("talker")),
+        FakeCode2Wav(t, fail_on=fail.get("code2wav")),
+        settings or EngineSettings(),
+        IDS,
+    )
+    p.start()
+    return p
+
+
+def request(rid: str, slot: int = 0, prompt: list[int] = PROMPT, **kw) -> tuple[Request, Collector]:
+    sink = Collector()
+    req = Request(
+        id=rid,
+        slot=slot,
+        prompt_ids=list(prompt),
+        thinker_start=0,
+        talker_start=0,
+        speaker_id=2302,
+        sampling=Sampling.greedy(),
+        max_output_tokens=kw.pop("max_output_tokens", 256),
+        max_audio_frames=kw.pop("max_audio_frames", 256),
+        sink=sink,
+        t0=time.perf_counter(),
+        **kw,
+    )
+    return req, sink
+
+
+def run(p: Pipeline, *reqs: tuple[Request, Collector], timeout: float = 20.0) -> None:
+    for req, _ in reqs:
+        p.submit(req)
+    for _, sink in reqs:
+        assert sink.done.wait(timeout), "response never finished"
+
+
+def steps(p: Pipeline, stage: str, kind: str) -> list:
+    return [s for s in p.steps if s.stage == stage and s.kind == kind]
+
+
+def test_first_audio_before_last_text_delta():
+    p = make(reply_len=30)
+    try:
+        req, sink = request("r")
+        run(p, (req, sink))
+    finally:
+        p.stop()
+    order = [m for _, m in sink.msgs]
+    first_audio = next(i for i, m in enumerate(order) if isinstance(m, AudioOut))
+    last_text = max(i for i, m in enumerate(order) if isinstance(m, TextOut))
+    assert first_audio < last_text
+    assert isinstance(order[-1], DoneOut) and order[-1].status == "completed"
+    assert isinstance(order[-2], AudioDoneOut)
+    # frames: one per text token (im_end not spoken), then tts_eos, then pads until the fake's EOS
+    assert req.frames == 29 + 1 + 2 - 1
+    assert sum(a.num_frames for a in sink.of(AudioOut)) == req.frames
+    assert req.samples == 1920 * req.frames - 555
+
+
+def test_thinker_second_step_starts_at_frame0_when_talker_is_fast():
+    p = make(
+        EngineSettings(yield_to_talker_ms=12),
+        FakeTimings(thinker_prefill=0.02, talker_last=0.002, predict=0.002),
+    )
+    try:
+        req, sink = request("r")
+        run(p, (req, sink))
+    finally:
+        p.stop()
+    assert len(p.yields) == 1 and p.yields[0].woke_by == "frame0"
+    frame0 = steps(p, "talker", "predict")[0]
+    decode1 = steps(p, "thinker", "decode")[0]
+    # the Thinker's second step waited for frame 0, and no longer than the cap
+    assert decode1.t_start >= frame0.t_end
+    assert p.yields[0].t_end - p.yields[0].t_start < 0.012 + 0.05
+
+
+def test_thinker_second_step_starts_at_cap_when_talker_is_slow():
+    p = make(EngineSettings(yield_to_talker_ms=12), FakeTimings(talker_last=0.150))
+    try:
+        req, sink = request("r")
+        run(p, (req, sink))
+    finally:
+        p.stop()
+    assert len(p.yields) == 1 and p.yields[0].woke_by == "cap"
+    waited = p.yields[0].t_end - p.yields[0].t_start
+    assert waited >= 0.012
+    frame0 = steps(p, "talker", "predict")[0]
+    decode1 = steps(p, "thinker", "decode")[0]
+    assert decode1.t_start < frame0.t_start  # gave up before frame 0 was even being predicted
+    assert decode1.t_start - steps(p, "thinker", "prefill")[0].t_end < 0.012 + 0.1
+
+
+def test_no_yield_when_switched_off():
+    p = make(EngineSettings(yield_to_talker_ms=0), FakeTimings(talker_last=0.100))
+    try:
+        run(p, request("r"))
+    finally:
+        p.stop()
+    assert p.yields == []
+    assert steps(p, "thinker", "decode")[0].t_start < steps(p, "talker", "predict")[0].t_start
+
+
+def test_handoffs_are_event_driven_not_polled(monkeypatch):
+    timeouts: list[float | None] = []
+
+    class RecordingCondition(threading.Condition):
+        def wait(self, timeout=None):
+            timeouts.append(timeout)
+            return super().wait(timeout)
+
+    # only the inbox module sees the recording Condition (threading itself stays untouched)
+    monkeypatch.setattr(inbox_mod, "threading", types.SimpleNamespace(Condition=RecordingCondition))
+    p = make(reply_len=12)
+    try:
+        run(p, request("a"), request("b", slot=1, prompt=PROMPT[:3] + [77] + PROMPT[3:]))
+    finally:
+        p.stop()
+    # every inbox sleep has no timeout: only a message (or stop) wakes a stage
+    assert timeouts and all(t is None for t in timeouts)
+    for box in (p.thinker_inbox, p.talker_inbox, p.code2wav_inbox):
+        assert box.empty_wakeups == 0
+        assert box.waits <= box.puts + 1  # each sleep ended by a put (the +1: close at stop)
+    # the scheduler's own code never sleeps; its one timed wait is the bounded Thinker yield
+    src = inspect.getsource(scheduler_mod)
+    assert "sleep(" not in src
+    assert src.count(".wait(") == 1 and "self._frame0.wait(left)" in src
+
+
+def test_all_off_behaves_like_a_stock_stack():
+    t = FakeTimings(thinker_prefill=0.02, thinker_decode=0.01)
+    p = make(EngineSettings.all_off(), t, reply_len=12)
+    try:
+        req, sink = request("r")
+        run(p, (req, sink))
+    finally:
+        p.stop()
+    prefill = steps(p, "thinker", "prefill")[0]
+    decodes = steps(p, "thinker", "decode")
+    talker_prefix = steps(p, "talker", "prefix")[0]
+    frame0 = steps(p, "talker", "predict")[0]
+    # no overlap: the Talker's prefix waits for the Thinker's output, which waits one more step
+    assert talker_prefix.t_start >= decodes[0].t_end
+    # frame 0's residual codes come with the next Talker step, which needs text token 1 (handed over
+    # after decode 2): an extra step on each side
+    assert frame0.t_start >= decodes[1].t_end
+    assert [a.num_frames for a in sink.of(AudioOut)][:2] == [4, 4]
+    assert p.yields == []
+    assert prefill.t_end <= talker_prefix.t_start
+
+
+def test_overlap_prefill_and_growing_chunks():
+    p = make(EngineSettings(), FakeTimings(thinker_prefill=0.05, talker_prefix=0.005), reply_len=40)
+    try:
+        req, sink = request("r")
+        run(p, (req, sink))
+    finally:
+        p.stop()
+    prefill = steps(p, "thinker", "prefill")[0]
+    prefix = steps(p, "talker", "prefix")[0]
+    assert prefix.t_start < prefill.t_end  # Talker prefix prefilled during the Thinker prefill
+    sizes = [a.num_frames for a in sink.of(AudioOut)]
+    assert sizes[0] == 1
+    grown = sizes[:-1]  # the last chunk is the remainder at the end
+    assert grown == sorted(grown) and max(sizes) <= 16
+    assert all(s in (1, 2, 4, 8, 16) for s in grown)
+    assert [a.frame_index for a in sink.of(AudioOut)] == [sum(sizes[:i]) for i in range(len(sizes))]
+
+
+def test_cancel_mid_response_stops_audio_and_keeps_pipeline_usable():
+    p = make(reply_len=200, timings=FakeTimings(thinker_decode=0.005))
+    try:
+        req, sink = request("r")
+        p.submit(req)
+        # cancel once audio is flowing
+        deadline = time.time() + 10
+        while not sink.of(AudioOut) and time.time() < deadline:
+            time.sleep(0.005)
+        p.cancel(req)
+        assert sink.done.wait(10)
+        order = [m for _, m in sink.msgs]
+        assert isinstance(order[-1], DoneOut) and order[-1].status == "cancelled"
+        assert req.holders == set()
+        frames_at_cancel = req.frames
+        assert len(req.tokens) < 199
+        # a next request on the same slot runs to completion
+        req2, sink2 = request("r2")
+        run(p, (req2, sink2))
+        assert sink2.of(DoneOut)[0].status == "completed"
+        assert req.frames == frames_at_cancel  # nothing more was made for the cancelled one
+    finally:
+        p.stop()
+
+
+def test_two_requests_at_once_get_what_they_get_alone():
+    prompts = [PROMPT, PROMPT[:3] + [99, 98] + PROMPT[3:]]
+
+    def outputs(sink: Collector) -> tuple:
+        return (
+            [m.token_id for m in sink.of(TextOut)],
+            [m.token_id for m in sink.of(TranscriptOut)],
+            [float(x) for a in sink.of(AudioOut) for x in a.pcm[::97]],
+        )
+
+    alone = []
+    for i, prompt in enumerate(prompts):
+        p = make(reply_len=10)
+        try:
+            r = request(f"alone{i}", prompt=prompt)
+            run(p, r)
+            alone.append(outputs(r[1]))
+        finally:
+            p.stop()
+    p = make(reply_len=10)
+    try:
+        both = [request(f"both{i}", slot=i, prompt=pr) for i, pr in enumerate(prompts)]
+        run(p, *both)
+    finally:
+        p.stop()
+    assert [outputs(s) for _, s in both] == alone
+    assert any(len(s.request_ids) == 2 for s in steps(p, "thinker", "decode"))  # they were batched
+
+
+def test_stage_failure_fails_only_that_request():
+    p = make(talker={"prefix:bad"})
+    try:
+        bad, good = request("bad"), request("good", slot=1)
+        run(p, bad, good)
+    finally:
+        p.stop()
+    errs = bad[1].of(ErrorOut)
+    assert len(errs) == 1 and isinstance(errs[0].error, StageError)
+    assert bad[1].of(DoneOut)[0].status == "failed"
+    assert not bad[1].of(AudioOut)
+    assert good[1].of(DoneOut)[0].status == "completed" and good[1].of(AudioOut)
+
+
+def test_decode_crash_fails_batch_with_error_and_done():
+    p = make(thinker={"decode"})
+    try:
+        r = request("r")
+        run(p, r)
+        assert r[1].of(DoneOut)[0].status == "failed"
+        assert "decode" in str(r[1].of(ErrorOut)[0].error)
+    finally:
+        p.stop()
+
+
+def test_stop_fails_in_flight_and_leaves_no_threads():
+    p = make(reply_len=10_000, timings=FakeTimings(thinker_decode=0.002))
+    req, sink = request("r", max_output_tokens=100_000)
+    p.submit(req)
+    time.sleep(0.05)
+    p.stop()
+    assert sink.done.wait(5)
+    assert isinstance(sink.of(ErrorOut)[0].error, EngineClosedError)
+    assert sink.of(DoneOut)[0].status == "failed"
+    assert not [t for t in threading.enumerate() if t.name.startswith("omni-rt-")]
+    with pytest.raises(EngineClosedError):
+        p.submit(request("late")[0])
+
+
+def test_max_limits_end_the_response():
+    p = make(reply_len=1000)
+    try:
+        req, sink = request("r", max_output_tokens=5, max_audio_frames=3)
+        run(p, (req, sink))
+    finally:
+        p.stop()
+    assert len(req.tokens) == 5
+    assert req.frames == 3
+    assert sink.of(DoneOut)[0].status == "completed"
+
+
+def test_text_id_rule_matches_the_talker_module():
+    from omni_rt.model.talker import talker_text_id as model_rule
+
+    cases = [[5, 6, 7], [5, IDS.im_end], [IDS.im_end], [5, 6, IDS.im_end, 9], []]
+    for tokens in cases:
+        for done in (False, True):
+            for ignore in (False, True):
+                for step in range(1, 7):
+                    assert scheduler_mod.talker_text_id(tokens, step, done, IDS, ignore) == model_rule(
+                        tokens, step, done, IDS, ignore_eos=ignore
+                    ), (tokens, step, done, ignore)

@@ -1,0 +1,95 @@
+"""The demo page in real headless Chromium (Debian's, driven by Playwright; no browser download)."""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("aiortc")
+playwright_api = pytest.importorskip("playwright.async_api")
+
+from server_fakes import FakeEngine  # noqa: E402
+
+from omni_rt.server import Server, ServerSettings  # noqa: E402
+
+CHROMIUM = os.environ.get("OMNI_RT_CHROMIUM", "/usr/bin/chromium")
+OUT = Path(__file__).resolve().parent.parent / "out"
+
+# What realtime-audio.md found necessary for WebRTC audio in headless Chromium on localhost.
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--use-fake-ui-for-media-stream",
+    "--use-fake-device-for-media-stream",
+    "--autoplay-policy=no-user-gesture-required",
+    "--allow-loopback-in-peer-connection",
+    "--disable-features=WebRtcHideLocalIpsWithMdns",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
+
+pytestmark = pytest.mark.skipif(not shutil.which(CHROMIUM), reason=f"no Chromium at {CHROMIUM}")
+
+
+async def test_page_connects_speaks_and_measures_latency():
+    engine = FakeEngine(step_s=0.05, frames_per_word=3, reply="Hello from omni rt, streamed as it is made.")
+    settings = ServerSettings(port=0, token="s3cret")
+    async with Server(engine, settings) as server, playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = await browser.new_page(viewport={"width": 1280, "height": 800})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            await page.goto(server.url, timeout=15_000)  # the URL carries ?token=
+            await page.click("#connect")
+            await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
+
+            await page.fill("#text", "Say hello")
+            await page.press("#text", "Enter")
+            # The page's analyser hears the reply through the <audio> element's stream.
+            await page.wait_for_selector('body[data-audible="true"]', timeout=20_000)
+            await page.wait_for_function("window.omni.events.includes('response.done')", timeout=20_000)
+            await page.wait_for_function(
+                "window.omni.events.includes('output_audio_buffer.stopped')", timeout=20_000
+            )
+
+            latency = float(await page.text_content("#m-audible"))
+            assert 0 < latency < 5_000
+            assert float(await page.text_content("#m-ttfa")) > 0
+            assert await page.text_content(".msg.user .text") == "Say hello"
+            assert (
+                await page.text_content(".msg.assistant .text")
+                == "Hello from omni rt, streamed as it is made."
+            )
+            assert engine.requests == ["Say hello"]
+            assert errors == []
+
+            OUT.mkdir(exist_ok=True)
+            shot = OUT / "browser-demo.png"
+            await page.screenshot(path=str(shot))
+            assert shot.stat().st_size > 10_000
+        finally:
+            await browser.close()
+        assert len(server.peers) <= 1  # the closed tab's peer is going or gone
+
+
+async def test_page_without_token_is_refused():
+    engine = FakeEngine()
+    async with (
+        Server(engine, ServerSettings(port=0, token="s3cret")) as server,
+        playwright_api.async_playwright() as pw,
+    ):
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = await browser.new_page()
+            await page.goto(f"http://127.0.0.1:{server.port}/", timeout=15_000)  # no ?token=
+            await page.click("#connect")
+            await page.wait_for_selector(
+                '#status[data-kind="idle"], #status[data-kind="error"]', timeout=10_000
+            )
+            await page.wait_for_function("!document.getElementById('toast').hidden", timeout=10_000)
+            assert "token" in (await page.text_content("#toast"))
+            assert engine.open_sessions == 0
+        finally:
+            await browser.close()

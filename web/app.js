@@ -1,0 +1,328 @@
+// omni_rt demo page: one WebSocket for signaling, WebRTC for audio both ways, a data channel named
+// "events" for the realtime events (OpenAI Realtime names). No build step, no dependencies.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const ui = {
+  connect: $("connect"), status: $("status"), statusText: $("status-text"),
+  transcript: $("transcript"), empty: $("empty"), composer: $("composer"), text: $("text"),
+  speak: $("speak"), stop: $("stop"), voice: $("voice"), mic: $("mic"), player: $("player"),
+  scope: $("scope"), speaking: $("speaking"), toast: $("toast"),
+  audible: $("m-audible"), ttfa: $("m-ttfa"), ttft: $("m-ttft"), median: $("m-median"),
+};
+
+// The level that counts as "audible" on the analyser: about -34 dBFS peak, well above the codec's
+// comfort noise and well below speech.
+const AUDIBLE_PEAK = 0.02;
+
+const state = {
+  ws: null, pc: null, dc: null, transceiver: null, micStream: null,
+  audioCtx: null, analyser: null, samples: null,
+  response: null,        // {id, bubble, t0, firstAudibleMs}
+  pending: null,         // a request sent, its response not created yet: {t0}
+  latencies: [],         // first-audible figures of this page's replies, ms
+  doneWaiters: [],
+};
+// Read by the browser test; handy in the console too.
+window.omni = { state, latencies: state.latencies, events: [] };
+
+// -- connection --------------------------------------------------------------------------------------
+
+function setStatus(kind, text) {
+  ui.status.dataset.kind = kind;
+  ui.statusText.textContent = text;
+  document.body.dataset.state = kind;
+}
+
+function wsUrl() {
+  const token = new URLSearchParams(location.search).get("token");
+  const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+  return `${scheme}//${location.host}/ws` + (token ? `?token=${encodeURIComponent(token)}` : "");
+}
+
+async function connect() {
+  if (state.ws) return disconnect();
+  setStatus("connecting", "Connecting…");
+  ui.connect.disabled = true;
+  // Created inside the click, so the browser lets it (and the <audio> element) play.
+  state.audioCtx = state.audioCtx || new AudioContext();
+  await state.audioCtx.resume();
+
+  const ws = new WebSocket(wsUrl());
+  state.ws = ws;
+  ws.onmessage = (m) => onEvent(JSON.parse(m.data));
+  ws.onclose = (e) => {
+    if (state.ws !== ws) return;
+    const why = e.code === 1013 ? "server busy" : e.code === 1006 ? "refused or lost" : `closed (${e.code})`;
+    teardown(`Disconnected: ${why}`);
+  };
+  await new Promise((resolve, reject) => {
+    ws.onopen = resolve;
+    ws.onerror = () => reject(new Error("the server refused the connection (check the token in the URL)"));
+  }).catch((err) => { toast(err.message); teardown("Not connected"); throw err; });
+
+  const pc = new RTCPeerConnection({ iceServers: [] });
+  state.pc = pc;
+  // One audio transceiver both ways: the reply comes down it, the microphone (when on) goes up it,
+  // switched with replaceTrack so that toggling the mic needs no renegotiation.
+  state.transceiver = pc.addTransceiver("audio", { direction: "sendrecv" });
+  pc.ontrack = (e) => attachRemote(e.streams[0] || new MediaStream([e.track]));
+  pc.onconnectionstatechange = () => {
+    if (pc.connectionState === "connected") onConnected();
+    if (pc.connectionState === "failed") teardown("Disconnected: WebRTC failed");
+  };
+  const dc = pc.createDataChannel("events");
+  state.dc = dc;
+  dc.onmessage = (m) => onEvent(JSON.parse(m.data));
+
+  await pc.setLocalDescription(await pc.createOffer());
+  await iceGatheringComplete(pc, 3000);  // one complete offer: the server does not trickle
+  ws.send(JSON.stringify({ type: "webrtc.offer", sdp: pc.localDescription.sdp }));
+}
+
+function iceGatheringComplete(pc, timeoutMs) {
+  if (pc.iceGatheringState === "complete") return Promise.resolve();
+  return new Promise((resolve) => {
+    const done = () => { clearTimeout(timer); pc.removeEventListener("icegatheringstatechange", check); resolve(); };
+    const check = () => { if (pc.iceGatheringState === "complete") done(); };
+    const timer = setTimeout(done, timeoutMs);
+    pc.addEventListener("icegatheringstatechange", check);
+  });
+}
+
+function onConnected() {
+  setStatus("connected", "Connected");
+  ui.connect.disabled = false;
+  ui.connect.textContent = "Disconnect";
+  ui.text.disabled = ui.speak.disabled = ui.mic.disabled = false;
+  ui.text.placeholder = "Type something for the model to say…";
+  ui.text.focus();
+  sendVoice();
+}
+
+function disconnect() {
+  teardown("Not connected");
+}
+
+function teardown(message) {
+  const { ws, pc, micStream } = state;
+  state.ws = state.pc = state.dc = state.transceiver = state.micStream = null;
+  if (ws) { ws.onclose = null; ws.close(); }
+  if (pc) pc.close();
+  if (micStream) micStream.getTracks().forEach((t) => t.stop());
+  state.response = state.pending = null;
+  state.doneWaiters.splice(0).forEach((w) => w());
+  ui.player.srcObject = null;
+  ui.mic.checked = false;
+  ui.text.disabled = ui.speak.disabled = ui.stop.disabled = ui.mic.disabled = true;
+  ui.text.placeholder = "Connect first…";
+  ui.connect.disabled = false;
+  ui.connect.textContent = "Connect";
+  setSpeaking(false);
+  setStatus(message.startsWith("Not") ? "idle" : "error", message);
+}
+
+function attachRemote(stream) {
+  // Chromium only drains its jitter buffer for a stream something plays: the <audio> element plays
+  // it (and is covered by echo cancellation); the analyser beside it only listens.
+  ui.player.srcObject = stream;
+  ui.player.play().catch(() => {});
+  const source = state.audioCtx.createMediaStreamSource(stream);
+  const analyser = state.audioCtx.createAnalyser();
+  analyser.fftSize = 512;
+  source.connect(analyser);
+  state.analyser = analyser;
+  state.samples = new Float32Array(analyser.fftSize);
+}
+
+// -- events -------------------------------------------------------------------------------------------
+
+function send(event) {
+  const data = JSON.stringify(event);
+  if (state.dc && state.dc.readyState === "open") state.dc.send(data);
+  else if (state.ws && state.ws.readyState === WebSocket.OPEN) state.ws.send(data);
+}
+
+function onEvent(ev) {
+  window.omni.events.push(ev.type);
+  switch (ev.type) {
+    case "webrtc.answer":
+      state.pc.setRemoteDescription({ type: "answer", sdp: ev.sdp }).catch((e) => toast(e.message));
+      break;
+    case "response.created": {
+      const t0 = state.pending ? state.pending.t0 : performance.now();
+      state.pending = null;
+      state.response = { id: ev.response.id, t0, firstAudibleMs: null, bubble: addBubble("assistant", "") };
+      state.response.bubble.classList.add("streaming");
+      ui.stop.disabled = false;
+      break;
+    }
+    case "response.output_audio_transcript.delta":
+    case "response.output_text.delta":
+      if (state.response && ev.response_id === state.response.id) appendText(state.response.bubble, ev.delta);
+      break;
+    case "output_audio_buffer.started":
+      setSpeaking(true);
+      break;
+    case "output_audio_buffer.stopped":
+    case "output_audio_buffer.cleared":
+      setSpeaking(false);
+      break;
+    case "response.done": {
+      const r = ev.response;
+      const m = r.metrics || {};
+      ui.ttfa.textContent = fmt(m.ttfa_ms);
+      ui.ttft.textContent = fmt(m.ttft_ms);
+      if (state.response && state.response.id === r.id) {
+        const bubble = state.response.bubble;
+        bubble.classList.remove("streaming");
+        if (r.status !== "completed") bubble.dataset.status = r.status;
+        if (!bubble.querySelector(".text").textContent) appendText(bubble, r.status === "cancelled" ? "(stopped)" : "…");
+      }
+      state.response = null;
+      ui.stop.disabled = true;
+      state.doneWaiters.splice(0).forEach((w) => w());
+      break;
+    }
+    case "error":
+      toast(ev.error.message);
+      break;
+    default:
+      break;  // session.created/updated, conversation.item.*: nothing to show
+  }
+}
+
+async function speak(text) {
+  if (state.response || state.pending) {
+    // Barge-in: stop the current reply, then ask for the new one once it has ended.
+    const ended = new Promise((resolve) => state.doneWaiters.push(resolve));
+    send({ type: "response.cancel" });
+    await Promise.race([ended, new Promise((r) => setTimeout(r, 2000))]);
+  }
+  addBubble("user", text);
+  state.pending = { t0: performance.now() };
+  send({
+    type: "conversation.item.create",
+    item: { type: "message", role: "user", content: [{ type: "input_text", text }] },
+  });
+  send({ type: "response.create" });
+}
+
+function sendVoice() {
+  send({ type: "session.update", session: { type: "realtime", audio: { output: { voice: ui.voice.value } } } });
+}
+
+// -- microphone ----------------------------------------------------------------------------------------
+
+async function setMic(on) {
+  if (!state.transceiver) return;
+  if (on) {
+    try {
+      state.micStream = await navigator.mediaDevices.getUserMedia({
+        audio: { echoCancellation: true, noiseSuppression: true, autoGainControl: true },
+      });
+    } catch (err) {
+      ui.mic.checked = false;
+      return toast(`Microphone unavailable: ${err.message}`);
+    }
+    await state.transceiver.sender.replaceTrack(state.micStream.getAudioTracks()[0]);
+  } else {
+    await state.transceiver.sender.replaceTrack(null);
+    if (state.micStream) state.micStream.getTracks().forEach((t) => t.stop());
+    state.micStream = null;
+  }
+}
+
+// -- measuring and drawing -------------------------------------------------------------------------------
+
+// Polled on a timer, not per animation frame: a hidden or headless tab still measures.
+setInterval(() => {
+  if (!state.analyser) return;
+  state.analyser.getFloatTimeDomainData(state.samples);
+  let peak = 0;
+  for (const v of state.samples) peak = Math.max(peak, Math.abs(v));
+  const r = state.response;
+  if (r && r.firstAudibleMs === null && peak > AUDIBLE_PEAK) {
+    r.firstAudibleMs = performance.now() - r.t0;
+    state.latencies.push(r.firstAudibleMs);
+    ui.audible.textContent = fmt(r.firstAudibleMs);
+    ui.median.textContent = fmt(median(state.latencies));
+    document.body.dataset.audible = "true";
+  }
+  draw(peak);
+}, 5);
+
+let lastDraw = 0;
+function draw(peak) {
+  const now = performance.now();
+  if (now - lastDraw < 33) return;
+  lastDraw = now;
+  const c = ui.scope, g = c.getContext("2d");
+  const w = c.width, h = c.height, data = state.samples;
+  g.clearRect(0, 0, w, h);
+  g.lineWidth = 2;
+  g.strokeStyle = peak > AUDIBLE_PEAK ? "#7c9cff" : "#2a3244";
+  g.beginPath();
+  for (let i = 0; i < data.length; i++) {
+    const x = (i / (data.length - 1)) * w;
+    const y = h / 2 - data[i] * (h / 2) * 0.9;
+    if (i === 0) g.moveTo(x, y); else g.lineTo(x, y);
+  }
+  g.stroke();
+}
+
+// -- small helpers ------------------------------------------------------------------------------------
+
+function addBubble(role, text) {
+  ui.empty.hidden = true;
+  const el = document.createElement("div");
+  el.className = `msg ${role}`;
+  el.innerHTML = `<span class="who"></span><span class="text"></span>`;
+  el.querySelector(".who").textContent = role === "user" ? "You" : "omni_rt";
+  el.querySelector(".text").textContent = text;
+  ui.transcript.appendChild(el);
+  ui.transcript.scrollTop = ui.transcript.scrollHeight;
+  return el;
+}
+
+function appendText(bubble, delta) {
+  bubble.querySelector(".text").textContent += delta;
+  ui.transcript.scrollTop = ui.transcript.scrollHeight;
+}
+
+function setSpeaking(on) {
+  ui.speaking.textContent = on ? "speaking" : "silent";
+  ui.speaking.classList.toggle("on", on);
+}
+
+function fmt(ms) {
+  return typeof ms === "number" && isFinite(ms) ? Math.round(ms).toString() : "—";
+}
+
+function median(xs) {
+  const s = [...xs].sort((a, b) => a - b);
+  const m = s.length >> 1;
+  return s.length % 2 ? s[m] : (s[m - 1] + s[m]) / 2;
+}
+
+let toastTimer = null;
+function toast(message) {
+  ui.toast.textContent = message;
+  ui.toast.hidden = false;
+  clearTimeout(toastTimer);
+  toastTimer = setTimeout(() => { ui.toast.hidden = true; }, 5000);
+}
+
+// -- wiring --------------------------------------------------------------------------------------------
+
+ui.connect.addEventListener("click", () => connect().catch((e) => console.error(e)));
+ui.composer.addEventListener("submit", (e) => {
+  e.preventDefault();
+  const text = ui.text.value.trim();
+  if (!text || !state.ws) return;
+  ui.text.value = "";
+  speak(text);
+});
+ui.stop.addEventListener("click", () => { if (state.response) send({ type: "response.cancel" }); });
+ui.voice.addEventListener("change", () => { if (state.ws) sendVoice(); });
+ui.mic.addEventListener("change", () => setMic(ui.mic.checked));

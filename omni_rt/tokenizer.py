@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 from omni_rt.errors import ConfigError, InvalidRequestError
@@ -122,7 +122,7 @@ def _from_vocab_merges(directory: Path) -> _HFTokenizer:
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(pre_tokenizers.Regex(_QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )

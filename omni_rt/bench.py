@@ -1,0 +1,609 @@
+"""`omni-rt bench`: the one benchmark protocol (shared/reference/performance.md), through the public API.
+
+    omni-rt bench                                   # real shapes, random bf16 weights, one CUDA GPU
+    omni-rt bench --preset tiny --device cpu --requests 1 --text-tokens 4 --frames 4   # CI smoke
+
+Three chat prompts (a 20-id system turn, then user turns of 8, 24 and 64 ids; built as ids, no tokenizer),
+each run `--requests` times after `--warmup` warm-up requests, at fixed lengths (64 text tokens, 64 codec
+frames, end-of-sequence ignored). Per request: TTFT (respond() to the first text delta received), TTFA (to
+the first audio delta), text tok/s (decode tokens after the first over their time), RTF (respond() to
+response.done over the audio's duration), and the engine's per-stage timestamps. Rows, side by side: the
+reference implementation (transformers' `generate` on the same weights, same lengths), this engine with
+every optimisation off, each optimisation added in turn, all on; then concurrency rows (1, 4, 8
+simultaneous sessions, all on). Output: a table on stdout, JSON (`--json`) and a PNG chart (`--png`).
+
+The reference's `generate` is not streaming: its text and its audio exist only when it returns, so its
+TTFT is the end of the Thinker's `generate` and its TTFA the end of the whole call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as _dt
+import gc
+import inspect
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni_rt.model.config import TokenIds
+
+# ------------------------------------------------------------------------------------------------------
+# Prompts
+
+
+def chat_prompt(system_len: int, user_len: int, seed: int = 0, ids: TokenIds | None = None) -> list[int]:
+    """A chat-formatted prompt of seeded ordinary token ids: system turn, user turn, assistant header.
+
+    [im_start, system, \\n, <system_len ids>, im_end, \\n, im_start, user, \\n, <user_len ids>, im_end, \\n,
+     im_start, assistant, \\n] -> system_len + user_len + 13 ids (57 for 20 + 24, the anchors' prompt).
+    Text ids are drawn from 1000..150000, clear of every special id.
+    """
+    i = ids or TokenIds()
+    g = torch.Generator().manual_seed(seed * 7919 + user_len)
+    text = torch.randint(1000, 150000, (system_len + user_len,), generator=g).tolist()
+    sys_text, user_text = text[:system_len], text[system_len:]
+    out: list[int] = []
+    if system_len > 0:
+        out += [i.im_start, i.system, i.newline, *sys_text, i.im_end, i.newline]
+    out += [i.im_start, i.user, i.newline, *user_text, i.im_end, i.newline]
+    out += [i.im_start, i.assistant, i.newline]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------
+# Measurement of one request through the public API
+
+
+@dataclass
+class Sample:
+    """One timed request. Times in ms from the respond() call, on time.perf_counter."""
+
+    prompt_len: int
+    ttft_ms: float | None
+    ttfa_ms: float | None
+    total_ms: float
+    text_tokens: int
+    audio_s: float
+    text_tok_s: float | None
+    rtf: float | None
+    status: str = "completed"
+    stages: dict[str, float | None] = field(default_factory=dict)  # the engine's own timestamps
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+async def timed_request(
+    session: Any, ids: Sequence[int], text_tokens: int, frames: int, sampling: Any
+) -> Sample:
+    """Run one response and time what the caller receives."""
+    kwargs: dict[str, Any] = dict(input_ids=list(ids), max_output_tokens=text_tokens, max_audio_frames=frames)
+    if _accepts(session.respond, "ignore_eos"):
+        kwargs["ignore_eos"] = True  # fixed lengths: random weights must not decide the work
+    if sampling is not None:
+        kwargs["sampling"] = sampling
+    t0 = time.perf_counter()
+    first_text = first_audio = last_text = None
+    first_text_tokens = n_tokens = n_samples = 0
+    rate = 24000
+    done = None
+    async for ev in session.respond(**kwargs):
+        now = time.perf_counter()
+        if ev.type == "response.output_text.delta":
+            n = len(ev.token_ids) if ev.token_ids else 1
+            if first_text is None:
+                first_text, first_text_tokens = now, n
+            n_tokens += n
+            last_text = now
+        elif ev.type == "response.output_audio.delta":
+            if first_audio is None:
+                first_audio = now
+            n_samples += len(ev.pcm)
+            rate = ev.sample_rate
+        elif ev.type == "error":
+            raise RuntimeError(f"benchmark request failed: {ev.error.code}: {ev.error.message}")
+        elif ev.type == "response.done":
+            done = ev
+    t_end = time.perf_counter()
+    audio_s = n_samples / rate
+    decode = n_tokens - first_text_tokens
+    tok_s = None
+    if first_text is not None and last_text is not None and last_text > first_text and decode > 0:
+        tok_s = decode / (last_text - first_text)
+    stages: dict[str, float | None] = {}
+    if done is not None and getattr(done, "metrics", None) is not None:
+        m = done.metrics
+        stages = {
+            k: getattr(m, k, None) for k in ("thinker_first_token_ms", "talker_first_code_ms", "first_pcm_ms")
+        }
+    return Sample(
+        prompt_len=len(ids),
+        ttft_ms=None if first_text is None else (first_text - t0) * 1e3,
+        ttfa_ms=None if first_audio is None else (first_audio - t0) * 1e3,
+        total_ms=(t_end - t0) * 1e3,
+        text_tokens=n_tokens,
+        audio_s=audio_s,
+        text_tok_s=tok_s,
+        rtf=(t_end - t0) / audio_s if audio_s > 0 else None,
+        status=getattr(done, "status", "missing"),
+        stages=stages,
+    )
+
+
+def _stat(values: list[float | None]) -> dict[str, float] | None:
+    v = [x for x in values if x is not None]
+    if not v:
+        return None
+    return {"median": statistics.median(v), "min": min(v), "max": max(v)}
+
+
+def summarise(name: str, samples: list[Sample], **extra: Any) -> dict[str, Any]:
+    """Medians with min-max over the samples, and the stage timestamps of the median-TTFA request."""
+    row: dict[str, Any] = {"row": name, "requests": len(samples), **extra}
+    for key in ("ttft_ms", "ttfa_ms", "text_tok_s", "rtf", "total_ms", "audio_s"):
+        row[key] = _stat([getattr(s, key) for s in samples])
+    row["text_tokens"] = sorted({s.text_tokens for s in samples})
+    row["statuses"] = sorted({s.status for s in samples})
+    with_audio = sorted((s for s in samples if s.ttfa_ms is not None), key=lambda s: s.ttfa_ms)
+    med = (
+        with_audio[len(with_audio) // 2] if with_audio else (samples[len(samples) // 2] if samples else None)
+    )
+    if med is not None:
+        row["median_request"] = asdict(med)
+    return row
+
+
+# ------------------------------------------------------------------------------------------------------
+# Rows
+
+
+def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
+    """Cumulative settings: every optimisation off, then each one added in turn; the last is all on."""
+    steps: list[tuple[str, dict[str, Any]]] = [
+        ("all off", {}),
+        ("+ cuda graphs", {"cuda_graphs": True}),
+        ("+ triton MoE decode", {"moe_backend": "triton"}),
+        ("+ event hand-off", {"handoff": "event"}),
+        ("+ talker prefill overlap", {"talker_overlap_prefill": True}),
+        ("+ frame 0 in prefill", {"frame0_in_prefill": True}),
+        ("+ 1-frame first chunk", {"first_chunk_frames": 1, "chunk_growth": True, "max_chunk_frames": 16}),
+        ("+ yield to talker (all on)", {"yield_to_talker_ms": 12.0}),
+    ]
+    if device == "cpu":  # graphs are GPU-only; the kernel on a CPU would run in Triton's slow interpreter
+        steps = [s for s in steps if s[0] not in ("+ cuda graphs",)]
+    if not kernel_ok:
+        steps = [s for s in steps if "moe_backend" not in s[1]]
+    plan, acc = [], {}
+    for name, change in steps:
+        acc = acc | change
+        plan.append((name, dict(acc)))
+    return plan
+
+
+def _settings(base: dict[str, Any], overrides: dict[str, Any]) -> tuple[Any, bool]:
+    """EngineSettings.all_off(**base | overrides); (settings, kernel_via_hook) when moe_backend='triton'
+    is not a setting the engine knows, the kernel is installed on the loaded model instead."""
+    from omni_rt.config import EngineSettings
+
+    o = base | overrides
+    want_triton = o.get("moe_backend") == "triton"
+    try:
+        return EngineSettings.all_off(**o), False
+    except Exception:
+        if not want_triton:
+            raise
+        o.pop("moe_backend")
+        return EngineSettings.all_off(**o), True
+
+
+def _engine_model(engine: Any) -> torch.nn.Module | None:
+    for name in ("model", "_model", "omni"):
+        m = getattr(engine, name, None)
+        if isinstance(m, torch.nn.Module):
+            return m
+    return None
+
+
+def _load_engine(args: argparse.Namespace, settings: Any, shared_model: Any = None) -> Any:
+    import omni_rt
+
+    load = omni_rt.Engine.load
+    kwargs: dict[str, Any] = dict(device=args.device, dtype=args.dtype, settings=settings)
+    if args.random_weights:
+        kwargs["random_weights"] = True
+    if shared_model is not None and _accepts(load, "model"):
+        kwargs["model"] = shared_model  # reuse the weights already on the device: no second build
+    return load(args.preset, **kwargs)
+
+
+async def bench_engine(
+    engine: Any, prompts: list[list[int]], args: argparse.Namespace, sampling: Any, concurrency: Sequence[int]
+) -> tuple[list[Sample], dict[int, tuple[list[Sample], float]]]:
+    """One engine start: the prompts' requests (each in a fresh session), then the concurrency rounds.
+
+    Concurrency c: c sessions respond at once, `conc_repeats` rounds after one warm-up round; returns
+    {c: (samples, aggregate text tokens/s over the rounds' wall time)}.
+    """
+    samples: list[Sample] = []
+    conc: dict[int, tuple[list[Sample], float]] = {}
+    async with engine:
+        for ids in prompts:
+            for r in range(args.warmup + args.requests):
+                async with engine.session(voice=args.voice) as s:
+                    sample = await timed_request(s, ids, args.text_tokens, args.frames, sampling)
+                if r >= args.warmup:
+                    samples.append(sample)
+        ids = prompts[len(prompts) // 2]
+        for c in concurrency:
+            got_all: list[Sample] = []
+            tokens, wall = 0, 0.0
+            for r in range(1 + args.conc_repeats):
+                async with contextlib.AsyncExitStack() as stack:
+                    sessions = [
+                        await stack.enter_async_context(engine.session(voice=args.voice)) for _ in range(c)
+                    ]
+                    t0 = time.perf_counter()
+                    got = await asyncio.gather(
+                        *(timed_request(s, ids, args.text_tokens, args.frames, sampling) for s in sessions)
+                    )
+                    dt = time.perf_counter() - t0
+                if r >= 1:
+                    got_all += got
+                    tokens += sum(g.text_tokens for g in got)
+                    wall += dt
+            conc[c] = (got_all, tokens / wall if wall > 0 else 0.0)
+    return samples, conc
+
+
+# ------------------------------------------------------------------------------------------------------
+# The reference implementation on our weights
+
+
+@torch.no_grad()
+def reference_model(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """transformers' `Qwen3OmniMoeForConditionalGeneration` holding `model`'s tensors (shared storage).
+
+    Built on the meta device (no memory, no init), then given our parameters by checkpoint name with
+    `load_state_dict(assign=True)`: one copy of the weights serves both. What omni_rt has no module for
+    (the audio and vision encoders) gets its own seeded random weights; buffers the reference computes
+    (rotary tables, code offsets, sinusoids) are recomputed by its own `_init_weights`. Any other missing
+    or unexpected tensor is an error: the two models must be the same network.
+    """
+    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+    cfg = model.cfg
+    hf_cfg = Qwen3OmniMoeConfig(**cfg.to_hf())
+    p0 = next(model.parameters())
+    device, dtype = p0.device, p0.dtype
+    with torch.device("meta"):
+        ref = Qwen3OmniMoeForConditionalGeneration(hf_cfg)
+    result = ref.load_state_dict(model.state_dict(), strict=False, assign=True)
+    if result.unexpected_keys:
+        raise RuntimeError(f"tensors the reference does not have: {result.unexpected_keys[:10]}")
+    own = ("thinker.audio_tower.", "thinker.visual.")
+    buffers = {n for n, _ in ref.named_buffers()}
+    missing = [k for k in result.missing_keys if not k.startswith(own) and k not in buffers]
+    if missing:
+        raise RuntimeError(f"reference tensors omni_rt did not provide: {missing[:10]}")
+    gen = torch.Generator(device=device).manual_seed(1234)
+    n_new = 0
+    for mod in ref.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if p.is_meta:  # encoders only (checked above)
+                t = torch.empty(p.shape, device=device, dtype=dtype).normal_(0.0, 0.02, generator=gen)
+                setattr(mod, name, torch.nn.Parameter(t, requires_grad=False))
+                n_new += p.numel()
+        meta_bufs = [(n, b) for n, b in mod.named_buffers(recurse=False) if b.is_meta]
+        for name, b in meta_bufs:
+            mod._buffers[name] = torch.empty(b.shape, device=device, dtype=b.dtype)
+        if meta_bufs:
+            ref._init_weights(mod)
+    left = [n for n, t in [*ref.named_parameters(), *ref.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"reference tensors still on meta: {left[:10]}")
+    ref.eval().requires_grad_(False)
+    return ref, {"encoder_params_random": n_new, "shared_tensors": len(model.state_dict())}
+
+
+def reference_samples(
+    model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace
+) -> tuple[list[Sample], str | None]:
+    """Time transformers' `generate` (greedy, fixed lengths) on our weights; (samples, reason if skipped)."""
+    try:
+        ref, _ = reference_model(model)
+    except ImportError as exc:
+        return [], f"transformers not importable: {exc}"
+    device = next(model.parameters()).device
+    thinker_end: list[float] = []
+    gen_thinker = ref.thinker.generate
+
+    def timed_thinker_generate(*a, **k):
+        out = gen_thinker(*a, **k)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        thinker_end.append(time.perf_counter())
+        return out
+
+    ref.thinker.generate = timed_thinker_generate  # instance attribute: only this object is changed
+    samples: list[Sample] = []
+    for ids in prompts:
+        for r in range(args.reference_warmup + args.reference_requests):
+            x = torch.tensor([ids], device=device)
+            thinker_end.clear()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                text, wav = ref.generate(
+                    x,
+                    speaker=args.voice.capitalize(),
+                    return_audio=True,
+                    thinker_max_new_tokens=args.text_tokens,
+                    thinker_min_new_tokens=args.text_tokens,
+                    thinker_do_sample=False,
+                    talker_max_new_tokens=args.frames,
+                    talker_min_new_tokens=args.frames,
+                    talker_do_sample=False,
+                )
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t1 = time.perf_counter()
+            if r < args.reference_warmup:
+                continue
+            n_text = int(text.shape[-1]) - len(ids)
+            audio_s = (wav.numel() / 24000) if wav is not None else 0.0
+            t_think = thinker_end[0] if thinker_end else t1
+            samples.append(
+                Sample(
+                    prompt_len=len(ids),
+                    ttft_ms=(t_think - t0) * 1e3,
+                    ttfa_ms=(t1 - t0) * 1e3,
+                    total_ms=(t1 - t0) * 1e3,
+                    text_tokens=n_text,
+                    audio_s=audio_s,
+                    # not streamed: tokens over the Thinker's whole generate (prefill included)
+                    text_tok_s=n_text / (t_think - t0) if t_think > t0 else None,
+                    rtf=(t1 - t0) / audio_s if audio_s > 0 else None,
+                )
+            )
+    del ref
+    gc.collect()
+    return samples, None
+
+
+# ------------------------------------------------------------------------------------------------------
+# Output
+
+
+def _fmt(s: dict[str, float] | None, digits: int = 1) -> str:
+    if not s:
+        return "-"
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'row':30} {'n':>3} {'TTFT ms':>22} {'TTFA ms':>22} {'text tok/s':>22} {'RTF':>20} "
+        f"{'thinker 1st':>11} {'talker 1st':>10} {'first PCM':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r.get("skipped"):
+            lines.append(f"{r['row']:30} skipped: {r['skipped']}")
+            continue
+        st = (r.get("median_request") or {}).get("stages") or {}
+
+        def ms(k: str, st: dict = st) -> str:
+            v = st.get(k)
+            return "-" if v is None else f"{v:.1f}"
+
+        lines.append(
+            f"{r['row']:30} {r['requests']:>3} {_fmt(r['ttft_ms']):>22} {_fmt(r['ttfa_ms']):>22} "
+            f"{_fmt(r['text_tok_s']):>22} {_fmt(r['rtf'], 3):>20} {ms('thinker_first_token_ms'):>11} "
+            f"{ms('talker_first_code_ms'):>10} {ms('first_pcm_ms'):>9}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if not r.get("skipped")]
+    names = [r["row"] for r in rows]
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    for ax, (key, label, log) in zip(
+        axes.flat,
+        [
+            ("ttfa_ms", "TTFA, ms (median, min-max)", True),
+            ("ttft_ms", "TTFT, ms", True),
+            ("text_tok_s", "Thinker text tokens/s", False),
+            ("rtf", "RTF (lower is better)", True),
+        ],
+        strict=True,
+    ):
+        med = [(r[key] or {}).get("median", float("nan")) for r in rows]
+        lo = [m - (r[key] or {}).get("min", m) for m, r in zip(med, rows, strict=True)]
+        hi = [(r[key] or {}).get("max", m) - m for m, r in zip(med, rows, strict=True)]
+        ax.barh(range(len(rows)), med, xerr=[lo, hi], color="tab:blue", alpha=0.8)
+        ax.set_yticks(range(len(rows)), names, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(label)
+        if log and all(m == m and m > 0 for m in med):
+            ax.set_xscale("log")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _commit() -> str:
+    if os.environ.get("OMNI_RT_COMMIT"):
+        return os.environ["OMNI_RT_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).parent,
+        )
+        return out.stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001 - no git (e.g. an installed wheel)
+        return "unknown"
+
+
+# ------------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="omni-rt bench", description="the omni_rt benchmark protocol")
+    ap.add_argument("--preset", default="qwen3-omni-30b-a3b", help="preset name or checkpoint dir")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--no-random-weights", dest="random_weights", action="store_false")
+    ap.add_argument("--requests", type=int, default=5, help="timed requests per prompt")
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up requests per prompt")
+    ap.add_argument("--text-tokens", type=int, default=64)
+    ap.add_argument("--frames", type=int, default=64)
+    ap.add_argument("--system-len", type=int, default=20)
+    ap.add_argument("--prompts", default="8,24,64", help="user-turn lengths in ids")
+    ap.add_argument("--rows", default="all", help="'all' or comma-separated indices of the cumulative rows")
+    ap.add_argument(
+        "--concurrency", default="1,4,8", help="simultaneous sessions for the all-on rows; '' none"
+    )
+    ap.add_argument("--conc-repeats", type=int, default=2)
+    ap.add_argument("--reference", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument("--reference-requests", type=int, default=1, help="per prompt (generate is slow)")
+    ap.add_argument("--reference-warmup", type=int, default=1, help="warm-up generate calls per prompt")
+    ap.add_argument("--voice", default="ethan")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default="bench.json")
+    ap.add_argument("--png", default="bench.png")
+    args = ap.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from omni_rt.config import Sampling
+
+    ids_cfg = TokenIds()
+    prompts = [chat_prompt(args.system_len, int(n), args.seed, ids_cfg) for n in args.prompts.split(",") if n]
+    sampling = Sampling.greedy(seed=args.seed)
+    kernel_ok = False
+    if args.device.startswith("cuda"):
+        try:
+            from omni_rt.kernels.moe_decode import triton_available
+
+            kernel_ok = triton_available()
+        except ImportError:
+            kernel_ok = False
+    plan = row_plan("cpu" if args.device == "cpu" else "cuda", kernel_ok)
+    if args.rows != "all":
+        keep = {int(i) for i in args.rows.split(",")}
+        plan = [p for i, p in enumerate(plan) if i in keep]
+    concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    # caches sized for this run: the longest prompt plus its output, and the largest concurrency
+    longest = max(len(p) for p in prompts) + args.text_tokens + 8
+    base = dict(
+        max_sessions=max([1, *concurrency]),
+        max_context=max(64, longest),
+        max_talker_context=max(64, longest + args.frames),
+    )
+    meta = {
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "device": torch.cuda.get_device_name()
+        if args.device.startswith("cuda")
+        else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "args": vars(args),
+        "prompt_lengths": [len(p) for p in prompts],
+    }
+    rows: list[dict[str, Any]] = []
+    conc_rows: list[dict[str, Any]] = []
+    shared = None  # the first engine's model: later engines reuse it where Engine.load takes `model=`
+    for idx, (name, overrides) in enumerate(plan):
+        settings, via_hook = _settings(base, overrides)
+        t_load = time.perf_counter()
+        engine = _load_engine(args, settings, shared)
+        load_s = time.perf_counter() - t_load
+        model = _engine_model(engine)
+        if via_hook:
+            from omni_rt.kernels.moe_decode import install
+
+            if model is None:
+                rows.append(
+                    {"row": name, "skipped": "moe_backend='triton' is no setting and no model to hook"}
+                )
+                continue
+            install(model, "triton")  # stays installed: every later (cumulative) row keeps the kernel
+        print(f"[bench] {name}: engine ready in {load_s:.1f} s", file=sys.stderr, flush=True)
+        last = idx == len(plan) - 1
+        samples, conc = asyncio.run(
+            bench_engine(engine, prompts, args, sampling, concurrency if last else ())
+        )
+        rows.append(summarise(name, samples, settings=overrides, load_s=load_s, kernel_via_hook=via_hook))
+        for c, (cs, agg) in conc.items():
+            conc_rows.append(summarise(f"concurrency {c} (all on)", cs, aggregate_text_tok_s=agg))
+        if shared is None:
+            shared = model
+        del engine
+        gc.collect()
+    rows += conc_rows
+
+    want_ref = args.reference == "on" or (args.reference == "auto" and args.device.startswith("cuda"))
+    if want_ref:
+        model = shared
+        if model is None:
+            rows.insert(0, {"row": "reference (transformers generate)", "skipped": "engine exposes no model"})
+        else:
+            try:
+                samples, why = reference_samples(model, prompts, args)
+            except Exception as exc:  # noqa: BLE001 - the reference row must not sink the engine's rows
+                samples, why = [], f"{type(exc).__name__}: {exc}"
+            name = "reference (transformers generate)"
+            rows.insert(0, {"row": name, "skipped": why} if why else summarise(name, samples))
+    del shared
+    gc.collect()
+
+    table = format_table(rows)
+    print(table)
+    out = {"meta": meta, "rows": rows}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    if args.png:
+        try:
+            plot(rows, Path(args.png), f"omni-rt bench · {args.preset} · {meta['device']} · {meta['commit']}")
+        except ImportError as exc:
+            print(f"[bench] no chart: {exc}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,9 +1,12 @@
-"""A scripted stand-in for `omni_rt.Engine` with the public Session API, for fast server tests.
+"""Helpers for the server tests: a scripted engine and an aiortc client.
+
+`FakeEngine` stands in for `omni_rt.Engine` with the public Session API.
 
 It yields the SDK's own event classes in the order a Session does (created, text and transcript deltas,
 80 ms sine chunks at 24 kHz, audio done, response.done with metrics), paced by a per-word delay, and
 keeps count of open sessions, running responses and model steps so tests can prove that a vanished
-client stops the work it started.
+client stops the work it started. `Client` is a realtime client as a browser is one: signaling on the
+socket, events on the `events` data channel, the reply's audio on a track.
 """
 
 from __future__ import annotations
@@ -11,8 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
+import time
 
 import numpy as np
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError
 
 from omni_rt.errors import CapacityError, InvalidRequestError
 from omni_rt.events import (
@@ -122,3 +129,69 @@ class FakeEngine:
         finally:
             await s.cancel()
             self.open_sessions -= 1
+
+
+class Client:
+    """A realtime client as a browser would be: signaling on the socket, events on a data channel."""
+
+    def __init__(self, ws):
+        self.ws = ws
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.frames: list[tuple[float, object]] = []
+        self._tasks: list[asyncio.Task] = []
+
+    async def connect(self) -> dict:
+        created = json.loads(await self.ws.recv())
+        self.pc.addTransceiver("audio", direction="recvonly")
+        self.channel = self.pc.createDataChannel("events")
+        opened = asyncio.Event()
+        self.channel.on("open", opened.set)
+        self.channel.on("message", lambda m: self.events.put_nowait(json.loads(m)))
+        self.pc.on("track", lambda track: self._tasks.append(asyncio.create_task(self._read(track))))
+        await self.pc.setLocalDescription(await self.pc.createOffer())
+        await self.ws.send(json.dumps({"type": "webrtc.offer", "sdp": self.pc.localDescription.sdp}))
+        answer = json.loads(await asyncio.wait_for(self.ws.recv(), 10))
+        assert answer["type"] == "webrtc.answer", answer
+        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type="answer"))
+        await asyncio.wait_for(opened.wait(), 10)
+        return created
+
+    async def _read(self, track):
+        try:
+            while True:
+                frame = await track.recv()
+                self.frames.append((time.monotonic(), frame))
+        except MediaStreamError:
+            pass
+
+    def send(self, event: dict) -> None:
+        self.channel.send(json.dumps(event))
+
+    def say(self, text: str) -> None:
+        self.send(
+            {
+                "type": "conversation.item.create",
+                "item": {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": text}],
+                },
+            }
+        )
+        self.send({"type": "response.create"})
+
+    async def until(self, *types: str, timeout: float = 15) -> list[dict]:
+        """Events up to and including the first of each of `types` (in any order)."""
+        seen, wanted = [], set(types)
+        async with asyncio.timeout(timeout):
+            while wanted:
+                ev = await self.events.get()
+                seen.append(ev)
+                wanted.discard(ev["type"])
+        return seen
+
+    async def close(self):
+        await self.pc.close()
+        for t in self._tasks:
+            t.cancel()

@@ -11,9 +11,7 @@ pytest.importorskip("aiortc")
 
 import aioice.ice  # noqa: E402
 import websockets  # noqa: E402
-from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription  # noqa: E402
-from aiortc.mediastreams import MediaStreamError  # noqa: E402
-from server_fakes import FakeEngine  # noqa: E402
+from server_fakes import Client, FakeEngine  # noqa: E402
 
 from omni_rt.server import PeerSettings, Server, ServerSettings  # noqa: E402
 from omni_rt.server.track import FRAME_SAMPLES, SAMPLE_RATE, AudioOutputTrack  # noqa: E402
@@ -31,72 +29,6 @@ def loopback_ice(monkeypatch):
         return original(use_ipv4, use_ipv6) or ["127.0.0.1"]
 
     monkeypatch.setattr(aioice.ice, "get_host_addresses", with_loopback)
-
-
-class Client:
-    """A realtime client as a browser would be: signaling on the socket, events on a data channel."""
-
-    def __init__(self, ws):
-        self.ws = ws
-        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.frames: list[tuple[float, object]] = []
-        self._tasks: list[asyncio.Task] = []
-
-    async def connect(self) -> dict:
-        created = json.loads(await self.ws.recv())
-        self.pc.addTransceiver("audio", direction="recvonly")
-        self.channel = self.pc.createDataChannel("events")
-        opened = asyncio.Event()
-        self.channel.on("open", opened.set)
-        self.channel.on("message", lambda m: self.events.put_nowait(json.loads(m)))
-        self.pc.on("track", lambda track: self._tasks.append(asyncio.create_task(self._read(track))))
-        await self.pc.setLocalDescription(await self.pc.createOffer())
-        await self.ws.send(json.dumps({"type": "webrtc.offer", "sdp": self.pc.localDescription.sdp}))
-        answer = json.loads(await asyncio.wait_for(self.ws.recv(), 10))
-        assert answer["type"] == "webrtc.answer", answer
-        await self.pc.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type="answer"))
-        await asyncio.wait_for(opened.wait(), 10)
-        return created
-
-    async def _read(self, track):
-        try:
-            while True:
-                frame = await track.recv()
-                self.frames.append((time.monotonic(), frame))
-        except MediaStreamError:
-            pass
-
-    def send(self, event: dict) -> None:
-        self.channel.send(json.dumps(event))
-
-    def say(self, text: str) -> None:
-        self.send(
-            {
-                "type": "conversation.item.create",
-                "item": {
-                    "type": "message",
-                    "role": "user",
-                    "content": [{"type": "input_text", "text": text}],
-                },
-            }
-        )
-        self.send({"type": "response.create"})
-
-    async def until(self, *types: str, timeout: float = 15) -> list[dict]:
-        """Events up to and including the first of each of `types` (in any order)."""
-        seen, wanted = [], set(types)
-        async with asyncio.timeout(timeout):
-            while wanted:
-                ev = await self.events.get()
-                seen.append(ev)
-                wanted.discard(ev["type"])
-        return seen
-
-    async def close(self):
-        await self.pc.close()
-        for t in self._tasks:
-            t.cancel()
 
 
 @pytest.fixture

@@ -1,0 +1,256 @@
+"""Bad input and vanishing clients: every one gets an error or a refusal, and the server keeps serving."""
+
+import asyncio
+import json
+import threading
+import urllib.request
+
+import aioice.ice
+import pytest
+
+pytest.importorskip("aiortc")
+
+import websockets  # noqa: E402
+from server_fakes import Client, FakeEngine  # noqa: E402
+from websockets.exceptions import ConnectionClosed, InvalidStatus  # noqa: E402
+
+from omni_rt.server import Server, ServerSettings  # noqa: E402
+from omni_rt.server.peer import PeerSettings  # noqa: E402
+
+SAY = {
+    "type": "conversation.item.create",
+    "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+}
+
+
+@pytest.fixture(autouse=True)
+def loopback_ice(monkeypatch):
+    original = aioice.ice.get_host_addresses
+    monkeypatch.setattr(
+        aioice.ice,
+        "get_host_addresses",
+        lambda use_ipv4, use_ipv6: original(use_ipv4, use_ipv6) or ["127.0.0.1"],
+    )
+
+
+def url(server: Server, query: str = "") -> str:
+    return f"ws://127.0.0.1:{server.port}/ws{query}"
+
+
+async def recv_json(ws, timeout: float = 5.0) -> dict:
+    return json.loads(await asyncio.wait_for(ws.recv(), timeout))
+
+
+async def until(ws, type_: str, timeout: float = 5.0) -> list[dict]:
+    events = []
+    while not events or events[-1]["type"] != type_:
+        events.append(await recv_json(ws, timeout))
+    return events
+
+
+async def assert_serves(server: Server) -> None:
+    """A fresh client still gets a whole reply."""
+    async with websockets.connect(url(server, f"?token={server.settings.token or ''}")) as ws:
+        assert (await recv_json(ws))["type"] == "session.created"
+        await ws.send(json.dumps(SAY))
+        await ws.send(json.dumps({"type": "response.create"}))
+        events = await until(ws, "response.done")
+        assert events[-1]["response"]["status"] == "completed"
+
+
+async def closed_with(ws) -> int:
+    with pytest.raises(ConnectionClosed):
+        while True:
+            await asyncio.wait_for(ws.recv(), 5)
+    return ws.close_code
+
+
+async def test_token_is_enforced():
+    async with Server(FakeEngine(step_s=0), ServerSettings(port=0, token="t0ken")) as server:
+        for query in ("", "?token=", "?token=wrong"):
+            with pytest.raises(InvalidStatus) as refused:
+                await websockets.connect(url(server, query))
+            assert refused.value.response.status_code == 401
+        async with websockets.connect(url(server, "?token=t0ken")) as ws:
+            assert (await recv_json(ws))["type"] == "session.created"
+        async with websockets.connect(
+            url(server), additional_headers={"Authorization": "Bearer t0ken"}
+        ) as ws:
+            assert (await recv_json(ws))["type"] == "session.created"
+        await wait_for(lambda: not server.peers and server.engine.open_sessions == 0)
+
+
+async def test_origin_is_same_origin_unless_allowed():
+    settings = ServerSettings(port=0, allowed_origins=("https://app.example",))
+    async with Server(FakeEngine(step_s=0), settings) as server:
+        with pytest.raises(InvalidStatus) as refused:
+            await websockets.connect(url(server), origin="http://evil.example")
+        assert refused.value.response.status_code == 403
+        with pytest.raises(InvalidStatus):
+            await websockets.connect(url(server), origin=f"http://localhost:{server.port + 1}")
+        # The page this server served (same host:port), an allowed origin, and clients with no Origin.
+        for origin in (f"http://127.0.0.1:{server.port}", "https://app.example", None):
+            async with websockets.connect(url(server), origin=origin) as ws:
+                assert (await recv_json(ws))["type"] == "session.created"
+
+
+@pytest.mark.parametrize(
+    ("message", "code", "close_code"),
+    [
+        ("{not json", "invalid_json", 1008),
+        ('["a list"]', "invalid_event", 1008),
+        (json.dumps({"type": "webrtc.offer", "sdp": "v=0\r\nthis is not sdp\r\n"}), "invalid_sdp", 1008),
+        (json.dumps({"type": "webrtc.offer", "sdp": "garbage"}), "invalid_sdp", 1008),
+        (
+            json.dumps({"type": "session.update", "session": {"instructions": "x" * 300_000}}),
+            "message_too_large",
+            1009,
+        ),
+    ],
+)
+async def test_malformed_input_gets_an_error_and_a_clean_close(message, code, close_code):
+    engine = FakeEngine(step_s=0)
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(url(server)) as bystander:
+            await recv_json(bystander)
+            async with websockets.connect(url(server)) as ws:
+                await recv_json(ws)
+                await ws.send(message)
+                event = await recv_json(ws)
+                assert event["type"] == "error"
+                assert event["error"]["code"] == code
+                assert await closed_with(ws) == close_code
+            # The other client and new clients are served as before.
+            await bystander.send(json.dumps(SAY))
+            await bystander.send(json.dumps({"type": "response.create"}))
+            assert (await until(bystander, "response.done"))[-1]["response"]["status"] == "completed"
+        await assert_serves(server)
+        await wait_for(lambda: not server.peers and engine.open_sessions == 0)
+
+
+async def test_protocol_mistakes_get_an_error_and_keep_the_connection():
+    async with Server(FakeEngine(step_s=0), ServerSettings(port=0)) as server:
+        async with websockets.connect(url(server)) as ws:
+            await recv_json(ws)
+            mistakes = [
+                ({"type": "no.such.event", "event_id": "e1"}, "unknown_event"),
+                ({"type": "response.create"}, "no_input"),
+                ({"type": "response.cancel"}, "response_cancel_not_active"),
+                ({"type": "conversation.item.create", "item": {"content": []}}, "invalid_value"),
+                (
+                    {
+                        "type": "conversation.item.create",
+                        "item": {"content": [{"type": "input_text", "text": ""}]},
+                    },
+                    "invalid_value",
+                ),
+                (
+                    {"type": "session.update", "session": {"audio": {"output": {"voice": "nobody"}}}},
+                    "invalid_value",
+                ),
+                ({"type": "session.update", "session": {"output_modalities": ["smell"]}}, "invalid_value"),
+            ]
+            for event, code in mistakes:
+                await ws.send(json.dumps(event))
+                reply = await recv_json(ws)
+                assert reply["type"] == "error", event
+                assert reply["error"]["code"] == code, (event, reply)
+            assert (await recv_json_after_ping(ws)) is None
+            # Still a working session, with the voice it had.
+            await ws.send(json.dumps(SAY))
+            await ws.send(json.dumps({"type": "response.create"}))
+            assert (await until(ws, "response.done"))[-1]["response"]["status"] == "completed"
+
+
+async def recv_json_after_ping(ws):
+    """None if nothing more is pending on the socket (the errors came one per mistake)."""
+    await ws.ping()
+    try:
+        return json.loads(await asyncio.wait_for(ws.recv(), 0.2))
+    except TimeoutError:
+        return None
+
+
+async def test_session_limit():
+    async with Server(FakeEngine(step_s=0), ServerSettings(port=0, max_sessions=2)) as server:
+        async with websockets.connect(url(server)) as a, websockets.connect(url(server)) as b:
+            await recv_json(a)
+            await recv_json(b)
+            async with websockets.connect(url(server)) as c:
+                event = await recv_json(c)
+                assert event["type"] == "error" and event["error"]["code"] == "session_limit"
+                assert await closed_with(c) == 1013
+        await assert_serves(server)
+
+
+async def test_static_files_and_no_traversal():
+    async with Server(FakeEngine(step_s=0), ServerSettings(port=0)) as server:
+        base = f"http://127.0.0.1:{server.port}"
+
+        def get(path):
+            try:
+                with urllib.request.urlopen(base + path, timeout=5) as r:
+                    return r.status, r.headers.get("Content-Type"), r.read()
+            except urllib.error.HTTPError as exc:
+                return exc.code, None, b""
+
+        status, kind, body = await asyncio.to_thread(get, "/")
+        assert status == 200 and kind.startswith("text/html") and b"app.js" in body
+        status, kind, _ = await asyncio.to_thread(get, "/app.js")
+        assert status == 200 and "javascript" in kind
+        for path in ("/../pyproject.toml", "/%2e%2e/pyproject.toml", "/nope.js", "/.hidden"):
+            assert (await asyncio.to_thread(get, path))[0] == 404, path
+        assert (await asyncio.to_thread(get, "/ws"))[0] == 426  # the socket endpoint wants an upgrade
+
+
+async def test_vanished_peer_mid_response_frees_its_session_and_work():
+    engine = FakeEngine(step_s=0.02, frames_per_word=2, reply=" ".join(["word"] * 500))
+    async with Server(engine, ServerSettings(port=0)) as server:
+        ws = await websockets.connect(url(server))
+        client = Client(ws)
+        await client.connect()
+        client.say("a long story")
+        await client.until("output_audio_buffer.started")
+        assert engine.running == 1
+        # Gone without a goodbye: no cancel, no close handshake on the socket.
+        await client.pc.close()
+        ws.transport.abort()
+        await wait_for(lambda: engine.running == 0 and engine.open_sessions == 0 and not server.peers)
+        steps = engine.steps
+        await asyncio.sleep(0.2)
+        assert engine.steps == steps  # no more model work for the vanished client
+        await client.close()
+
+
+async def test_connect_disconnect_cycles_leave_nothing_behind():
+    engine = FakeEngine(step_s=0.01, frames_per_word=2, reply=" ".join(["word"] * 200))
+    async with Server(engine, ServerSettings(port=0, peer=PeerSettings())) as server:
+
+        async def cycle(mid_response: bool) -> None:
+            async with websockets.connect(url(server)) as ws:
+                client = Client(ws)
+                await client.connect()
+                if mid_response:
+                    client.say("talk")
+                    await client.until("response.output_audio_transcript.delta")
+                await client.close()
+
+        await cycle(True)  # warm up: the default executor's encoder threads, imports, caches
+        await wait_for(lambda: not server.peers)
+        await asyncio.sleep(0.2)
+        tasks_before = len(asyncio.all_tasks())
+        threads_before = threading.active_count()
+
+        for i in range(50):
+            await cycle(mid_response=i % 2 == 0)
+
+        await wait_for(lambda: not server.peers and engine.open_sessions == 0 and engine.running == 0, 10)
+        await wait_for(lambda: len(asyncio.all_tasks()) <= tasks_before, 10)
+        assert len(engine.sessions) == 51
+        assert threading.active_count() <= threads_before + 2, [t.name for t in threading.enumerate()]
+
+
+async def wait_for(condition, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.02)

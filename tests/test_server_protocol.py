@@ -1,0 +1,246 @@
+"""The realtime events on the wire: parsing client events, the shapes of server events, and a session
+driven over the socket alone (no WebRTC), as an OpenAI Realtime client would drive it."""
+
+import asyncio
+import base64
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("websockets")
+
+import websockets  # noqa: E402
+from server_fakes import FakeEngine  # noqa: E402
+
+from omni_rt.server import protocol  # noqa: E402
+from omni_rt.server.app import Server, ServerSettings  # noqa: E402
+from omni_rt.server.peer import PeerSettings  # noqa: E402
+from omni_rt.server.protocol import ProtocolError, parse_client_event  # noqa: E402
+
+
+def user_message(text: str) -> dict:
+    return {
+        "type": "conversation.item.create",
+        "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]},
+    }
+
+
+# -- parsing -----------------------------------------------------------------------------------------------
+
+
+def test_parses_the_ga_client_events():
+    ev = parse_client_event(
+        json.dumps(
+            {
+                "type": "session.update",
+                "event_id": "c1",
+                "session": {
+                    "type": "realtime",
+                    "instructions": "Be brief.",
+                    "output_modalities": ["audio"],
+                    "audio": {"output": {"voice": "chelsie", "format": {"type": "audio/pcm"}}},
+                    "turn_detection": None,  # fields omni_rt does not use are tolerated
+                },
+            }
+        )
+    )
+    assert isinstance(ev, protocol.SessionUpdate)
+    assert ev.event_id == "c1" and ev.session.audio.output.voice == "chelsie"
+    item = parse_client_event(json.dumps(user_message("hello")))
+    assert protocol.user_text(item.item) == "hello"
+    assert isinstance(parse_client_event('{"type": "response.create"}'), protocol.ResponseCreate)
+    assert isinstance(parse_client_event('{"type": "response.cancel"}'), protocol.ResponseCancel)
+    assert parse_client_event(b'{"type": "webrtc.offer", "sdp": "v=0"}').sdp == "v=0"
+
+
+@pytest.mark.parametrize(
+    ("raw", "code", "fatal"),
+    [
+        ("", "invalid_json", True),
+        ("{", "invalid_json", True),
+        (b"\xff\xfe", "invalid_json", True),
+        ("42", "invalid_event", True),
+        ('{"type": 7}', "invalid_event", True),
+        ('{"type": "response.explode"}', "unknown_event", False),
+        ('{"type": "session.update"}', "invalid_value", False),
+        ('{"type": "session.update", "session": {"output_modalities": []}}', "invalid_value", False),
+        (
+            '{"type": "conversation.item.create", "item": {"role": "user", "content": "hi"}}',
+            "invalid_value",
+            False,
+        ),
+        ('{"type": "webrtc.offer", "sdp": ""}', "invalid_value", False),
+    ],
+)
+def test_bad_client_events_raise_protocol_errors(raw, code, fatal):
+    with pytest.raises(ProtocolError) as err:
+        parse_client_event(raw)
+    assert err.value.code == code
+    assert err.value.fatal is fatal
+
+
+def test_size_limit_counts_bytes():
+    text = json.dumps(user_message("é" * 600))  # 1,200 bytes of text in 600 characters
+    with pytest.raises(ProtocolError, match="exceeds") as err:
+        parse_client_event(text, max_bytes=1000)
+    assert err.value.code == "message_too_large" and err.value.fatal
+
+
+def test_error_event_shape():
+    ev = protocol.error(ProtocolError("no_input", "nothing to say", param="item", event_id="c9"))
+    assert ev["type"] == "error" and ev["event_id"].startswith("event_")
+    assert ev["error"] == {
+        "type": "invalid_request_error",
+        "code": "no_input",
+        "message": "nothing to say",
+        "param": "item",
+        "event_id": "c9",
+    }
+
+
+def test_audio_delta_is_base64_little_endian_pcm16():
+    pcm = np.array([0, 1, -1, 32767, -32768], dtype=np.int16)
+    ev = protocol.audio_delta("resp_1", "item_1", pcm)
+    raw = base64.b64decode(ev["delta"])
+    assert raw == b"\x00\x00\x01\x00\xff\xff\xff\x7f\x00\x80"
+    assert ev["response_id"] == "resp_1" and ev["item_id"] == "item_1"
+
+
+def test_metrics_keep_only_numbers():
+    from omni_rt.events import Metrics
+
+    m = protocol.metrics_dict(Metrics(ttft_ms=12.5, ttfa_ms=40.0))
+    assert m["ttft_ms"] == 12.5 and m["ttfa_ms"] == 40.0 and m["total_ms"] is None
+    assert protocol.metrics_dict(None) == {}
+
+
+# -- a session over the socket -------------------------------------------------------------------------------
+
+
+async def recv(ws) -> dict:
+    return json.loads(await asyncio.wait_for(ws.recv(), 5))
+
+
+async def until(ws, type_: str) -> list[dict]:
+    events = [await recv(ws)]
+    while events[-1]["type"] != type_:
+        events.append(await recv(ws))
+    return events
+
+
+@pytest.fixture
+async def served():
+    engine = FakeEngine(step_s=0.0, reply="fine thanks")
+    settings = ServerSettings(port=0, peer=PeerSettings(model="tiny", max_output_tokens=64))
+    async with Server(engine, settings) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            yield engine, server, ws
+
+
+async def test_session_created_then_updated(served):
+    engine, _, ws = served
+    created = await recv(ws)
+    assert created["type"] == "session.created"
+    session = created["session"]
+    assert session["object"] == "realtime.session" and session["model"] == "tiny"
+    assert session["audio"]["output"] == {"format": {"type": "audio/pcm", "rate": 24000}, "voice": "ethan"}
+
+    await ws.send(
+        json.dumps(
+            {
+                "type": "session.update",
+                "session": {"instructions": "Speak softly.", "audio": {"output": {"voice": "chelsie"}}},
+            }
+        )
+    )
+    updated = await recv(ws)
+    assert updated["type"] == "session.updated"
+    assert updated["session"]["audio"]["output"]["voice"] == "chelsie"
+    assert updated["session"]["instructions"] == "Speak softly."
+    # The engine now serves a session with that voice and system prompt; the old one is closed.
+    assert (engine.sessions[-1].voice, engine.sessions[-1].instructions) == ("chelsie", "Speak softly.")
+    assert engine.open_sessions == 1
+
+
+async def test_a_whole_turn_in_order(served):
+    engine, _, ws = served
+    await recv(ws)
+    await ws.send(json.dumps(user_message("how are you?")))
+    added = await recv(ws)
+    assert added["type"] == "conversation.item.added"
+    assert added["item"]["role"] == "user" and added["item"]["content"][0]["text"] == "how are you?"
+    assert (await recv(ws))["type"] == "conversation.item.done"
+
+    await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 1}}))
+    events = await until(ws, "response.done")
+    types = [e["type"] for e in events]
+    assert types[0] == "response.created"
+    assert types[-1] == "response.done"
+    assert types.index("response.output_audio.delta") < types.index("response.output_audio.done")
+    # max_output_tokens reaches the session (clamped to the server's limit when larger).
+    assert [e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta"] == ["fine"]
+    assert "response.output_text.delta" not in types  # audio modality: the transcript carries the text
+    rid = events[0]["response"]["id"]
+    assert all(e.get("response_id", rid) == rid for e in events[1:-1])
+    done = events[-1]["response"]
+    assert done["id"] == rid and done["status"] == "completed"
+    assert done["output"][0]["role"] == "assistant"
+    assert done["output"][0]["content"][0]["transcript"] == "fine"
+    assert done["usage"]["output_tokens"] == 1
+    assert engine.requests == ["how are you?"]
+
+
+async def test_text_only_response_sends_no_audio(served):
+    _, _, ws = served
+    await recv(ws)
+    await ws.send(json.dumps(user_message("hi")))
+    await ws.send(json.dumps({"type": "response.create", "response": {"output_modalities": ["text"]}}))
+    events = await until(ws, "response.done")
+    types = [e["type"] for e in events]
+    assert (
+        "response.output_audio.delta" not in types and "response.output_audio_transcript.delta" not in types
+    )
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "fine thanks"
+    assert "response.output_text.done" in types
+
+
+async def test_one_response_at_a_time_and_cancel(served):
+    engine, _, ws = served
+    engine.step_s = 0.05
+    engine.reply = " ".join(["word"] * 100)
+    await recv(ws)
+    await ws.send(json.dumps(user_message("go on")))
+    await ws.send(json.dumps({"type": "response.create"}))
+    await until(ws, "response.created")
+    await ws.send(json.dumps(user_message("and another")))
+    await ws.send(json.dumps({"type": "response.create", "event_id": "second"}))
+    events = await until(ws, "error")
+    assert events[-1]["error"]["code"] == "conversation_already_has_active_response"
+    assert events[-1]["error"]["event_id"] == "second"
+    await ws.send(json.dumps({"type": "session.update", "session": {"instructions": "new"}}))
+    assert (await until(ws, "error"))[-1]["error"]["code"] == "conversation_already_has_active_response"
+
+    await ws.send(json.dumps({"type": "response.cancel"}))
+    done = (await until(ws, "response.done"))[-1]["response"]
+    assert done["status"] == "cancelled"
+    assert done["status_details"]["type"] == "cancelled"
+    # The pending user message is answered by the next response.
+    engine.step_s, engine.reply = 0.0, "ok"
+    await ws.send(json.dumps({"type": "response.create"}))
+    assert (await until(ws, "response.done"))[-1]["response"]["status"] == "completed"
+    assert engine.requests[-1] == "and another"
+
+
+async def test_input_audio_is_counted_and_refused_once(served):
+    _, server, ws = served
+    await recv(ws)
+    chunk = base64.b64encode(np.zeros(480, "<i2").tobytes()).decode()
+    for _ in range(3):
+        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
+    error = await recv(ws)
+    assert error["type"] == "error" and error["error"]["code"] == "unsupported_event"
+    await ws.send(json.dumps(user_message("x")))
+    assert (await recv(ws))["type"] == "conversation.item.added"  # not a second error
+    (peer,) = server.peers
+    assert peer.input_audio_frames == 3

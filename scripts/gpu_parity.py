@@ -61,7 +61,11 @@ def main(argv=None) -> int:
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     cfg = preset(args.preset)
-    res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__, "preset": args.preset}
+    res: dict = {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "preset": args.preset,
+    }
 
     sync()
     t0 = time.perf_counter()

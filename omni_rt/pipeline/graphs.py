@@ -1,0 +1,124 @@
+"""CUDA-graph capture of static-shape steps, in one place, with an eager switch.
+
+    step = capture(decode_step, (ids, positions, slots), enabled=settings.cuda_graphs)
+    logits = step(ids_now, positions_now, slots_now)   # copies into the static inputs, replays
+
+A runner owns its step functions; this module only turns one into a replayable graph. `fn` must take
+tensors of fixed shapes, make no host sync and allocate nothing that outlives the call (the model's
+static KV caches are written in place, which a graph replays). Outputs are the graph's own static
+tensors: a caller reads or copies them before the next replay of the same graph.
+
+On the CPU, or with `enabled=False`, `capture` returns the eager function with the same calling
+convention, so runners have one code path. Graphs of one runner share a memory pool (`GraphPool`), so
+buckets (batch sizes, Code2Wav chunk sizes) cost the memory of the largest, not of their sum.
+
+Capture runs `fn` `warmup` times eagerly on the static inputs first: a step that writes a KV cache
+writes there at the static inputs' positions and slots. Capture at engine start, before any sequence
+owns a slot (or point the static inputs at a scratch slot).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+
+Tensors = Sequence[torch.Tensor]
+
+
+class GraphPool:
+    """A memory pool shared by the graphs captured through it (one per runner / stream)."""
+
+    def __init__(self) -> None:
+        self.handle = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+
+
+class Graphed:
+    """A captured step: `__call__(*inputs)` copies `inputs` into the static inputs and replays."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        static_inputs: Tensors,
+        *,
+        warmup: int = 2,
+        pool: GraphPool | None = None,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        self.fn = fn
+        self.static_inputs = tuple(static_inputs)
+        device = self.static_inputs[0].device
+        side = torch.cuda.Stream(device=device) if stream is None else stream
+        # Warm up on a side stream, as capture requires: lazy inits (cuBLAS handles, Triton compiles,
+        # autotuning) must happen outside the graph.
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn(*self.static_inputs)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=None if pool is None else pool.handle, stream=side):
+            self.static_outputs = fn(*self.static_inputs)
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        if len(inputs) != len(self.static_inputs):
+            raise TypeError(f"graphed step takes {len(self.static_inputs)} tensors, got {len(inputs)}")
+        for dst, src in zip(self.static_inputs, inputs, strict=True):
+            if src is not dst:
+                dst.copy_(src, non_blocking=True)
+        self.graph.replay()
+        return self.static_outputs
+
+
+def capture(
+    fn: Callable[..., Any],
+    static_inputs: Tensors,
+    *,
+    enabled: bool = True,
+    warmup: int = 2,
+    pool: GraphPool | None = None,
+    stream: torch.cuda.Stream | None = None,
+) -> Callable[..., Any]:
+    """`fn` captured in a CUDA graph over `static_inputs` (CUDA and enabled), else `fn` itself."""
+    if not enabled or not static_inputs or static_inputs[0].device.type != "cuda":
+        return fn
+    return Graphed(fn, static_inputs, warmup=warmup, pool=pool, stream=stream)
+
+
+class GraphBuckets:
+    """One graph per static shape key (batch size, chunk frames), captured on first use, shared pool.
+
+    make_inputs(key) -> static input tensors for that key. With `enabled=False` (or on the CPU) calls
+    run eagerly.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        make_inputs: Callable[[Hashable], Tensors],
+        *,
+        enabled: bool = True,
+        warmup: int = 2,
+    ) -> None:
+        self.fn = fn
+        self.make_inputs = make_inputs
+        self.enabled = enabled and torch.cuda.is_available()
+        self.warmup = warmup
+        self.pool = GraphPool() if self.enabled else None
+        self.graphs: dict[Hashable, Callable[..., Any]] = {}
+
+    def __call__(self, key: Hashable, *inputs: torch.Tensor) -> Any:
+        g = self.graphs.get(key)
+        if g is None:
+            if not self.enabled or inputs[0].device.type != "cuda":
+                return self.fn(*inputs)
+            g = capture(self.fn, self.make_inputs(key), warmup=self.warmup, pool=self.pool)
+            self.graphs[key] = g
+        return g(*inputs)
+
+    def capture_all(self, keys: Sequence[Hashable]) -> None:
+        """Capture every bucket up front (at engine start), so no request pays for a capture."""
+        for key in keys:
+            if key not in self.graphs and self.enabled:
+                self.graphs[key] = capture(self.fn, self.make_inputs(key), warmup=self.warmup, pool=self.pool)

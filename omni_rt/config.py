@@ -55,7 +55,9 @@ class EngineSettings(_Settings):
         12.0, ge=0.0, le=1000.0, description="longest the Thinker's next step waits for a pending frame 0"
     )
     cuda_graphs: bool = Field(True, description="capture per-token/per-frame steps in CUDA graphs (GPU only)")
-    moe_backend: Literal["auto", "grouped_mm", "loop"] = Field("auto", description="expert FFN backend")
+    moe_backend: Literal["auto", "loop", "gather", "grouped_mm"] = Field(
+        "auto", description="expert FFN backend (omni_rt.model.layers.SparseMoe impl)"
+    )
     deterministic: bool = Field(
         False,
         description="run every sequence's step on its own (batch-invariant results) instead of batching",

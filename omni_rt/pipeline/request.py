@@ -86,6 +86,7 @@ class Request:
     cancelled: bool = False
     # frame 0 is pending: the Talker has the first token and can make frame 0 without more text
     frame0_pending: bool = False
+    talker_prefilled: bool = False  # the Talker's prompt prefix is in its cache (multi-turn reuse)
     yielded: bool = False  # the Thinker has already waited once for this request's frame 0
 
     # timestamps on the pipeline's clock (None until they happen)

@@ -319,8 +319,9 @@ class Pipeline:
         req.tokens.append(token)
         req.t_thinker_last = self.clock()
         self._post(req, TextOut(token))
-        out.append(("first", req, token) if first else ("text", req, token))
         eos = token == self.ids.im_end and not req.ignore_eos
+        if not (first and eos):  # an empty reply gets only "text_end": the Talker has nothing to say
+            out.append(("first", req, token) if first else ("text", req, token))
         # the next decode would write this token at position len(prompt) + len(tokens) - 1
         full = len(req.prompt_ids) + len(req.tokens) > self.settings.max_context
         if eos or full or len(req.tokens) >= req.max_output_tokens:
@@ -425,6 +426,11 @@ class Pipeline:
                 continue
             self._record("talker", "prefix", t0, [s.req])
             s.prefix_done = True
+            s.req.talker_prefilled = True
+
+        # a reply that is only `<|im_end|>` has nothing to speak (as offline): no Talker work
+        for s in [s for s in seqs.values() if s.text_done and s.first is None]:
+            self._talker_finish(s, seqs)
 
         # 2. the last prompt position at the first text token → code 0 (→ frame 0 in the same step)
         starting = [s for s in seqs.values() if s.prefix_done and s.first is not None and not s.started]

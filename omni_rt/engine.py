@@ -1,0 +1,191 @@
+"""Engine: loads a model, owns the background pipeline, admits sessions.
+
+    engine = omni_rt.Engine.load("tiny")              # CPU, seeded random weights
+    async with engine:                                # builds the stage runners, starts their threads
+        async with engine.session(voice="ethan") as s:
+            async for ev in s.respond("Hello!"):
+                ...
+
+Model work runs in the pipeline's threads, never on the caller's event loop. Caches are allocated when
+the engine starts (one slot per session, `EngineSettings.max_sessions`) and dropped when it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from omni_rt.config import EngineSettings, Sampling, SessionSettings
+from omni_rt.errors import CapacityError, ConfigError, EngineClosedError, InvalidRequestError
+from omni_rt.model.config import PRESETS, OmniConfig, load_hf_config, preset
+from omni_rt.pipeline.request import Request
+from omni_rt.pipeline.scheduler import Pipeline
+from omni_rt.session import Session, check_sample_rate
+
+# builds (thinker, talker, code2wav) stage runners at engine start
+StageFactory = Callable[[EngineSettings], tuple[Any, Any, Any]]
+
+
+class Engine:
+    def __init__(
+        self,
+        cfg: OmniConfig,
+        tokenizer: Any,
+        stages: StageFactory,
+        settings: EngineSettings | None = None,
+        model: Any = None,
+        name: str = "custom",
+    ) -> None:
+        """Prefer `Engine.load(...)`. `stages` builds the runners at start (tests pass fake ones)."""
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.settings = settings or EngineSettings()
+        self.model = model
+        self.name = name
+        self._stages = stages
+        self._pipeline: Pipeline | None = None
+        self._free_slots = list(range(self.settings.max_sessions))
+
+    # -- loading ---------------------------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls,
+        model: str | Path = "tiny",
+        *,
+        device: str = "cpu",
+        dtype: str | None = None,
+        random_weights: bool = False,
+        seed: int = 0,
+        settings: EngineSettings | None = None,
+        **overrides: Any,
+    ) -> Engine:
+        """A preset name (`tiny`, `qwen3-omni-30b-a3b`) or a Hugging Face checkpoint directory.
+
+        `tiny` always has seeded random weights; other presets need `random_weights=True` (they have no
+        checkpoint here). dtype defaults to float32 on the CPU and bfloat16 elsewhere. Keyword overrides
+        go to `EngineSettings` (e.g. `max_sessions=8`, `yield_to_talker_ms=0`).
+        """
+        import torch  # the engine's import path stays light until a model is actually loaded
+
+        from omni_rt.model.omni import OmniModel
+        from omni_rt.tokenizer import Tokenizer
+
+        if overrides:
+            settings = (settings or EngineSettings()).model_copy(update=overrides)
+            settings = EngineSettings.model_validate(settings.model_dump())
+        settings = settings or EngineSettings()
+        name = str(model)
+        if name in PRESETS:
+            cfg = preset(name)
+            if name != "tiny" and not random_weights:
+                raise ConfigError(
+                    f"preset {name!r} has no weights here: pass a checkpoint directory, or random_weights=True"
+                )
+            weights: Any = "random"
+            tokenizer = Tokenizer.tiny(cfg.ids)
+        elif Path(name).is_dir():
+            cfg = load_hf_config(name)
+            weights = "random" if random_weights else name
+            tokenizer = Tokenizer.from_checkpoint(name, cfg.ids)
+        else:
+            raise ConfigError(f"unknown model {name!r}: a preset {list(PRESETS)} or a checkpoint directory")
+        dtype = dtype or ("float32" if torch.device(device).type == "cpu" else "bfloat16")
+        omni = OmniModel.build(
+            cfg, device=device, dtype=dtype, weights=weights, seed=seed, moe_impl=settings.moe_backend
+        )
+
+        def stages(s: EngineSettings):
+            from omni_rt.pipeline.runners import build_runners
+
+            return build_runners(omni, s)
+
+        return cls(cfg, tokenizer, stages, settings, model=omni, name=name)
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._pipeline is not None and self._pipeline.running
+
+    async def start(self) -> None:
+        if self.running:
+            return
+        # building runners allocates the caches: off the event loop
+        thinker, talker, code2wav = await asyncio.to_thread(self._stages, self.settings)
+        self._pipeline = Pipeline(thinker, talker, code2wav, self.settings, self.cfg.ids)
+        self._pipeline.start()
+
+    async def stop(self) -> None:
+        """Stop the stage threads (in-flight responses end failed) and drop the caches."""
+        p, self._pipeline = self._pipeline, None
+        if p is not None:
+            await asyncio.to_thread(p.stop)
+            p.thinker = p.talker = p.code2wav = None  # the runners hold the caches
+
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """The running pipeline (its `steps` and `yields` logs are what the benchmark reads)."""
+        return self._pipeline
+
+    # -- sessions --------------------------------------------------------------------------------------
+
+    def speaker_id(self, voice: str) -> int:
+        try:
+            return self.cfg.speaker_id(voice)
+        except KeyError as e:
+            raise InvalidRequestError(str(e.args[0])) from None
+
+    def session(
+        self,
+        voice: str = "ethan",
+        instructions: str | None = None,
+        output_sample_rate: int = 24000,
+        sampling: Sampling | None = None,
+        **kwargs: Any,
+    ) -> Session:
+        """Open a conversation (holds one cache slot until closed). Bad settings raise InvalidRequestError."""
+        if not self.running:
+            raise EngineClosedError("the engine is not running: use `async with engine:`")
+        speaker = self.speaker_id(voice)
+        check_sample_rate(output_sample_rate)
+        try:
+            settings = SessionSettings(
+                voice=voice,
+                instructions=instructions,
+                output_sample_rate=output_sample_rate,
+                sampling=sampling or Sampling(),
+                **kwargs,
+            )
+        except ValueError as e:
+            raise InvalidRequestError(f"bad session settings: {e}") from None
+        if not self._free_slots:
+            raise CapacityError(f"all {self.settings.max_sessions} session slots are in use")
+        return Session(self, self._free_slots.pop(0), settings, speaker)
+
+    def _release_slot(self, slot: int) -> None:
+        if slot not in self._free_slots:
+            self._free_slots.append(slot)
+            self._free_slots.sort()
+
+    def _submit(self, req: Request) -> None:
+        if self._pipeline is None:
+            raise EngineClosedError("the engine is not running: use `async with engine:`")
+        self._pipeline.submit(req)
+
+    def _pipeline_cancel(self, req: Request) -> None:
+        if self._pipeline is not None:
+            self._pipeline.cancel(req)
+
+    def _pipeline_cancel_with_error(self, req: Request, exc: Exception) -> None:
+        if self._pipeline is not None:
+            self._pipeline._fail(req, exc)

@@ -1,0 +1,218 @@
+"""The real stage runners: each owns its stage's tensors, caches and samplers; the scheduler calls them
+with token ids and codes (plain ints) and gets plain ints and numpy PCM back.
+
+Caches are allocated once, when the runners are built at engine start: one slot (row) per session in
+the Thinker's and the Talker's KV caches, one Code2Wav streaming state per slot. Every per-token and
+per-frame call has a shape that depends only on the batch size, so it could be captured in a CUDA graph;
+on the CPU the same code runs eagerly.
+
+Sampling is the offline loop's (`omni_rt.model.offline.StageSampler`), one sampler per sequence and
+stage, so a request gets the same decisions from the same logits however it is batched.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from omni_rt.config import EngineSettings, StageSampling
+from omni_rt.model.code2wav import Code2WavStream
+from omni_rt.model.offline import StageSampler, codec_suppressed_ids
+from omni_rt.model.talker import talker_prompt_last, talker_prompt_prefix, talker_step_input
+from omni_rt.pipeline.request import Request
+
+# Each stage draws from its own generator, seeded from the response's seed and the stage's offset, so a
+# seeded response is reproducible whatever the interleaving of the stages.
+_SEED_OFFSET = {"thinker": 0, "talker": 1, "code_predictor": 2}
+
+
+def _generator(req: Request, stage: str, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    if req.sampling.seed is None:
+        g.seed()
+    else:
+        g.manual_seed(req.sampling.seed * 3 + _SEED_OFFSET[stage])
+    return g
+
+
+def _rows(n: int, deterministic: bool) -> list[slice]:
+    """Row groups to run: the whole batch, or one row at a time (batch-invariant) when deterministic."""
+    return [slice(i, i + 1) for i in range(n)] if deterministic else [slice(0, n)]
+
+
+class ThinkerRunner:
+    def __init__(self, model, settings: EngineSettings) -> None:
+        self.thinker = model.thinker
+        self.settings = settings
+        self.device = model.device
+        self.cache = self.thinker.allocate_cache(settings.max_sessions, settings.max_context)
+        self.vocab = self.thinker.cfg.vocab_size
+        self._samplers: dict[int, StageSampler] = {}  # slot -> the running request's sampler
+
+    @torch.no_grad()
+    def prefill(self, req: Request) -> int:
+        new = torch.tensor(req.new_prompt_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
+        t = new.shape[1]
+        positions = torch.arange(req.thinker_start, req.thinker_start + t, device=self.device)[None]  # [1, T]
+        slots = torch.tensor([req.slot], device=self.device)
+        logits, _ = self.thinker(new, positions, self.cache, slots, last_only=True)  # [1, 1, V]
+        sampler = StageSampler(
+            req.sampling.thinker,
+            self.vocab,
+            device=self.device,
+            generator=_generator(req, "thinker", self.device),
+        )
+        # the repetition penalty covers the whole conversation, as the reference's covers its prompt
+        sampler.observe(torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)[None])
+        self._samplers[req.slot] = sampler
+        return int(sampler(logits[:, -1]))
+
+    @torch.no_grad()
+    def decode(self, reqs: list[Request]) -> list[int]:
+        last = torch.tensor([[r.tokens[-1]] for r in reqs], device=self.device)  # [B, 1]
+        # the last token goes to the position after everything already in the cache
+        positions = torch.tensor([[len(r.prompt_ids) + len(r.tokens) - 1] for r in reqs], device=self.device)
+        slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
+        out: list[int] = []
+        for rows in _rows(len(reqs), self.settings.deterministic):
+            logits, _ = self.thinker(last[rows], positions[rows], self.cache, slots[rows], last_only=True)
+            for i, r in enumerate(reqs[rows]):
+                out.append(int(self._samplers[r.slot](logits[i : i + 1, -1])))  # [1, V] -> id
+        return out
+
+
+class TalkerRunner:
+    def __init__(self, model, settings: EngineSettings) -> None:
+        self.talker = model.talker
+        self.embed_text = model.thinker.embed  # the Talker reads the Thinker's input embeddings
+        self.settings = settings
+        self.device = model.device
+        self.cfg = model.cfg
+        self.cache = self.talker.allocate_cache(settings.max_sessions, settings.max_talker_context)
+        self.talker.code_predictor.setup_cache(settings.max_sessions)
+        vocab = self.cfg.talker.vocab_size
+        eos = self.cfg.ids.codec_eos
+        self._suppress = codec_suppressed_ids(vocab, eos).to(self.device)
+        self._suppress_eos = codec_suppressed_ids(vocab, eos, suppress_eos=True).to(self.device)
+        # per slot: prompt length (prefix + last position), steps taken, last hidden, samplers
+        self._prompt_len: dict[int, int] = {}
+        self._steps: dict[int, int] = {}
+        self._hidden: dict[int, torch.Tensor] = {}  # [Ht]
+        self._code0: dict[int, StageSampler] = {}
+        self._cp_gen: dict[int, torch.Generator] = {}
+
+    def prompt_prefix(self, req: Request) -> torch.Tensor:
+        """The Talker prompt but its last position, for the whole conversation: [L - 1, Ht]."""
+        return talker_prompt_prefix(self.talker, self.embed_text, req.prompt_ids, req.speaker_id)
+
+    @torch.no_grad()
+    def prefill_prefix(self, req: Request) -> None:
+        prefix = self.prompt_prefix(req)  # [L - 1, Ht]
+        start = req.talker_start  # earlier turns' user tokens are already in this slot's cache
+        positions = torch.arange(start, prefix.shape[0], device=self.device)[None]  # [1, L - 1 - start]
+        slots = torch.tensor([req.slot], device=self.device)
+        self.talker(prefix[start:][None], positions, self.cache, slots)
+        self._prompt_len[req.slot] = prefix.shape[0] + 1
+        self._steps[req.slot] = 0
+        vocab = self.cfg.talker.vocab_size
+        suppress = self._suppress_eos if req.ignore_eos else self._suppress
+        self._code0[req.slot] = StageSampler(
+            req.sampling.talker,
+            vocab,
+            device=self.device,
+            suppress=suppress,
+            generator=_generator(req, "talker", self.device),
+        )
+        self._cp_gen[req.slot] = _generator(req, "code_predictor", self.device)
+
+    @torch.no_grad()
+    def prefill_last(self, req: Request, first_token: int) -> int:
+        first = torch.tensor([first_token], device=self.device)
+        x = talker_prompt_last(self.talker, self.embed_text, first)  # [1, Ht]
+        positions = torch.tensor([[self._prompt_len[req.slot] - 1]], device=self.device)
+        slots = torch.tensor([req.slot], device=self.device)
+        logits, hidden = self.talker(x[:, None], positions, self.cache, slots)  # [1, 1, V], [1, 1, Ht]
+        self._hidden[req.slot] = hidden[0, -1]
+        return int(self._code0[req.slot](logits[:, -1]))
+
+    @torch.no_grad()
+    def predict(self, reqs: list[Request], code0: list[int]) -> list[list[int]]:
+        hidden = torch.stack([self._hidden[r.slot] for r in reqs])  # [B, Ht]
+        c0 = torch.tensor(code0, device=self.device)  # [B]
+        out: list[list[int]] = []
+        for rows in _rows(len(reqs), self.settings.deterministic):
+            frames = self.talker.predict_frame(
+                hidden[rows], c0[rows], self._code_sampler(reqs[rows])
+            )  # [b, 16]
+            out += frames.tolist()
+        return out
+
+    def _code_sampler(self, reqs: list[Request]):
+        """Codes 1..15 of a frame, each row with its request's settings and a fresh history (no penalty)."""
+        vocab = self.cfg.code_predictor.vocab_size
+        pickers = [
+            StageSampler(
+                _cp_sampling(r.sampling.effective_code_predictor),
+                vocab,
+                device=self.device,
+                generator=self._cp_gen[r.slot],
+            )
+            for r in reqs
+        ]
+
+        def sample(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B]
+            return torch.cat([p(logits[i : i + 1]) for i, p in enumerate(pickers)])
+
+        return sample
+
+    @torch.no_grad()
+    def step(self, reqs: list[Request], frames: list[list[int]], text_ids: list[int]) -> list[int]:
+        codes = torch.tensor(frames, device=self.device)  # [B, 16]
+        text = torch.tensor(text_ids, device=self.device)  # [B]
+        x = talker_step_input(self.talker, self.embed_text, codes, text)  # [B, Ht]
+        for r in reqs:
+            self._steps[r.slot] += 1
+        # step k of a sequence with an L-position prompt writes position L - 1 + k
+        positions = torch.tensor(
+            [[self._prompt_len[r.slot] - 1 + self._steps[r.slot]] for r in reqs], device=self.device
+        )
+        slots = torch.tensor([r.slot for r in reqs], device=self.device)
+        out: list[int] = []
+        for rows in _rows(len(reqs), self.settings.deterministic):
+            logits, hidden = self.talker(x[rows, None], positions[rows], self.cache, slots[rows])  # [b, 1, V]
+            for i, r in enumerate(reqs[rows]):
+                self._hidden[r.slot] = hidden[i, -1]
+                out.append(int(self._code0[r.slot](logits[i : i + 1, -1])))
+        return out
+
+
+def _cp_sampling(s: StageSampling) -> StageSampling:
+    # The reference's code predictor has no repetition penalty (a fresh sequence every frame).
+    return s if s.repetition_penalty == 1.0 else s.model_copy(update={"repetition_penalty": 1.0})
+
+
+class Code2WavRunner:
+    def __init__(self, model, settings: EngineSettings) -> None:
+        self.code2wav = model.code2wav
+        self.device = model.device
+        self.samples_per_frame = self.code2wav.samples_per_frame
+        # one exact streaming state per session slot, allocated once
+        self._streams = [Code2WavStream(self.code2wav) for _ in range(settings.max_sessions)]
+
+    def open(self, req: Request) -> None:
+        self._streams[req.slot].reset()
+
+    @torch.no_grad()
+    def push(self, req: Request, frames: list[list[int]]) -> np.ndarray:
+        codes = torch.tensor(frames, device=self.device).T  # [16, n]
+        return self._streams[req.slot].push(codes).float().cpu().numpy()
+
+    def flush(self, req: Request) -> np.ndarray:
+        return self._streams[req.slot].flush().float().cpu().numpy()
+
+    def close(self, req: Request) -> None:
+        self._streams[req.slot].reset()
+
+
+def build_runners(model, settings: EngineSettings) -> tuple[ThinkerRunner, TalkerRunner, Code2WavRunner]:
+    return ThinkerRunner(model, settings), TalkerRunner(model, settings), Code2WavRunner(model, settings)

@@ -1,0 +1,390 @@
+"""Session: one conversation on an engine. `respond()` streams its events; `cancel()` stops the current
+response and keeps the session usable.
+
+The session is the bridge between the pipeline's threads and the caller's event loop: the pipeline posts
+plain messages with `loop.call_soon_threadsafe`; the session turns them into Realtime events (text
+detokenised, PCM resampled to the session's rate as int16) when the caller reads them. It keeps the
+conversation and which part of it the stage caches already hold, so a second turn prefills only its
+new tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from omni_rt.audio.resample import StreamingResampler
+from omni_rt.config import OUTPUT_SAMPLE_RATES, Sampling, SessionSettings
+from omni_rt.errors import CapacityError, EngineClosedError, InvalidRequestError, OmniRtError, StageError
+from omni_rt.events import (
+    ErrorEvent,
+    Event,
+    Metrics,
+    ResponseCreated,
+    ResponseDone,
+    ResponseOutputAudioDelta,
+    ResponseOutputAudioDone,
+    ResponseOutputAudioTranscriptDelta,
+    ResponseOutputTextDelta,
+    Usage,
+)
+from omni_rt.pipeline.request import (
+    AudioDoneOut,
+    AudioOut,
+    DoneOut,
+    ErrorOut,
+    Message,
+    Request,
+    TextOut,
+    TranscriptOut,
+)
+
+if TYPE_CHECKING:
+    from omni_rt.engine import Engine
+
+NATIVE_RATE = 24000
+_response_ids = itertools.count(1)
+
+
+def count_user_tokens(ids: Sequence[int], im_start: int, user: int) -> int:
+    """Tokens inside user turns (a turn runs from its `<|im_start|>` to the next one), as the Talker's
+    prompt takes them (`omni_rt.model.talker.user_turn_mask`, restated without torch)."""
+    n, role = 0, ids[1] if len(ids) > 1 else None
+    for i, tok in enumerate(ids):
+        if tok == im_start:
+            role = ids[i + 1] if i + 1 < len(ids) else None
+        n += role == user
+    return n
+
+
+@dataclass(eq=False)
+class _Response:
+    req: Request
+    queue: asyncio.Queue
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    cancel_requested: bool = False
+    status: str | None = None
+
+
+class Session:
+    """One conversation. Make it with `engine.session(...)`; use it as `async with` or call `close()`."""
+
+    def __init__(self, engine: Engine, slot: int, settings: SessionSettings, speaker_id: int) -> None:
+        self.engine = engine
+        self.slot = slot
+        self.settings = settings
+        self.speaker_id = speaker_id
+        self.ids = engine.cfg.ids
+        self.conversation: list[int] = []  # every token so far, ending with the last reply
+        self._thinker_cached = 0  # conversation[:n] is in the Thinker's cache
+        self._talker_cached = 0  # user-turn tokens in the Talker's cache (its positions 0..n-1)
+        self._current: _Response | None = None
+        self._closed = False
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Session:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Cancel any running response and give the slot back to the engine."""
+        if self._closed:
+            return
+        await self.cancel()
+        self._closed = True
+        self.engine._release_slot(self.slot)
+
+    # -- responses -------------------------------------------------------------------------------------
+
+    async def respond(
+        self,
+        text: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        audio: Any = None,
+        voice: str | None = None,
+        sampling: Sampling | None = None,
+        max_output_tokens: int | None = None,
+        max_audio_frames: int | None = None,
+        ignore_eos: bool = False,
+    ) -> AsyncIterator[Event]:
+        """Stream one response: response.created, text and audio deltas, ..., response.done (always last).
+
+        `text` goes through the chat template; `input_ids` are appended to the conversation verbatim (a
+        whole chat-formatted prompt on the first turn, ending with `<|im_start|> assistant \\n`). A bad
+        request yields an `error` event and `response.done(status="failed")`.
+        """
+        t0 = time.perf_counter()
+        rid = f"resp_{next(_response_ids)}"
+        yield ResponseCreated(response_id=rid)
+        try:
+            req, rate = self._build(rid, t0, text, input_ids, audio, voice, sampling, max_output_tokens,
+                                    max_audio_frames, ignore_eos)  # fmt: skip
+        except OmniRtError as e:
+            yield ErrorEvent.from_exception(e, rid)
+            yield ResponseDone(response_id=rid, status="failed", error=ErrorEvent.from_exception(e).error)
+            return
+        resp = _Response(req, asyncio.Queue())
+        loop = asyncio.get_running_loop()
+        bound = self.engine.settings.event_queue_size
+
+        def on_message(msg: Message) -> None:  # on the loop thread, in the pipeline's order
+            terminal = isinstance(msg, ErrorOut | DoneOut)
+            if not terminal and resp.queue.qsize() >= bound:
+                self.engine._pipeline_cancel_with_error(
+                    req, CapacityError(f"the caller did not read this response's events ({bound} queued)")
+                )
+                return
+            if isinstance(msg, DoneOut):
+                self._commit(req, msg.status)
+                resp.status = msg.status
+                resp.done.set()
+            resp.queue.put_nowait(msg)
+
+        def sink(msg: Message) -> None:  # on a stage thread
+            loop.call_soon_threadsafe(on_message, msg)
+
+        req.sink = sink
+        self._current = resp
+        try:
+            self.engine._submit(req)
+        except OmniRtError as e:
+            self._current = None
+            yield ErrorEvent.from_exception(e, rid)
+            yield ResponseDone(response_id=rid, status="failed", error=ErrorEvent.from_exception(e).error)
+            return
+        try:
+            async for ev in self._events(resp, rid, rate, t0):
+                yield ev
+        finally:
+            if not resp.done.is_set():  # the caller stopped reading: stop generating
+                resp.cancel_requested = True
+                self.engine._pipeline_cancel(req)
+            if self._current is resp:
+                self._current = None
+
+    async def cancel(self) -> None:
+        """Barge-in: stop the current response now (within one codec frame) and keep the session.
+
+        The response's iterator ends with `response.done(status="cancelled")`; no audio follows it.
+        """
+        resp = self._current
+        if resp is None or resp.done.is_set():
+            return
+        resp.cancel_requested = True
+        self.engine._pipeline_cancel(resp.req)
+        try:
+            await asyncio.wait_for(resp.done.wait(), timeout=60.0)
+        except TimeoutError:
+            raise StageError("the pipeline did not stop the response within 60 s") from None
+
+    # -- internals -------------------------------------------------------------------------------------
+
+    def _build(
+        self,
+        rid,
+        t0,
+        text,
+        input_ids,
+        audio,
+        voice,
+        sampling,
+        max_output_tokens,
+        max_audio_frames,
+        ignore_eos,
+    ) -> tuple[Request, int]:
+        if self._closed:
+            raise InvalidRequestError("this session is closed")
+        if not self.engine.running:
+            raise EngineClosedError("the engine is not running: use `async with engine:`")
+        if self._current is not None and not self._current.done.is_set():
+            raise InvalidRequestError("a response is already in progress in this session: cancel() it first")
+        if audio is not None:
+            raise InvalidRequestError("audio input is not supported yet: send text or input_ids")
+        if (text is None) == (input_ids is None):
+            raise InvalidRequestError("give exactly one of text or input_ids")
+        cfg = self.engine.cfg
+        if text is not None:
+            if not isinstance(text, str) or not text.strip():
+                raise InvalidRequestError("empty input: text must contain something to respond to")
+            turns: list[tuple[str, str]] = []
+            if not self.conversation and self.settings.instructions:
+                turns.append(("system", self.settings.instructions))
+            turns.append(("user", text))
+            new = self.engine.tokenizer.chat_prompt(turns)
+        else:
+            new = list(input_ids)
+            if not new:
+                raise InvalidRequestError("empty input: input_ids is empty")
+            if not all(isinstance(t, int | np.integer) and 0 <= t < cfg.thinker.vocab_size for t in new):
+                raise InvalidRequestError(f"input_ids must be token ids in [0, {cfg.thinker.vocab_size})")
+            new = [int(t) for t in new]
+        if new[-3:] != [self.ids.im_start, self.ids.assistant, self.ids.newline]:
+            raise InvalidRequestError(
+                "the prompt must end with the assistant header [<|im_start|>, assistant, \\n] "
+                f"= {[self.ids.im_start, self.ids.assistant, self.ids.newline]}"
+            )
+        prompt = self.conversation + self._close_turn() + new
+        s = self.engine.settings
+        if len(prompt) >= s.max_context:
+            raise InvalidRequestError(
+                f"the prompt ({len(prompt)} tokens with the conversation so far) is longer than the "
+                f"context ({s.max_context} tokens)"
+            )
+        talker_prompt = count_user_tokens(prompt, self.ids.im_start, self.ids.user) + 9
+        if talker_prompt >= s.max_talker_context:
+            raise InvalidRequestError(
+                f"the user turns ({talker_prompt - 9} tokens) do not fit the Talker's context "
+                f"({s.max_talker_context})"
+            )
+        speaker = self.speaker_id if voice is None else self.engine.speaker_id(voice)
+        rate = self.settings.output_sample_rate
+        max_tokens = max_output_tokens or self.settings.max_output_tokens
+        max_frames = max_audio_frames or self.settings.max_audio_frames
+        if max_tokens < 1 or max_frames < 1:
+            raise InvalidRequestError("max_output_tokens and max_audio_frames must be >= 1")
+        # the Talker's cache must hold its prompt plus one position per frame after the first
+        max_frames = min(max_frames, s.max_talker_context - talker_prompt + 1)
+        req = Request(
+            id=rid,
+            slot=self.slot,
+            prompt_ids=prompt,
+            thinker_start=min(self._thinker_cached, len(prompt) - 1),
+            talker_start=self._talker_cached,
+            speaker_id=speaker,
+            sampling=sampling or self.settings.sampling,
+            max_output_tokens=max_tokens,
+            max_audio_frames=max_frames,
+            sink=lambda msg: None,
+            t0=t0,
+            ignore_eos=ignore_eos,
+        )
+        return req, rate
+
+    def _close_turn(self) -> list[int]:
+        """Tokens that end the previous assistant turn: `<|im_end|>` (unless the reply had it) and `\\n`."""
+        if not self.conversation:
+            return []
+        return ([] if self.conversation[-1] == self.ids.im_end else [self.ids.im_end]) + [self.ids.newline]
+
+    def _commit(self, req: Request, status: str) -> None:
+        """Record the turn in the conversation (a cancelled reply is kept as far as it got)."""
+        if status == "failed" or not req.tokens:
+            return
+        self.conversation = req.prompt_ids + req.tokens
+        self._thinker_cached = len(self.conversation) - 1  # the last sampled token was never fed
+        if req.talker_prefilled:
+            self._talker_cached = count_user_tokens(req.prompt_ids, self.ids.im_start, self.ids.user)
+
+    async def _events(self, resp: _Response, rid: str, rate: int, t0: float) -> AsyncIterator[Event]:
+        req = resp.req
+        tok = self.engine.tokenizer
+        text_dec = tok.incremental()
+        transcript_dec = tok.incremental()
+        resampler = None if rate == NATIVE_RATE else StreamingResampler(NATIVE_RATE, rate)
+        t_text = t_audio = None
+        error = None
+        while True:
+            msg = await resp.queue.get()
+            live = not resp.cancel_requested  # after a cancel, only the end goes out
+            if isinstance(msg, TextOut):
+                if not live or (msg.token_id == self.ids.im_end and not req.ignore_eos):
+                    continue
+                if t_text is None:
+                    t_text = time.perf_counter()
+                yield ResponseOutputTextDelta(
+                    response_id=rid, delta=text_dec.push(msg.token_id), token_ids=[msg.token_id]
+                )
+            elif isinstance(msg, TranscriptOut):
+                delta = transcript_dec.push(msg.token_id) if live else ""
+                if delta:
+                    yield ResponseOutputAudioTranscriptDelta(response_id=rid, delta=delta)
+            elif isinstance(msg, AudioOut):
+                if not live:
+                    continue
+                pcm = msg.pcm if resampler is None else resampler.push(msg.pcm)
+                if len(pcm) == 0:
+                    continue
+                if t_audio is None:
+                    t_audio = time.perf_counter()
+                yield ResponseOutputAudioDelta(
+                    response_id=rid, pcm=_to_int16(pcm), sample_rate=rate, frame_index=msg.frame_index,
+                    num_frames=msg.num_frames,
+                )  # fmt: skip
+            elif isinstance(msg, AudioDoneOut):
+                if not live:
+                    continue
+                if resampler is not None:
+                    tail = resampler.flush()
+                    if len(tail):
+                        yield ResponseOutputAudioDelta(
+                            response_id=rid, pcm=_to_int16(tail), sample_rate=rate, frame_index=req.frames,
+                            num_frames=0,
+                        )  # fmt: skip
+                yield ResponseOutputAudioDone(response_id=rid)
+            elif isinstance(msg, ErrorOut):
+                error = ErrorEvent.from_exception(msg.error, rid)
+                yield error
+            elif isinstance(msg, DoneOut):
+                status = msg.status
+                if resp.cancel_requested and status == "completed":
+                    status = "cancelled"  # finished before the cancel landed; the caller asked to stop
+                yield ResponseDone(
+                    response_id=rid,
+                    status=status,
+                    usage=Usage(
+                        input_tokens=len(req.new_prompt_ids),
+                        cached_tokens=req.thinker_start,
+                        output_tokens=len(req.tokens),
+                        audio_frames=req.frames,
+                    ),
+                    metrics=_metrics(req, t0, t_text, t_audio),
+                    error=None if error is None else error.error,
+                )
+                return
+
+
+def _to_int16(pcm: np.ndarray) -> np.ndarray:
+    return (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype(np.int16)
+
+
+def _ms(t: float | None, t0: float) -> float | None:
+    return None if t is None else (t - t0) * 1000.0
+
+
+def _metrics(req: Request, t0: float, t_text: float | None, t_audio: float | None) -> Metrics:
+    t_end = time.perf_counter()
+    audio_s = req.samples / NATIVE_RATE
+    n = len(req.tokens)
+    tps = None
+    if n > 1 and req.t_thinker_first is not None and req.t_thinker_last is not None:
+        span = req.t_thinker_last - req.t_thinker_first
+        tps = (n - 1) / span if span > 0 else None
+    return Metrics(
+        ttft_ms=_ms(t_text, t0),
+        ttfa_ms=_ms(t_audio, t0),
+        thinker_first_token_ms=_ms(req.t_thinker_first, t0),
+        talker_first_code_ms=_ms(req.t_talker_first_code, t0),
+        first_pcm_ms=_ms(req.t_first_pcm, t0),
+        total_ms=(t_end - t0) * 1000.0,
+        text_tokens_per_s=tps,
+        audio_seconds=audio_s,
+        rtf=(t_end - t0) / audio_s if audio_s > 0 else None,
+    )
+
+
+def check_sample_rate(rate: int) -> int:
+    if rate not in OUTPUT_SAMPLE_RATES:
+        raise InvalidRequestError(
+            f"unsupported output sample rate {rate}; choose one of {list(OUTPUT_SAMPLE_RATES)}"
+        )
+    return rate

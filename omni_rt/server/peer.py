@@ -74,6 +74,7 @@ class Peer:
         self.voice = settings.voice
         self.instructions = settings.instructions or ""
         self.output_modalities: list[str] = ["audio"]
+        self.max_output_tokens: int | str = "inf"  # "inf": the server's limit
 
         self.session: Any = None
         self._session_stack: contextlib.AsyncExitStack | None = None
@@ -189,6 +190,7 @@ class Peer:
             self.instructions,
             self.output_modalities,
             SESSION_SAMPLE_RATE,
+            self.max_output_tokens,
         )
 
     # -- transport --------------------------------------------------------------------------------------
@@ -286,6 +288,8 @@ class Peer:
         modalities = s.output_modalities or s.modalities
         if modalities is not None:
             self.output_modalities = list(dict.fromkeys(modalities))
+        if s.max_output_tokens is not None:
+            self.max_output_tokens = s.max_output_tokens
         changed = (voice is not None and voice != self.voice) or (
             s.instructions is not None and s.instructions != self.instructions
         )
@@ -351,7 +355,7 @@ class Peer:
         text = "\n".join(self._pending_input)
         self._pending_input.clear()
         limit = self.settings.max_output_tokens
-        asked = event.response.max_output_tokens
+        asked = event.response.max_output_tokens or self.max_output_tokens
         max_tokens = limit if asked in (None, "inf") else max(1, min(int(asked), limit))
         modalities = list(event.response.output_modalities or self.output_modalities)
         response = _Response(item_id=protocol.new_id("item"))

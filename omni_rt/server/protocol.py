@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import secrets
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -52,6 +52,9 @@ def new_id(prefix: str) -> str:
 # -- client → server ---------------------------------------------------------------------------------
 
 
+TokenLimit = Annotated[int, Field(ge=1, le=1_000_000)] | Literal["inf"]
+
+
 class _Event(BaseModel):
     model_config = ConfigDict(extra="allow")
     event_id: str | None = None
@@ -74,7 +77,7 @@ class SessionFields(BaseModel):
     instructions: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
     output_modalities: list[Literal["audio", "text"]] | None = Field(default=None, min_length=1)
     audio: AudioConfig | None = None
-    max_output_tokens: int | Literal["inf"] | None = None
+    max_output_tokens: TokenLimit | None = None
     # Older (beta) clients send these flat.
     voice: str | None = Field(default=None, min_length=1, max_length=64)
     modalities: list[Literal["audio", "text"]] | None = Field(default=None, min_length=1)
@@ -109,7 +112,7 @@ class ResponseFields(BaseModel):
     model_config = ConfigDict(extra="allow")
     instructions: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
     output_modalities: list[Literal["audio", "text"]] | None = Field(default=None, min_length=1)
-    max_output_tokens: int | Literal["inf"] | None = None
+    max_output_tokens: TokenLimit | None = None
 
 
 class ResponseCreate(_Event):
@@ -206,7 +209,13 @@ def error(exc: ProtocolError) -> dict[str, Any]:
 
 
 def session_object(
-    session_id: str, model: str, voice: str, instructions: str, output_modalities: list[str], sample_rate: int
+    session_id: str,
+    model: str,
+    voice: str,
+    instructions: str,
+    output_modalities: list[str],
+    sample_rate: int,
+    max_output_tokens: int | str = "inf",
 ) -> dict[str, Any]:
     return {
         "type": "realtime",
@@ -215,6 +224,7 @@ def session_object(
         "model": model,
         "output_modalities": list(output_modalities),
         "instructions": instructions,
+        "max_output_tokens": max_output_tokens,
         "audio": {
             "output": {"format": {"type": "audio/pcm", "rate": sample_rate}, "voice": voice},
         },

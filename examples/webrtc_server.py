@@ -1,0 +1,33 @@
+"""A WebRTC voice server embedded in your own asyncio program: the demo page and `/ws` on one port.
+
+    python examples/webrtc_server.py            # then open the printed URL in Chrome or Firefox
+
+Each browser tab gets its own Session on the one engine; audio goes out on a 48 kHz WebRTC track,
+events on the `events` data channel (docs/protocol.md). `omni-rt serve` is this, with flags.
+"""
+
+import asyncio
+import secrets
+
+import omni_rt
+from omni_rt.server import PeerSettings, Server, ServerSettings
+
+
+async def main() -> None:
+    engine = omni_rt.Engine.load("tiny")  # or a checkpoint directory, device="cuda"
+    settings = ServerSettings(
+        host="127.0.0.1",
+        port=8080,
+        token=secrets.token_urlsafe(8),  # the printed URL carries it; other pages can't connect
+        max_sessions=4,
+        peer=PeerSettings(voice="ethan", instructions="You are a friendly assistant. Answer briefly."),
+    )
+    async with engine, Server(engine, settings) as server:
+        print(f"open {server.url}")
+        while True:  # your app's own work goes here; the server runs beside it
+            await asyncio.sleep(10)
+            print(f"{len(server.peers)} browser(s) connected")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

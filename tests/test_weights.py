@@ -233,6 +233,7 @@ def test_misshaped_tensor_names_expected_and_got(small_ckpt):
 
     _edit_shard(ckpt, shrink)
     model = _thinker_holder(cfg)
+    init_random(model, seed=9)  # defined values (experts start as torch.empty, possibly NaN)
     before = [p.clone() for p in model.parameters()]
     with pytest.raises(WeightError) as e:
         load_weights(model, ckpt)
@@ -391,3 +392,42 @@ def test_omni_model_rejects_thinker_only_checkpoint(reference, tmp_path, checkpo
     with pytest.raises(WeightError) as e:
         OmniModel.build(SMALL_CONFIGS["narrow"], weights=dst)
     assert "the checkpoint has no talker" in str(e.value) and "the checkpoint has no code2wav" in str(e.value)
+
+
+@needs_stages
+def test_omni_model_random_tiny_forward_is_finite_and_varied():
+    from omni_rt.model.omni import OmniModel
+
+    cfg = preset("tiny")
+    model = OmniModel.build(cfg, weights="random", seed=0)
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    logits = _thinker_forward(model.thinker)
+    assert torch.isfinite(logits).all() and len(set(logits[0].argmax(-1).tolist())) > 6
+    embeds = torch.randn(1, 10, cfg.talker.hidden_size, generator=torch.Generator().manual_seed(0))
+    codec_logits, hidden = model.talker(
+        embeds, torch.arange(10)[None], model.talker.allocate_cache(1, 16), torch.tensor([0])
+    )
+    assert torch.isfinite(codec_logits).all() and torch.isfinite(hidden).all()
+    assert len(set(codec_logits[0].argmax(-1).tolist())) > 5
+    codes = torch.randint(
+        0, cfg.code2wav.codebook_size, (1, cfg.num_code_groups, 4), generator=torch.Generator().manual_seed(0)
+    )
+    wav = model.code2wav(codes)
+    assert torch.isfinite(wav).all()
+    assert 0.01 < wav.std() < 0.5 and (wav.abs() > 0.999).float().mean() < 0.01  # audible, not clamped
+
+
+@needs_stages
+def test_omni_model_build_random_is_seeded_and_bf16():
+    from omni_rt.model.omni import OmniModel
+
+    cfg = SMALL_CONFIGS["narrow"]
+    a = OmniModel.build(cfg, dtype="bfloat16", weights="random", seed=5)
+    b = OmniModel.build(cfg, dtype=torch.bfloat16, weights="random", seed=5)
+    assert {p.dtype for p in a.parameters()} == {torch.bfloat16}
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+    # uninitialised build has real storage; a mapping source loads
+    c = OmniModel.build(cfg, weights=None)
+    assert not any(p.is_meta for p in c.parameters())
+    d = OmniModel.build(cfg, weights={k: v.float() for k, v in a.state_dict().items()})
+    assert all(torch.equal(x.float(), y) for x, y in zip(a.parameters(), d.parameters(), strict=True))

@@ -44,7 +44,8 @@ from omni_rt.errors import WeightError
 SKIPPED_PREFIXES = ("thinker.audio_tower.", "thinker.visual.")
 
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-_MAX_LISTED = 12  # names listed per error group; the rest are counted
+_MAX_LISTED = 12
+RESIDUAL_CONV_GAIN = 0.1  # init_random: output conv of Code2Wav residual units  # names listed per error group; the rest are counted
 
 
 @dataclass
@@ -374,7 +375,10 @@ def _fill_rule(name: str, p: torch.Tensor, std: float, layers: dict[str, int]) -
             return "const", 0.1
         return "normal", std
     if p.dim() == 3 and not name.endswith("experts.gate_up_proj") and not name.endswith("experts.down_proj"):
-        return "normal", 1.0 / math.sqrt(math.prod(p.shape[1:]))  # conv kernel: fan-in keeps scale
+        std_conv = 1.0 / math.sqrt(math.prod(p.shape[1:]))  # conv kernel: fan-in keeps the scale
+        if name.endswith("conv2.conv.weight"):
+            std_conv *= RESIDUAL_CONV_GAIN  # Code2Wav residual units: x + conv2(...) would grow per unit
+        return "normal", std_conv
     if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
         m = re.match(r"^(.*\.layers)\.\d+\.", name)
         n_layers = layers.get(m[1], 1) if m else 1
@@ -395,7 +399,8 @@ def init_random(
     Norm weights 1; biases and SnakeBeta alpha/beta 0; ConvNeXt gamma and layer scales 0.1; embeddings
     and projections N(0, std); residual-branch outputs (o_proj, down_proj, experts' down_proj) N(0,
     std/sqrt(2·layers)) so the residual stream stays O(1) through 48 layers; conv kernels N(0,
-    1/sqrt(fan_in)). Each tensor's stream is seeded from (seed, name), so values do not depend on
+    1/sqrt(fan_in)), the output conv of Code2Wav's residual units 10x smaller, so the waveform keeps a
+    std of ~0.1 instead of growing through the 12 residual units into the [-1, 1] clamp. Each tensor's stream is seeded from (seed, name), so values do not depend on
     parameter order, and a CUDA generator is used on CUDA.
     """
     dev, dt = _resolve(model, device, dtype)

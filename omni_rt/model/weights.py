@@ -291,7 +291,8 @@ def load_weights(
     """Load `source` into `model` (names as in the module docstring); parameters end on device/dtype.
 
     strict=True: any unknown or missing tensor is a `WeightError`. strict=False: they are returned in
-    the report instead (missing parameters keep their current values). A mis-shaped tensor is always an
+    the report instead (missing parameters keep their current values: uninitialised memory when the
+    model was built on meta). A mis-shaped tensor is always an
     error. Errors are raised before anything is written.
     """
     dev, dt = _resolve(model, device, dtype)

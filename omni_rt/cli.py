@@ -1,0 +1,145 @@
+"""`omni-rt`: say | serve | bench.
+
+    omni-rt say "Hello there" --out reply.wav [--model tiny|DIR|preset] [--voice ethan]
+
+`say` streams one response into a 24 kHz mono 16-bit WAV (or the rate asked for), printing a progress
+line while it works and the response's metrics at the end. `serve` and `bench` belong to the server and
+the benchmark; they are imported only when asked for, so `say` stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+import wave
+from collections.abc import Sequence
+
+USAGE = "omni-rt {say,serve,bench} ...  (omni-rt <command> --help for each)"
+
+
+def _say_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omni-rt say", description="Speak a reply to TEXT into a WAV file.")
+    p.add_argument("text", help="what to say to the model")
+    p.add_argument("--out", "-o", default="reply.wav", help="output WAV path (default: reply.wav)")
+    p.add_argument(
+        "--model", "-m", default="tiny", help="preset name or checkpoint directory (default: tiny)"
+    )
+    p.add_argument("--voice", default="ethan", help="speaker: ethan, chelsie, aiden (default: ethan)")
+    p.add_argument("--instructions", default=None, help="system prompt")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), ...")
+    p.add_argument(
+        "--random-weights", action="store_true", help="seeded random weights at the model's shapes"
+    )
+    p.add_argument("--sample-rate", type=int, default=24000, choices=(24000, 48000, 16000))
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="text tokens (default: 32 on tiny, else 1024)"
+    )
+    p.add_argument(
+        "--max-frames", type=int, default=None, help="codec frames, 80 ms each (default: 48 on tiny)"
+    )
+    p.add_argument("--greedy", action="store_true", help="greedy decoding in every stage")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress line")
+    return p
+
+
+async def _say(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    import omni_rt
+
+    t_load = time.perf_counter()
+    engine = omni_rt.Engine.load(
+        args.model, device=args.device, dtype=args.dtype, random_weights=args.random_weights
+    )
+    load_s = time.perf_counter() - t_load
+    tiny = args.model == "tiny"  # random weights never stop on their own: keep the default reply short
+    max_tokens = args.max_tokens or (32 if tiny else 1024)
+    max_frames = args.max_frames or (48 if tiny else 4096)
+    sampling = omni_rt.Sampling.greedy(args.seed) if args.greedy else omni_rt.Sampling(seed=args.seed)
+    text, samples, done = [], 0, None
+    progress = not args.quiet and sys.stderr.isatty()
+    with wave.open(args.out, "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(args.sample_rate)
+        async with engine:
+            async with engine.session(
+                voice=args.voice, instructions=args.instructions, output_sample_rate=args.sample_rate
+            ) as s:
+                async for ev in s.respond(
+                    args.text, max_output_tokens=max_tokens, max_audio_frames=max_frames, sampling=sampling
+                ):
+                    if ev.type == "response.output_text.delta":
+                        text.append(ev.delta)
+                    elif ev.type == "response.output_audio.delta":
+                        wav.writeframes(np.asarray(ev.pcm, dtype="<i2").tobytes())
+                        samples += len(ev.pcm)
+                    elif ev.type == "error":
+                        print(f"error: {ev.error.message}", file=sys.stderr)
+                    elif ev.type == "response.done":
+                        done = ev
+                    if progress:
+                        print(
+                            f"\r{len(text)} tokens, {samples / args.sample_rate:5.2f} s of audio",
+                            end="",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+    if progress:
+        print(file=sys.stderr)
+    if done is None or done.status != "completed":
+        print(f"response {done.status if done else 'lost'}", file=sys.stderr)
+        return 1
+    m = done.metrics
+    print(f"text: {''.join(text)!r}")
+    print(f"wrote {args.out}: {samples / args.sample_rate:.2f} s, {args.sample_rate} Hz mono 16-bit")
+
+    def fmt(v: float | None, unit: str = "ms") -> str:
+        return "-" if v is None else f"{v:.1f} {unit}"
+
+    print(
+        f"model {args.model} loaded in {load_s:.1f} s | ttft {fmt(m.ttft_ms)} | ttfa {fmt(m.ttfa_ms)} | "
+        f"thinker first token {fmt(m.thinker_first_token_ms)} | talker first code "
+        f"{fmt(m.talker_first_code_ms)} | first pcm {fmt(m.first_pcm_ms)} | "
+        f"{fmt(m.text_tokens_per_s, 'tok/s')} | audio {m.audio_seconds:.2f} s | rtf {fmt(m.rtf, '')}"
+    )
+    return 0
+
+
+def say(argv: Sequence[str]) -> int:
+    from omni_rt.errors import OmniRtError
+
+    args = _say_parser().parse_args(list(argv))
+    try:
+        return asyncio.run(_say(args))
+    except OmniRtError as e:
+        print(f"omni-rt say: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "say":
+        return say(rest)
+    if command == "serve":
+        from omni_rt.server.app import main as serve_main  # imported only when asked for
+
+        return serve_main(rest) or 0
+    if command == "bench":
+        from omni_rt.bench import main as bench_main
+
+        return bench_main(rest) or 0
+    print(f"omni-rt: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -278,3 +278,35 @@ def test_kvcache_shape_and_errors():
     assert c.k[:, 1].abs().sum() == 0 and c.k[:, 0].abs().sum() > 0
     with pytest.raises(ConfigError):
         L.KVCache(2, 0, 4, 10, 8)
+
+
+def test_kv_len_limits_the_rows_read_and_keeps_results():
+    cfg, attn = make_attention(3)
+    x = torch.randn(1, 6, cfg.hidden_size)
+    pos = torch.arange(6).view(1, 6)
+    cos, sin = L.rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+    with torch.no_grad():
+        full = attn(
+            x, cos, sin, L.KVCache(4, 1, cfg.num_key_value_heads, 32, cfg.head_dim), torch.tensor([0]), pos
+        )
+        cache = L.KVCache(4, 1, cfg.num_key_value_heads, 32, cfg.head_dim)
+        short = attn(x, cos, sin, cache, torch.tensor([0]), pos, kv_len=8)
+    torch.testing.assert_close(short, full, rtol=1e-5, atol=1e-6)
+
+    seen = {}
+
+    def spy(q, k_cache, v_cache, slots, positions, mask, kv_len):
+        seen["mask"], seen["kv_len"] = tuple(mask.shape), kv_len
+        return L.attend(q, k_cache, v_cache, slots, positions, mask, kv_len)
+
+    attn.attn_fn = spy  # the seam a fused attention kernel plugs into
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x, cos, sin, cache, torch.tensor([0]), pos, kv_len=8), full)
+    rep = cfg.num_attention_heads // cfg.num_key_value_heads
+    assert seen == {"mask": (1, 1, rep * 6, 8), "kv_len": 8}
+
+
+def test_attention_mask_folds_head_groups():
+    m = L.attention_mask(torch.tensor([[2, 3]]), kv_len=5, rep=2)  # [1, 1, 4, 5]
+    want = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)
+    assert torch.equal(m[0, 0], torch.cat([want, want]))

@@ -186,3 +186,22 @@ def test_bad_inputs_raise_typed_errors():
             th(**kw)
     with pytest.raises(ConfigError):
         Thinker(preset("tiny").code_predictor)  # a dense config is not a Thinker
+
+
+@torch.no_grad()
+def test_kv_len_bucket_gives_the_same_tokens():
+    _, th, prompt = models("tiny")
+    want = greedy(th, prompt, 6)
+    cache = th.allocate_cache(1, 64)
+    logits, _ = prefill(th, prompt, cache, 0, last_only=True, kv_len=16)
+    got = [int(logits[0, -1].argmax())]
+    for i in range(5):
+        pos = torch.tensor([[len(prompt) + i]])
+        bucket = 16 if len(prompt) + i < 16 else 32  # a static length bucket above every position
+        logits, _ = th(torch.tensor([[got[-1]]]), pos, cache, torch.tensor([0]), kv_len=bucket)
+        got.append(int(logits[0, -1].argmax()))
+    assert got == want
+    with pytest.raises(InvalidRequestError):  # a position at or beyond kv_len would be unseen
+        th(torch.tensor([[1]]), torch.tensor([[16]]), cache, torch.tensor([0]), kv_len=16)
+    with pytest.raises(InvalidRequestError):
+        th(torch.tensor([[1]]), torch.tensor([[3]]), cache, torch.tensor([0]), kv_len=65)

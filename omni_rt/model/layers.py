@@ -12,7 +12,11 @@ Public API (keep stable; add, don't rename):
     KVCache(n_layers, n_slots, n_kv_heads, max_len, head_dim, device=None, dtype=float32)
         .k, .v: [n_layers, n_slots, n_kv_heads, max_len, head_dim]; .reset(slot); .max_len; .n_slots
     Attention(cfg: DecoderConfig, layer_idx: int)
-        forward(x[B, T, H], cos, sin, cache: KVCache, slots[B], positions[B, T]) -> [B, T, H]
+        forward(x[B, T, H], cos, sin, cache: KVCache, slots[B], positions[B, T], kv_len: int | None = None,
+                mask=None) -> [B, T, H];  .attn_fn: optional callable with `attend`'s signature
+    attention_mask(positions[B, T], kv_len: int, rep: int) -> [B, 1, rep*T, kv_len] bool
+    attend(q[B, heads, T, D], k_cache[S, KV, L, D], v_cache, slots[B], positions[B, T], mask, kv_len)
+        -> [B, heads, T, D]   (plain SDPA over rows [0, kv_len) of each slot)
     MLP(hidden_size: int, intermediate_size: int)             forward(x[..., H]) -> [..., H]
     Experts(num_experts: int, hidden_size: int, intermediate_size: int)
         parameters gate_up_proj [E, 2I, H], down_proj [E, H, I]
@@ -22,7 +26,7 @@ Public API (keep stable; add, don't rename):
         .route(x[N, H]) -> (weights[N, K] in x.dtype, ids[N, K]);  .impl in MOE_IMPLS;
         .experts_fn: optional callable with the experts_* signature, set from outside (kernels/)
     DecoderLayer(cfg: DecoderConfig, layer_idx: int, moe_impl: str = "auto")
-        forward(x[B, T, H], cos, sin, cache, slots, positions) -> [B, T, H]
+        forward(x[B, T, H], cos, sin, cache, slots, positions, kv_len=None, mask=None) -> [B, T, H]
         (MoE mlp when cfg.is_moe, else a dense MLP of cfg.intermediate_size: the code predictor's layer)
 
 Names of parameters are the checkpoint's (q_proj, k_proj, ..., mlp.gate.weight, mlp.experts.gate_up_proj,
@@ -219,6 +223,8 @@ class Attention(nn.Module):
         if cfg.use_qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        # set from outside to swap in a fused attention kernel (signature of `attend`)
+        self.attn_fn: AttnFn | None = None
 
     def forward(
         self,
@@ -228,7 +234,15 @@ class Attention(nn.Module):
         cache: KVCache,
         slots: torch.Tensor,
         positions: torch.Tensor,
+        kv_len: int | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """x [B, T, H] at `positions` [B, T] of cache rows `slots` [B] -> [B, T, H].
+
+        kv_len (a Python int, static per CUDA graph): attend over cache rows [0, kv_len) only; must exceed
+        every position. Defaults to the whole cache. mask: `attention_mask(positions, kv_len, rep)`,
+        computed once per forward by the caller to save kernels; built here when absent.
+        """
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
@@ -244,17 +258,54 @@ class Attention(nn.Module):
         k_cache[slots.view(b, 1), :, positions] = k.transpose(1, 2).to(k_cache.dtype)
         v_cache[slots.view(b, 1), :, positions] = v.transpose(1, 2).to(v_cache.dtype)
 
-        # attend over the slot's whole static cache; rows after the query's position are masked
-        keys = k_cache[slots].to(q.dtype)  # [B, KV, L, D]
-        values = v_cache[slots].to(q.dtype)  # [B, KV, L, D]
-        cache_pos = torch.arange(cache.max_len, device=x.device)  # [L]
-        mask = cache_pos.view(1, 1, 1, -1) <= positions.view(b, 1, t, 1)  # [B, 1, T, L]
-        if self.n_kv_heads != self.n_heads:
-            rep = self.n_heads // self.n_kv_heads
-            keys = keys.repeat_interleave(rep, dim=1)  # [B, heads, L, D]
-            values = values.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, heads, T, D]
+        kv_len = cache.max_len if kv_len is None else kv_len
+        if mask is None:
+            mask = attention_mask(positions, kv_len, self.n_heads // self.n_kv_heads)
+        fn = self.attn_fn if self.attn_fn is not None else attend
+        out = fn(q, k_cache, v_cache, slots, positions, mask, kv_len)  # [B, heads, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+AttnFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor
+]
+
+
+def attention_mask(positions: torch.Tensor, kv_len: int, rep: int) -> torch.Tensor:
+    """[B, 1, rep*T, kv_len] bool: query (head group r, token t) sees cache rows <= positions[b, t].
+
+    The `rep` query heads sharing a kv head are folded into the query length (see `attend`).
+    """
+    b, t = positions.shape
+    rows = torch.arange(kv_len, device=positions.device)  # [kv_len]
+    mask = rows.view(1, 1, -1) <= positions.view(b, t, 1)  # [B, T, kv_len]
+    return mask.unsqueeze(1).expand(b, rep, t, kv_len).reshape(b, 1, rep * t, kv_len)
+
+
+def attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    kv_len: int,
+) -> torch.Tensor:
+    """The plain attention over the static cache (SDPA); a fused kernel can replace it via `attn_fn`.
+
+    q [B, heads, T, D] (rotated); k_cache, v_cache [S, KV, L, D] (this layer's, new rows written);
+    slots [B]; positions [B, T]; mask from `attention_mask`; kv_len: rows [0, kv_len) are read.
+    Returns [B, heads, T, D]. `positions` is unused here (the mask encodes it); kernels may use it.
+    """
+    b, n_heads, t, d = q.shape
+    n_kv = k_cache.shape[1]
+    keys = k_cache[slots, :, :kv_len].to(q.dtype)  # [B, KV, kv_len, D]
+    values = v_cache[slots, :, :kv_len].to(q.dtype)  # [B, KV, kv_len, D]
+    # GQA without copying k/v per query head: the query heads that share a kv head are folded into the
+    # query length (head h uses kv head h // rep, as repeat_interleave would give)
+    q = q.reshape(b, n_kv, (n_heads // n_kv) * t, d)  # [B, KV, rep*T, D]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, KV, rep*T, D]
+    return out.view(b, n_heads, t, d)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -437,6 +488,8 @@ class DecoderLayer(nn.Module):
         cache: KVCache,
         slots: torch.Tensor,
         positions: torch.Tensor,
+        kv_len: int | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, positions)
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, positions, kv_len, mask)
         return h + self.mlp(self.post_attention_layernorm(h))

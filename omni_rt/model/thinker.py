@@ -7,7 +7,8 @@ docs/internals.md): `model.embed_tokens.weight`, `model.layers.{i}.*`, `model.no
     Thinker(cfg: DecoderConfig, moe_impl: str = "auto")
     Thinker.forward(input_ids[B, T] | None, positions[B, T], cache, slots[B], hidden_layer=None,
                     last_only=False, *, inputs_embeds[B, T, H] | None = None,
-                    rope_positions[3, B, T] | None = None, logits_index[B] | None = None)
+                    rope_positions[3, B, T] | None = None, logits_index[B] | None = None,
+                    kv_len: int | None = None)
         -> (logits [B, T | 1, V], hidden [B, T, H] | None)
     Thinker.embed(ids[B, T]) -> [B, T, H]
     Thinker.allocate_cache(n_slots, max_len, device=None, dtype=None) -> KVCache
@@ -20,7 +21,7 @@ from torch import nn
 
 from omni_rt.errors import ConfigError, InvalidRequestError
 from omni_rt.model.config import DecoderConfig
-from omni_rt.model.layers import DecoderLayer, KVCache, RMSNorm, Rotary
+from omni_rt.model.layers import DecoderLayer, KVCache, RMSNorm, Rotary, attention_mask
 
 
 class ThinkerTextModel(nn.Module):
@@ -79,6 +80,7 @@ class Thinker(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         rope_positions: torch.Tensor | None = None,
         logits_index: torch.Tensor | None = None,
+        kv_len: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run new tokens of B sequences through the decoder, writing their k/v into `cache`.
 
@@ -88,14 +90,18 @@ class Thinker(nn.Module):
         `hidden_states[k]` (0 = embeddings, k = output of decoder layer k-1; the reference takes its last
         entry, k = num_layers, after the final norm, and so does this). last_only: logits of the last
         position only [B, 1, V]; logits_index [B]: logits at that index of each row only (right-padded
-        batched prefill), [B, 1, V].
+        batched prefill), [B, 1, V]. kv_len: attend over cache rows [0, kv_len) only (a static length
+        bucket above every position, so a graph per bucket stays cheap at short lengths); default all.
         """
-        x = self._check(input_ids, inputs_embeds, positions, cache, slots, hidden_layer)
+        x = self._check(input_ids, inputs_embeds, positions, cache, slots, hidden_layer, kv_len)
         cos, sin = self.rotary(positions if rope_positions is None else rope_positions, x.dtype)  # [B, T, D]
+        kv_len = cache.max_len if kv_len is None else kv_len
+        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        mask = attention_mask(positions, kv_len, rep)  # [B, 1, rep*T, kv_len], shared by all layers
         hidden = x if hidden_layer == 0 else None
         n_layers = len(self.model.layers)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, slots, positions)  # [B, T, H]
+            x = layer(x, cos, sin, cache, slots, positions, kv_len, mask)  # [B, T, H]
             if hidden_layer == i + 1 and i + 1 < n_layers:
                 hidden = x
         if hidden_layer == n_layers:
@@ -114,6 +120,7 @@ class Thinker(nn.Module):
         cache: KVCache,
         slots: torch.Tensor,
         hidden_layer: int | None,
+        kv_len: int | None,
     ) -> torch.Tensor:
         """Validate shapes (never values on the GPU: that would sync) and return the input embeddings."""
         if (input_ids is None) == (inputs_embeds is None):
@@ -149,8 +156,13 @@ class Thinker(nn.Module):
             raise InvalidRequestError(f"cache shape {tuple(cache.k.shape)} does not fit this Thinker")
         if t > cache.max_len:
             raise InvalidRequestError(f"{t} new tokens exceed the cache length {cache.max_len}")
-        if positions.device.type == "cpu" and (positions.min() < 0 or positions.max() >= cache.max_len):
-            raise InvalidRequestError(f"positions must be in [0, {cache.max_len}) (the cache length)")
+        limit = cache.max_len
+        if kv_len is not None:
+            if not 0 < kv_len <= cache.max_len:
+                raise InvalidRequestError(f"kv_len {kv_len} outside 1..{cache.max_len} (the cache length)")
+            limit = kv_len
+        if positions.device.type == "cpu" and (positions.min() < 0 or positions.max() >= limit):
+            raise InvalidRequestError(f"positions must be in [0, {limit}) (the cache length or kv_len)")
         if slots.device.type == "cpu" and (slots.min() < 0 or slots.max() >= cache.n_slots):
             raise InvalidRequestError(f"slots must be in [0, {cache.n_slots})")
         if hidden_layer is not None and not 0 <= hidden_layer <= self.cfg.num_hidden_layers:

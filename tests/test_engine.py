@@ -1,0 +1,187 @@
+"""The engine end to end on the tiny preset (CPU): streaming equals the offline truth, first audio
+before the text ends, concurrent sessions, multi-turn cache reuse, metrics, clean start/stop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import omni_rt
+from omni_rt.model.offline import generate_offline
+from omni_rt.pipeline.runners import Code2WavRunner, TalkerRunner, ThinkerRunner
+
+GREEDY = omni_rt.Sampling.greedy()
+
+
+class RecordingCode2Wav(Code2WavRunner):
+    """Keeps every request's frames and float PCM, to compare with the offline decode."""
+
+    def __init__(self, model, settings):
+        super().__init__(model, settings)
+        self.frames: dict[str, list[list[int]]] = {}
+        self.pcm: dict[str, list[np.ndarray]] = {}
+
+    def push(self, req, frames):
+        pcm = super().push(req, frames)
+        self.frames.setdefault(req.id, []).extend(frames)
+        self.pcm.setdefault(req.id, []).append(pcm)
+        return pcm
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return omni_rt.Engine.load("tiny")
+
+
+@pytest.fixture
+def engine(tiny):
+    """A fresh engine on the tiny model whose Code2Wav runner records codes and PCM."""
+    recorder: dict = {}
+
+    def stages(settings):
+        c2w = RecordingCode2Wav(tiny.model, settings)
+        recorder["c2w"] = c2w
+        return ThinkerRunner(tiny.model, settings), TalkerRunner(tiny.model, settings), c2w
+
+    e = omni_rt.Engine(
+        tiny.cfg, tiny.tokenizer, stages, omni_rt.EngineSettings(max_sessions=3), model=tiny.model
+    )
+    e.recorder = recorder
+    return e
+
+
+def prompt(tok, text: str) -> list[int]:
+    return tok.chat_prompt([("user", text)])
+
+
+async def collect(session, **kw) -> list:
+    return [ev async for ev in session.respond(**kw)]
+
+
+def of(events, kind: str) -> list:
+    return [e for e in events if e.type == kind]
+
+
+def reply(engine, events) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """(text token ids, codes [16, N], int16 PCM) of a finished response."""
+    rid = events[-1].response_id
+    tokens = [t for e in of(events, "response.output_text.delta") for t in e.token_ids]
+    frames = engine.recorder["c2w"].frames.get(rid, [])
+    codes = np.array(frames, dtype=np.int64).T.reshape(16, -1)
+    pcm = np.concatenate(
+        [e.pcm for e in of(events, "response.output_audio.delta")] or [np.zeros(0, np.int16)]
+    )
+    return tokens, codes, pcm
+
+
+async def test_greedy_stream_equals_offline(engine, tiny):
+    ids = prompt(tiny.tokenizer, "Tell me something.")
+    async with engine:
+        async with engine.session() as s:
+            events = await collect(
+                s, input_ids=ids, sampling=GREEDY, max_output_tokens=10, max_audio_frames=14
+            )
+    done = events[-1]
+    assert done.type == "response.done" and done.status == "completed"
+    tokens, codes, pcm = reply(engine, events)
+    text, ref_codes, ref_wav = generate_offline(
+        tiny.model, ids, "ethan", GREEDY.thinker, GREEDY.talker, max_new_tokens=10, max_frames=14
+    )
+    # the session leaves out the end-of-turn token from the text deltas
+    assert tokens == [t for t in text if t != tiny.cfg.ids.im_end]
+    np.testing.assert_array_equal(codes, ref_codes.numpy())
+    # streamed PCM == one offline decode of the same codes (float, then as int16 on the wire)
+    streamed = np.concatenate(engine.recorder["c2w"].pcm[done.response_id])
+    offline = tiny.model.code2wav(torch.as_tensor(codes)[None]).reshape(-1).float().numpy()
+    assert len(streamed) == len(offline) == len(ref_wav)
+    np.testing.assert_allclose(streamed, offline, atol=1e-5)
+    np.testing.assert_allclose(offline, ref_wav.numpy(), atol=1e-5)
+    assert np.abs(pcm.astype(np.int32) - np.round(offline * 32767).astype(np.int32)).max() <= 1
+    assert len(of(events, "response.output_audio.done")) == 1
+    assert done.usage.output_tokens == len(text) and done.usage.audio_frames == codes.shape[1]
+
+
+async def test_first_audio_arrives_before_the_last_text_delta(engine, tiny):
+    async with engine:
+        async with engine.session() as s:
+            events = await collect(
+                s, text="Go on, talk.", sampling=GREEDY, max_output_tokens=40, max_audio_frames=44
+            )
+    types = [e.type for e in events]
+    first_audio = types.index("response.output_audio.delta")
+    last_text = len(types) - 1 - types[::-1].index("response.output_text.delta")
+    assert first_audio < last_text
+    m = events[-1].metrics
+    assert m.ttfa_ms is not None and m.ttft_ms is not None
+    assert m.thinker_first_token_ms <= m.talker_first_code_ms <= m.first_pcm_ms <= m.ttfa_ms
+    assert m.audio_seconds > 0 and m.rtf > 0 and m.text_tokens_per_s > 0
+
+
+async def test_two_sessions_at_once_get_what_they_get_alone(engine, tiny):
+    texts = ["First speaker here.", "A different question?"]
+    kw = dict(sampling=GREEDY, max_output_tokens=8, max_audio_frames=10)
+    async with engine:
+        alone = []
+        for t in texts:
+            async with engine.session() as s:
+                alone.append(reply(engine, await collect(s, text=t, **kw)))
+        async with engine.session() as a, engine.session(voice="chelsie") as b:
+            both = await asyncio.gather(
+                collect(a, text=texts[0], **kw), collect(b, text=texts[1], **kw, voice="ethan")
+            )
+        batched = any(len(st.request_ids) == 2 for st in engine.pipeline.steps if st.kind == "decode")
+    for (tok0, codes0, pcm0), events in zip(alone, both, strict=True):
+        tok1, codes1, pcm1 = reply(engine, events)
+        assert tok1 == tok0
+        np.testing.assert_array_equal(codes1, codes0)
+        np.testing.assert_array_equal(pcm1, pcm0)
+    assert batched  # they really shared Thinker decode steps
+
+
+async def test_second_turn_prefills_only_new_tokens_and_matches_a_fresh_session(engine, tiny):
+    kw = dict(sampling=GREEDY, max_output_tokens=6, max_audio_frames=8)
+    async with engine:
+        async with engine.session() as s:
+            first = await collect(s, text="Hi.", **kw)
+            second = await collect(s, text="And then?", **kw)
+            conversation = list(s.conversation)
+        t1 = [t for e in of(first, "response.output_text.delta") for t in e.token_ids]
+        done2 = second[-1]
+        assert done2.status == "completed"
+        # turn 2 reused everything but the last token of reply 1 from the cache
+        ids = tiny.cfg.ids
+        turn2 = tiny.tokenizer.chat_prompt([("user", "And then?")])
+        whole = prompt(tiny.tokenizer, "Hi.") + t1 + ([] if t1[-1:] == [ids.im_end] else [ids.im_end])
+        whole += [ids.newline] + turn2
+        # (usage counts the end-of-turn token the text deltas leave out; the last token was never fed)
+        assert (
+            done2.usage.cached_tokens
+            == len(prompt(tiny.tokenizer, "Hi.")) + first[-1].usage.output_tokens - 1
+        )
+        assert done2.usage.cached_tokens + done2.usage.input_tokens == len(whole)
+        async with engine.session() as fresh:
+            again = await collect(fresh, input_ids=whole, **kw)
+    tok2, codes2, _ = reply(engine, second)
+    tok3, codes3, _ = reply(engine, again)
+    assert tok2 == tok3
+    np.testing.assert_array_equal(codes2, codes3)
+    assert conversation[: len(whole)] == whole
+
+
+async def test_engine_start_stop_leaves_no_threads(engine):
+    for _ in range(2):
+        async with engine:
+            assert engine.running
+            async with engine.session() as s:
+                events = await collect(
+                    s, text="Quick.", sampling=GREEDY, max_output_tokens=2, max_audio_frames=2
+                )
+                assert events[-1].status == "completed"
+        assert not engine.running
+        assert not [t for t in threading.enumerate() if t.name.startswith("omni-rt-")]
+    with pytest.raises(omni_rt.EngineClosedError):
+        engine.session()

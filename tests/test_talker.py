@@ -72,7 +72,7 @@ def test_forward_matches_reference_prefill_then_decode(ref, talker):
         want_hidden.append(out.last_hidden_state)
         want_logits.append(ref.talker.codec_head(out.last_hidden_state))
 
-    cache = talker.new_cache(n_slots=4, max_len=16)
+    cache = talker.allocate_cache(n_slots=4, max_len=16)
     slots = torch.tensor([3, 1])  # arbitrary cache rows
     got_logits, got_hidden = [], []
     for lo, hi in ((0, t), (t, t + 1), (t + 1, t + 2)):

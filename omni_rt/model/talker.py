@@ -196,7 +196,7 @@ class Talker(nn.Module):
         self.code_predictor = CodePredictor(cp, cfg.num_code_groups)
         self.rotary = Rotary(tk.head_dim, tk.rope_theta, tk.mrope_section)
 
-    def new_cache(
+    def allocate_cache(
         self, n_slots: int, max_len: int, device: torch.device | str | None = None, dtype=None
     ) -> KVCache:
         """A static Talker cache: [layers, n_slots, kv_heads, max_len, head_dim]."""

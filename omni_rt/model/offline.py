@@ -1,0 +1,210 @@
+"""The offline generation loop: the readable truth the streaming pipeline is tested against.
+
+    text_ids, codes, wav = generate_offline(model, input_ids, "ethan", thinker_sampling, talker_sampling,
+                                            max_new_tokens=64, max_frames=256)
+
+One sequence, no batching, no overlap between stages: the whole Thinker reply, then every Talker frame,
+then one Code2Wav decode. Each stage runs the same module functions the pipeline runs.
+
+How generation ends (the reference's rules, `Qwen3OmniMoeForConditionalGeneration.generate`):
+- The Thinker stops at `<|im_end|>` (kept as the last text id, not spoken) or after `max_new_tokens`.
+- The Talker reads the text one token per frame: its prefill ends with the first text token, decode step
+  k reads text token k, then `tts_eos` once after the text, then `tts_pad` for as long as it keeps going
+  (`talker.talker_text_id`). It stops when code 0 of a frame is codec EOS (that frame is not emitted)
+  or after `max_frames` frames.
+- One difference from the reference: when the Thinker stops at its token limit (no `<|im_end|>`), the
+  reference never speaks the last generated token (it builds the Talker's text from the Thinker's input
+  embeddings, which lack it); we speak every generated token. The reference with `max_new_tokens + 1`
+  Thinker tokens therefore speaks exactly our text. If the first token is `<|im_end|>` there is no text,
+  hence no audio (the reference would build a malformed Talker prompt).
+- `ignore_eos` (benchmarks: fixed lengths): the Thinker runs to `max_new_tokens` (an `<|im_end|>` is
+  plain text), and the Talker's codec EOS is suppressed, so it makes exactly `max_frames` frames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from omni_rt.config import StageSampling
+from omni_rt.errors import InvalidRequestError
+from omni_rt.model.talker import (
+    check_prompt,
+    talker_prompt,
+    talker_step_input,
+    talker_text_id,
+)
+
+
+def codec_suppressed_ids(vocab_size: int, eos: int, suppress_eos: bool = False) -> torch.Tensor:
+    """Codec ids the Talker may never emit: the top 1024 (specials), all but EOS (unless suppress_eos)."""
+    ids = torch.arange(max(vocab_size - 1024, 0), vocab_size)
+    return ids if suppress_eos else ids[ids != eos]
+
+
+class StageSampler:
+    """One stage's logits processing and choice, as the reference's `generate` applies it.
+
+    Order (transformers' logits processors then warpers): repetition penalty over the ids seen so far,
+    suppressed ids to -inf, then for sampling temperature, top-k, top-p and a draw from `generator`;
+    greedy takes the argmax. `seen` is a static [B, V] mask updated by `observe`, so no step syncs.
+    """
+
+    def __init__(
+        self,
+        s: StageSampling,
+        vocab_size: int,
+        batch: int = 1,
+        device: torch.device | str = "cpu",
+        suppress: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.s = s
+        self.generator = generator
+        self.seen = torch.zeros(batch, vocab_size, dtype=torch.bool, device=device)  # [B, V]
+        self.suppress = None if suppress is None else suppress.to(device)
+
+    def observe(self, ids: torch.Tensor) -> None:
+        """Mark ids [B, T] (or [B]) as seen, for the repetition penalty."""
+        ids = ids.view(self.seen.shape[0], -1)
+        self.seen.scatter_(1, ids, True)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> ids [B]; the chosen ids are observed."""
+        x = logits.float()
+        p = self.s.repetition_penalty
+        if p != 1.0:
+            # penalise seen ids: negative scores grow more negative, positive ones shrink (CTRL)
+            x = torch.where(self.seen, torch.where(x < 0, x * p, x / p), x)
+        if self.suppress is not None:
+            x = x.index_fill(-1, self.suppress, float("-inf"))
+        if self.s.do_sample:
+            x = x / self.s.temperature
+            if self.s.top_k > 0:
+                kth = torch.topk(x, min(self.s.top_k, x.shape[-1]), dim=-1).values[..., -1:]  # [B, 1]
+                x = x.masked_fill(x < kth, float("-inf"))
+            if self.s.top_p < 1.0:
+                srt, idx = torch.sort(x, dim=-1)  # ascending
+                cum = srt.softmax(-1).cumsum(-1)
+                drop = cum <= 1 - self.s.top_p
+                drop[..., -1] = False  # keep at least the best
+                x = x.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+            ids = torch.multinomial(x.softmax(-1), 1, generator=self.generator).squeeze(-1)
+        else:
+            ids = x.argmax(-1)
+        self.observe(ids)
+        return ids
+
+
+def _prompt_tensor(input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    t = torch.as_tensor(input_ids, dtype=torch.long)
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1 or t.numel() == 0:
+        raise InvalidRequestError(f"input_ids must be one non-empty sequence [T], got shape {tuple(t.shape)}")
+    return t
+
+
+@torch.no_grad()
+def generate_offline(
+    model,
+    input_ids: Sequence[int] | torch.Tensor,
+    voice: str,
+    thinker_sampling: StageSampling,
+    talker_sampling: StageSampling,
+    max_new_tokens: int,
+    max_frames: int,
+    ignore_eos: bool = False,
+    *,
+    code_predictor_sampling: StageSampling | None = None,
+    seed: int | None = None,
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """Generate one reply: (text ids, codes [16, N] (int64, CPU), wav float32 [S] (CPU)).
+
+    `model` has `.thinker`, `.talker`, `.code2wav` (an `OmniModel`). `input_ids` is a chat prompt ending
+    with `<|im_start|> assistant \\n`. Text ids include the final `<|im_end|>` when the Thinker emits it.
+    The code predictor samples with `code_predictor_sampling` (default: top-k 50, top-p 0.8, as the
+    reference) when the Talker samples, and is greedy when the Talker is greedy. `seed` seeds one
+    generator shared by the three stages (None: a fresh one).
+    """
+    thinker, talker, code2wav = model.thinker, model.talker, model.code2wav
+    cfg = talker.cfg
+    ids = cfg.ids
+    device = talker.codec_head.weight.device
+    prompt = _prompt_tensor(input_ids).to(device)  # [P]
+    check_prompt(prompt, ids)
+    if max_new_tokens < 1 or max_frames < 1:
+        raise InvalidRequestError(
+            f"max_new_tokens ({max_new_tokens}) and max_frames ({max_frames}) must be >= 1"
+        )
+    try:
+        speaker = cfg.speaker_id(voice)
+    except KeyError as e:
+        raise InvalidRequestError(str(e.args[0])) from None
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    slot = torch.zeros(1, dtype=torch.long, device=device)  # one sequence: cache row 0
+
+    # 1. Thinker: prefill the prompt, then one token per step.
+    p = prompt.shape[0]
+    cache = thinker.allocate_cache(1, p + max_new_tokens)
+    mm = (prompt == ids.audio) | (prompt == ids.image) | (prompt == ids.video)
+    hidden_layer = cfg.accept_hidden_layer if bool(mm.any()) else None  # the Talker reads it at placeholders
+    pick_text = StageSampler(thinker_sampling, thinker.cfg.vocab_size, device=device, generator=gen)
+    pick_text.observe(prompt[None])  # the reference's repetition penalty covers the prompt too
+    positions = torch.arange(p, device=device)[None]  # [1, P]
+    logits, prompt_hidden = thinker(prompt[None], positions, cache, slot, hidden_layer, last_only=True)
+    text: list[int] = []
+    while True:
+        tok = pick_text(logits[:, -1])  # [1]
+        text.append(int(tok))
+        if len(text) == max_new_tokens or (text[-1] == ids.im_end and not ignore_eos):
+            break
+        pos = torch.full((1, 1), p + len(text) - 1, device=device)
+        logits, _ = thinker(tok[None], pos, cache, slot, last_only=True)
+    if text[0] == ids.im_end and not ignore_eos:  # nothing to say
+        return text, torch.zeros(cfg.num_code_groups, 0, dtype=torch.long), torch.zeros(0)
+
+    # 2. Talker: prefill (user turns, assistant header, first text token), then one frame per step.
+    embed_text = thinker.embed
+    x = talker_prompt(talker, embed_text, prompt, speaker, text[0], prompt_hidden=_first(prompt_hidden))
+    n = x.shape[0]
+    tcache = talker.allocate_cache(1, n + max_frames)
+    vocab = cfg.talker.vocab_size
+    suppress = codec_suppressed_ids(vocab, ids.codec_eos, suppress_eos=ignore_eos)
+    pick_code0 = StageSampler(talker_sampling, vocab, device=device, suppress=suppress, generator=gen)
+    cp = code_predictor_sampling or StageSampling(temperature=1.0, top_k=50, top_p=0.8)
+    if not talker_sampling.do_sample:
+        cp = cp.model_copy(update={"do_sample": False})  # the reference's code predictor follows the Talker
+    cp_vocab = cfg.code_predictor.vocab_size
+    logits, hidden = talker(x[None], torch.arange(n, device=device)[None], tcache, slot)
+    code0 = pick_code0(logits[:, -1])  # [1]
+    frames: list[torch.Tensor] = []
+    while int(code0) != ids.codec_eos:
+        # a fresh sampler per frame: the code predictor has no repetition penalty, its state is empty
+        pick_rest = StageSampler(cp, cp_vocab, device=device, generator=gen)
+        codes = talker.predict_frame(hidden[:, -1], code0, pick_rest)  # [1, 16]
+        frames.append(codes[0])
+        k = len(frames)  # the next Talker step reads text token k
+        if k == max_frames:
+            break
+        text_id = talker_text_id(text, k, True, ids, ignore_eos)
+        step = talker_step_input(talker, embed_text, codes, torch.tensor([text_id], device=device))  # [1, Ht]
+        pos = torch.full((1, 1), n - 1 + k, device=device)
+        logits, hidden = talker(step[:, None], pos, tcache, slot)
+        code0 = pick_code0(logits[:, -1])
+    if not frames:
+        return text, torch.zeros(cfg.num_code_groups, 0, dtype=torch.long), torch.zeros(0)
+    codes = torch.stack(frames, dim=1)  # [16, N]
+
+    # 3. Code2Wav: one offline decode of all frames.
+    wav = code2wav(codes[None])  # [1, 1, S]
+    return text, codes.cpu(), wav.reshape(-1).float().cpu()
+
+
+def _first(hidden: torch.Tensor | None) -> torch.Tensor | None:
+    return None if hidden is None else hidden[0]

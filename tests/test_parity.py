@@ -1,0 +1,139 @@
+"""End-to-end parity with the reference: identical text ids, identical codec frames, the same waveform.
+
+Small random Qwen3-Omni checkpoints (tests/hf_fixtures.py: seeded fan-in init, so routing, attention and
+positions all matter) are saved with transformers' `save_pretrained`, loaded with omni_rt's loader and run
+through `generate_offline` in greedy mode; the reference runs `Qwen3OmniMoeForConditionalGeneration
+.generate(..., thinker_do_sample=False, talker_do_sample=False)` (its code predictor follows the Talker's
+do_sample, so it is greedy too), with the Talker's repetition penalty 1.05 and suppressed codec specials.
+
+Off-by-ones of the reference (see omni_rt/model/offline.py): with `talker_max_new_tokens = F + 1` it makes
+at most F frames (the last code 0 gets no residual codes), and with `thinker_max_new_tokens = N + 1` and no
+`<|im_end|>` it speaks the first N tokens, which is what we speak of N tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from hf_fixtures import SMALL_CONFIGS, text_prompt
+from torch import nn
+
+from omni_rt.config import Sampling
+from omni_rt.model.code2wav import Code2Wav
+from omni_rt.model.config import OmniConfig
+from omni_rt.model.offline import generate_offline
+from omni_rt.model.talker import Talker
+from omni_rt.model.thinker import Thinker
+from omni_rt.model.weights import load_weights
+
+MAX_TOKENS = 10
+MAX_FRAMES = 10
+MIN_FRAMES = 4
+
+
+def build(cfg: OmniConfig, ckpt) -> nn.Module:
+    m = nn.Module()
+    m.thinker = Thinker(cfg.thinker)
+    m.talker = Talker(cfg)
+    m.code2wav = Code2Wav(cfg.code2wav)
+    load_weights(m, ckpt, device="cpu", dtype=torch.float32)
+    return m.eval()
+
+
+def multi_turn(cfg: OmniConfig) -> list[int]:
+    i = cfg.ids
+    return [
+        *[i.im_start, i.system, i.newline, 2610, 525, 264, 10950, 17847, i.im_end, i.newline],
+        *[i.im_start, i.user, i.newline, 9707, 0, i.im_end, i.newline],
+        *[i.im_start, i.assistant, i.newline, 13048, 11, 1246, 646, i.im_end, i.newline],
+        *[i.im_start, i.user, i.newline, 3838, 374, 279, 9104, 30, i.im_end, i.newline],
+        *[i.im_start, i.assistant, i.newline],
+    ]
+
+
+def single_turn(cfg: OmniConfig) -> list[int]:
+    return text_prompt(cfg, [9707, 11, 1879, 0, 2585, 525, 498, 30])
+
+
+@torch.no_grad()
+def reference_generate(ref, prompt: list[int], max_tokens: int, max_frames: int, eos: int):
+    """The reference's greedy generate with audio: (new text ids, codes [16, frames], wav [S])."""
+    talker_out = {}
+    orig = ref.talker.generate
+
+    def capture(*args, **kwargs):  # its frames are the residual codes recorded at each Talker step
+        talker_out["out"] = orig(*args, **kwargs)
+        return talker_out["out"]
+
+    ref.talker.generate = capture
+    try:
+        seqs, wav = ref.generate(
+            input_ids=torch.tensor([prompt]),
+            speaker="ethan",
+            return_audio=True,
+            thinker_do_sample=False,
+            talker_do_sample=False,
+            thinker_max_new_tokens=max_tokens,
+            thinker_eos_token_id=eos,
+            talker_max_new_tokens=max_frames,
+        )
+    finally:
+        del ref.talker.generate
+    steps = talker_out["out"].hidden_states
+    codes = torch.stack([h[-1][0] for h in steps if h[-1] is not None], dim=1)  # [16, frames]
+    return seqs[0, len(prompt) :].tolist(), codes, wav.reshape(-1)
+
+
+def run_both(ref, ours, cfg: OmniConfig, prompt: list[int], eos: int | None = None):
+    greedy = Sampling.greedy()
+    text, codes, wav = generate_offline(
+        ours, prompt, "ethan", greedy.thinker, greedy.talker, max_new_tokens=MAX_TOKENS, max_frames=MAX_FRAMES
+    )
+    ref_text, ref_codes, ref_wav = reference_generate(
+        ref, prompt, MAX_TOKENS + 1, MAX_FRAMES + 1, cfg.ids.im_end if eos is None else eos
+    )
+    return (text, codes, wav), (ref_text, ref_codes, ref_wav)
+
+
+def assert_parity(ours, theirs, stopped_at_eos: bool):
+    (text, codes, wav), (ref_text, ref_codes, ref_wav) = ours, theirs
+    if stopped_at_eos:
+        assert text == ref_text
+    else:
+        assert len(text) == MAX_TOKENS and text == ref_text[:MAX_TOKENS]
+    assert len(set(text)) > 2, f"Thinker output barely varies: {text}"
+    assert codes.shape[0] == 16 and codes.shape[1] >= MIN_FRAMES, f"only {codes.shape[1]} frames"
+    assert codes.shape == ref_codes.shape and torch.equal(codes, ref_codes), (codes, ref_codes)
+    assert wav.dtype == torch.float32 and wav.shape == ref_wav.shape
+    torch.testing.assert_close(wav, ref_wav.float(), atol=1e-4, rtol=0)
+    assert wav.abs().max() > 1e-2  # a real waveform, not silence
+
+
+CASES = [("tiny", 0), ("wide", 0), ("deep", 0), ("narrow", 0)]
+
+
+@pytest.mark.parametrize("name,seed", CASES)
+@pytest.mark.parametrize("turns", ["single", "multi"])
+def test_greedy_parity(reference, checkpoint, name, seed, turns):
+    cfg = SMALL_CONFIGS[name]
+    ref = reference(name, seed)
+    ours = build(cfg, checkpoint(name, seed))
+    prompt = single_turn(cfg) if turns == "single" else multi_turn(cfg)
+    assert_parity(*run_both(ref, ours, cfg, prompt), stopped_at_eos=False)
+
+
+def test_greedy_parity_when_thinker_stops_at_eos(reference, checkpoint):
+    """The Thinker ends its text itself: declare its 5th greedy token the EOS id, in both models."""
+    name = "tiny"
+    cfg = SMALL_CONFIGS[name]
+    ref = reference(name, 0)
+    prompt = single_turn(cfg)
+    (free, _, _), _ = run_both(ref, build(cfg, checkpoint(name, 0)), cfg, prompt)
+    eos = free[4]
+    assert eos not in free[:4]
+    cfg_eos = replace(cfg, ids=replace(cfg.ids, im_end=eos))
+    ours, theirs = run_both(ref, build(cfg_eos, checkpoint(name, 0)), cfg_eos, prompt, eos=eos)
+    assert ours[0] == free[:5]
+    assert_parity(ours, theirs, stopped_at_eos=True)

@@ -195,3 +195,40 @@ class Client:
         await self.pc.close()
         for t in self._tasks:
             t.cancel()
+
+
+class RecordingEngine:
+    """Wraps a real `omni_rt.Engine`: the server sees the same API; the test sees the PCM it was given."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.pcm_samples: dict[str, int] = {}  # response id → samples of PCM the session yielded
+        self.sample_rate: int | None = None
+
+    def session(self, **kwargs):
+        return _RecordingSession(self, self.engine.session(**kwargs))
+
+
+class _RecordingSession:
+    def __init__(self, owner: RecordingEngine, inner):
+        self.owner = owner
+        self.inner = inner
+
+    async def __aenter__(self):
+        await self.inner.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.inner.__aexit__(*exc)
+
+    async def respond(self, *args, **kwargs):
+        async for ev in self.inner.respond(*args, **kwargs):
+            if ev.type == "response.output_audio.delta":
+                self.owner.pcm_samples[ev.response_id] = (
+                    self.owner.pcm_samples.get(ev.response_id, 0) + ev.pcm.size
+                )
+                self.owner.sample_rate = ev.sample_rate
+            yield ev
+
+    async def cancel(self):
+        await self.inner.cancel()

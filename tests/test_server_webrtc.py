@@ -11,7 +11,7 @@ pytest.importorskip("aiortc")
 
 import aioice.ice  # noqa: E402
 import websockets  # noqa: E402
-from server_fakes import Client, FakeEngine  # noqa: E402
+from server_fakes import Client, FakeEngine, RecordingEngine  # noqa: E402
 
 from omni_rt.server import PeerSettings, Server, ServerSettings  # noqa: E402
 from omni_rt.server.track import FRAME_SAMPLES, SAMPLE_RATE, AudioOutputTrack  # noqa: E402
@@ -165,3 +165,50 @@ async def test_socket_only_client_gets_base64_audio():
             text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
             assert text == "a b c"
             assert "response.output_audio.done" in [e["type"] for e in events]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    import omni_rt
+
+    return omni_rt.Engine.load("tiny")  # seeded random weights: noise for speech, but the real pipeline
+
+
+async def test_tiny_engine_reply_over_webrtc(tiny, sent_frames):
+    """The done-when test on the real engine: audio duration, pts, pacing and metrics end to end."""
+    engine = RecordingEngine(tiny)
+    settings = ServerSettings(port=0, peer=PeerSettings(max_output_tokens=16, max_audio_frames=20))
+    async with tiny, Server(engine, settings) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            client = Client(ws)
+            await client.connect()
+            client.say("Hello there!")
+            events = await client.until("response.done", "output_audio_buffer.stopped", timeout=60)
+            await asyncio.sleep(0.3)
+            types = [e["type"] for e in events]
+            assert types.index("response.created") < types.index("output_audio_buffer.started")
+            done = next(e for e in events if e["type"] == "response.done")["response"]
+            assert done["status"] == "completed"
+            metrics = done["metrics"]
+            assert 0 < metrics["ttft_ms"] <= metrics["ttfa_ms"] < metrics["total_ms"]
+            assert done["usage"]["audio_frames"] == 20
+            # The tiny tokenizer's random tokens rarely decode to text; whatever arrived is in order
+            # and adds up to the transcript the response reports.
+            deltas = [e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta"]
+            assert "".join(deltas) == done["output"][0]["content"][0]["transcript"]
+
+            assert engine.sample_rate == 24000
+            pcm_s = engine.pcm_samples[done["id"]] / 24000
+            assert pcm_s == pytest.approx(20 * CODEC_FRAME_S, abs=CODEC_FRAME_S)
+            sent = [s for s in sent_frames if s[2]]
+            assert len(sent) * FRAME_S == pytest.approx(pcm_s, abs=CODEC_FRAME_S)
+            assert np.all(np.diff([p for _, p, _ in sent]) == FRAME_SAMPLES)
+            t0, p0 = sent[0][0], sent[0][1]
+            assert max((p - p0) / SAMPLE_RATE - (t - t0) for t, p, _ in sent) <= 3 * FRAME_S
+
+            got = [f for _, f in client.frames]
+            assert np.all(np.diff([f.pts for f in got]) == FRAME_SAMPLES)
+            samples = np.concatenate([f.to_ndarray().reshape(-1) for f in got]).astype(np.float64)
+            assert np.sqrt(np.mean(samples**2)) > 300  # the model's audio, not silence
+            assert (len(got) + AIORTC_PREFETCH) * FRAME_S == pytest.approx(pcm_s, abs=CODEC_FRAME_S + 1e-9)
+            await client.close()

@@ -16,6 +16,7 @@ import json
 import logging
 import mimetypes
 import signal
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -212,6 +213,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="STUN/TURN URL (default: none; LAN only)",
     )
     p.add_argument(
+        "--max-audio-seconds",
+        type=float,
+        default=60.0,
+        help="longest spoken reply; the tiny preset's random weights never stop by themselves (default: 60)",
+    )
+    p.add_argument(
         "--idle",
         choices=("nothing", "silence"),
         default="nothing",
@@ -220,6 +227,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_sessions < 1:
         p.error("--max-sessions must be at least 1")
+    if args.max_audio_seconds <= 0:
+        p.error("--max-audio-seconds must be positive")
     if not 0 <= args.port < 65536:
         p.error("--port must be 0..65535")
     return args
@@ -234,7 +243,8 @@ async def serve_forever(args: argparse.Namespace) -> None:
     if args.dtype:
         load_kwargs["dtype"] = args.dtype
     print(f"omni-rt: loading {args.model} ...", flush=True)
-    engine = omni_rt.Engine.load(args.model, **load_kwargs)
+    # One engine slot per session the server admits.
+    engine = omni_rt.Engine.load(args.model, max_sessions=args.max_sessions, **load_kwargs)
     settings = ServerSettings(
         host=args.host,
         port=args.port,
@@ -242,7 +252,11 @@ async def serve_forever(args: argparse.Namespace) -> None:
         max_sessions=args.max_sessions,
         allowed_origins=tuple(args.allow_origin),
         peer=PeerSettings(
-            model=Path(args.model).name, voice=args.voice, ice_servers=tuple(args.ice_server), idle=args.idle
+            model=Path(args.model).name,
+            voice=args.voice,
+            ice_servers=tuple(args.ice_server),
+            idle=args.idle,
+            max_audio_frames=max(1, round(args.max_audio_seconds / 0.08)),
         ),
     )
     stop = asyncio.Event()
@@ -261,11 +275,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("aioice").setLevel(logging.WARNING)
     logging.getLogger("aiortc").setLevel(logging.WARNING)
+    from omni_rt.errors import OmniRtError
+
     try:
         asyncio.run(serve_forever(args))
-    except OSError as exc:  # the port is taken, the address is not ours
-        print(f"omni-rt serve: {exc}", flush=True)
+    except (OSError, OmniRtError) as exc:  # the port is taken, an unknown model, a bad checkpoint
+        print(f"omni-rt serve: {exc}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C while stopping
+        return 130
     return 0
 
 

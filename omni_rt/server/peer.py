@@ -53,6 +53,9 @@ class PeerSettings:
     idle: Idle = "nothing"
     max_message_bytes: int = protocol.MAX_MESSAGE_BYTES
     max_output_tokens: int = 1024  # a client may ask for fewer, never more
+    # The Talker stops at its end-of-speech code; this caps a reply that never gets there (random
+    # weights do not) at 60 s of audio (a codec frame is 80 ms).
+    max_audio_frames: int = 750
 
 
 @dataclass
@@ -391,7 +394,10 @@ class Peer:
         use_track = self.track is not None
         done_sent = False
         try:
-            async for ev in self.session.respond(text, max_output_tokens=max_tokens):
+            replies = self.session.respond(
+                text, max_output_tokens=max_tokens, max_audio_frames=self.settings.max_audio_frames
+            )
+            async for ev in replies:
                 kind = ev.type
                 if kind == "response.created":
                     response.id = ev.response_id
@@ -401,11 +407,11 @@ class Peer:
                     continue  # nothing precedes response.created in a well-formed stream
                 elif kind == "response.output_text.delta":
                     response.text.append(ev.delta)
-                    if "text" in modalities:
+                    if "text" in modalities and ev.delta:  # a token may end mid-character: no text yet
                         self.send(protocol.text_delta(response.id, response.item_id, ev.delta))
                 elif kind == "response.output_audio_transcript.delta":
                     response.transcript.append(ev.delta)
-                    if audio_out:
+                    if audio_out and ev.delta:
                         self.send(protocol.transcript_delta(response.id, response.item_id, ev.delta))
                 elif kind == "response.output_audio.delta":
                     if not audio_out or response.cancelled:

@@ -103,9 +103,8 @@ def rope_cos_sin(
     all three components, which reduces to plain RoPE.
     """
     inv_freq = rope_inv_freq(head_dim, theta, positions.device)  # [D/2]
-    if mrope_section:
-        if positions.dim() == 2:
-            positions = positions.unsqueeze(0).expand(3, -1, -1)
+    # text positions ([B, T]: t == h == w) make M-RoPE plain RoPE exactly, so skip the component select
+    if mrope_section and positions.dim() != 2:
         if positions.dim() != 3 or positions.shape[0] != 3:
             raise ValueError(f"M-RoPE positions must be [B, T] or [3, B, T], got {tuple(positions.shape)}")
         freqs = positions.float().unsqueeze(-1) * inv_freq  # [3, B, T, D/2]

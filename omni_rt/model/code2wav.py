@@ -296,7 +296,15 @@ class TransformerLayer(nn.Module):
         self.self_attn_layer_scale = LayerScale(cfg.hidden_size, cfg.layer_scale_initial_scale)
         self.mlp_layer_scale = LayerScale(cfg.hidden_size, cfg.layer_scale_initial_scale)
 
-    def forward(self, x, cos, sin, mask, past=None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> (x [B, T, H], this layer's new k, v [B, Hkv, T, D])."""
         h, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
         x = x + self.self_attn_layer_scale(h)
         x = x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))

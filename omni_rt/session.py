@@ -85,6 +85,7 @@ class Session:
         self._thinker_cached = 0  # conversation[:n] is in the Thinker's cache
         self._talker_cached = 0  # user-turn tokens in the Talker's cache (its positions 0..n-1)
         self._current: _Response | None = None
+        self._last: _Response | None = None  # the previous response, until the pipeline lets go of it
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -121,10 +122,22 @@ class Session:
 
         `text` goes through the chat template; `input_ids` are appended to the conversation verbatim (a
         whole chat-formatted prompt on the first turn, ending with `<|im_start|> assistant \\n`). A bad
-        request yields an `error` event and `response.done(status="failed")`.
+        request yields an `error` event and `response.done(status="failed")`. One response at a time:
+        breaking out of the loop cancels the response once the dropped iterator is closed (the next
+        `respond()` sees to that); `await cancel()` stops it at once.
         """
         t0 = time.perf_counter()
         rid = f"resp_{next(_response_ids)}"
+        last = self._last
+        if last is not None and not last.done.is_set() and not last.cancel_requested:
+            # A caller that broke out of the previous response's loop dropped its iterator; the event
+            # loop closes it (and so cancels the response) in a task it has already scheduled: let it run.
+            for _ in range(3):  # finalizer callback → aclose task → its first step
+                await asyncio.sleep(0)
+        if last is not None and last.cancel_requested and not last.done.is_set():
+            # a response the caller walked away from is still stopping: let it finish (within a frame),
+            # so this turn builds on the conversation as it ends up
+            await asyncio.wait_for(last.done.wait(), timeout=60.0)
         yield ResponseCreated(response_id=rid)
         try:
             req, rate = self._build(rid, t0, text, input_ids, audio, voice, sampling, max_output_tokens,
@@ -154,7 +167,7 @@ class Session:
             loop.call_soon_threadsafe(on_message, msg)
 
         req.sink = sink
-        self._current = resp
+        self._current = self._last = resp
         try:
             self.engine._submit(req)
         except OmniRtError as e:
@@ -279,6 +292,9 @@ class Session:
     def _commit(self, req: Request, status: str) -> None:
         """Record the turn in the conversation (a cancelled reply is kept as far as it got)."""
         if status == "failed" or not req.tokens:
+            # the stages may have written this turn into the caches: trust them only up to its start
+            self._thinker_cached = min(self._thinker_cached, req.thinker_start)
+            self._talker_cached = min(self._talker_cached, req.talker_start)
             return
         self.conversation = req.prompt_ids + req.tokens
         self._thinker_cached = len(self.conversation) - 1  # the last sampled token was never fed

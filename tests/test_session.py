@@ -1,0 +1,234 @@
+"""Session behaviour: cancel (barge-in), bad requests, sample rates, stage crashes, capacity.
+
+Most tests run the real scheduler and session over fake stages (fast, deterministic); cancel is also
+checked on the tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import omni_rt
+from omni_rt.audio import resample
+from omni_rt.engine import Engine
+from omni_rt.model.config import preset
+from omni_rt.pipeline.fake import FakeCode2Wav, FakeTalker, FakeThinker, FakeTimings
+from omni_rt.tokenizer import Tokenizer
+
+CFG = preset("tiny")
+TOK = Tokenizer.tiny(CFG.ids)
+
+
+def fake_engine(
+    reply_len: int = 12, timings: FakeTimings | None = None, fail: dict | None = None, **settings
+):
+    t = timings or FakeTimings(thinker_prefill=0.004, thinker_decode=0.002, talker_prefix=0.002)
+    fail = fail if fail is not None else {}
+
+    def stages(s):
+        return (
+            FakeThinker(t, CFG.ids, reply_len=reply_len, fail_on=fail.setdefault("thinker", set())),
+            FakeTalker(t, CFG.ids, fail_on=fail.setdefault("talker", set())),
+            FakeCode2Wav(t, fail_on=fail.setdefault("code2wav", set())),
+        )
+
+    return Engine(CFG, TOK, stages, omni_rt.EngineSettings(**settings))
+
+
+async def collect(session, *args, **kw) -> list:
+    return [ev async for ev in session.respond(*args, **kw)]
+
+
+def types(events) -> list[str]:
+    return [e.type for e in events]
+
+
+def audio(events) -> np.ndarray:
+    chunks = [e.pcm for e in events if e.type == "response.output_audio.delta"]
+    return np.concatenate(chunks) if chunks else np.zeros(0, np.int16)
+
+
+async def test_event_stream_shape():
+    async with fake_engine() as engine, engine.session() as s:
+        events = await collect(s, "Hello")
+    t = types(events)
+    assert t[0] == "response.created" and t[-1] == "response.done" and t[-2] == "response.output_audio.done"
+    assert len({e.response_id for e in events}) == 1
+    deltas = [e for e in events if e.type == "response.output_audio.delta"]
+    assert [d.frame_index for d in deltas] == list(np.cumsum([0] + [d.num_frames for d in deltas[:-1]]))
+    assert all(d.sample_rate == 24000 and d.pcm.dtype == np.int16 for d in deltas)
+    assert sum(len(d.pcm) for d in deltas) == 1920 * events[-1].usage.audio_frames - 555
+    text = [e for e in events if e.type == "response.output_text.delta"]
+    assert len(text) == 11  # 12 tokens, the last is the end-of-turn token
+    assert "response.output_audio_transcript.delta" in t
+    assert events[-1].status == "completed" and events[-1].error is None
+
+
+async def test_cancel_mid_response_then_respond_again():
+    async with fake_engine(reply_len=10_000) as engine, engine.session() as s:
+        events, after_cancel = [], []
+        cancelled = False
+        async for ev in s.respond("Talk for a long time", max_output_tokens=5000, max_audio_frames=5000):
+            (after_cancel if cancelled else events).append(ev)
+            if ev.type == "response.output_audio.delta" and not cancelled:
+                await s.cancel()  # returns once the pipeline has let go of the response
+                cancelled = True
+        assert types(after_cancel) == ["response.done"]
+        assert after_cancel[0].status == "cancelled"
+        assert after_cancel[0].usage.output_tokens < 5000
+        again = await collect(s, "And now?", max_output_tokens=4, max_audio_frames=6)
+        assert again[-1].status == "completed"
+        assert audio(again).size > 0
+
+
+async def test_cancel_from_another_task_stops_within_a_frame():
+    async with fake_engine(reply_len=10_000, timings=FakeTimings(thinker_decode=0.004)) as engine:
+        async with engine.session() as s:
+            seen: list = []
+
+            async def consume():
+                async for ev in s.respond("Go", max_output_tokens=5000, max_audio_frames=5000):
+                    seen.append(ev)
+
+            task = asyncio.create_task(consume())
+            while not any(e.type == "response.output_audio.delta" for e in seen):
+                await asyncio.sleep(0.005)
+            frames_before = engine.pipeline.steps[-1]
+            await s.cancel()
+            n_at_cancel = len(seen)
+            await task
+            assert seen[-1].type == "response.done" and seen[-1].status == "cancelled"
+            assert all(e.type != "response.output_audio.delta" for e in seen[n_at_cancel:])
+            # after the cancel returned, the Talker made no more frames for it
+            steps_after = [st for st in engine.pipeline.steps if st.t_start > frames_before.t_end]
+            assert sum(1 for st in steps_after if st.stage == "talker" and st.kind == "predict") <= 2
+
+
+async def test_breaking_out_of_the_loop_cancels_and_keeps_session():
+    async with fake_engine(reply_len=10_000) as engine, engine.session() as s:
+        async for ev in s.respond("Go", max_output_tokens=5000, max_audio_frames=5000):
+            if ev.type == "response.output_audio.delta":
+                break
+        again = await collect(s, "Still there?", max_output_tokens=3, max_audio_frames=4)
+        assert again[-1].status == "completed"
+
+
+async def test_cancel_on_the_tiny_model():
+    engine = omni_rt.Engine.load("tiny")
+    async with engine, engine.session() as s:
+        got: list = []
+        async for ev in s.respond("Speak", max_output_tokens=200, max_audio_frames=200):
+            got.append(ev)
+            if ev.type == "response.output_audio.delta":
+                await s.cancel()
+        assert got[-1].type == "response.done" and got[-1].status == "cancelled"
+        assert got[-1].usage.audio_frames < 200
+        after_first_audio = types(got)[types(got).index("response.output_audio.delta") + 1 :]
+        assert after_first_audio == ["response.done"]
+        again = await collect(s, "Again", max_output_tokens=3, max_audio_frames=3)
+        assert again[-1].status == "completed" and audio(again).size > 0
+
+
+def _failed(events) -> str:
+    """The error message of a failed response (asserting its shape)."""
+    assert types(events) == ["response.created", "error", "response.done"], types(events)
+    assert events[-1].status == "failed"
+    assert events[1].error.type == "invalid_request_error"
+    assert events[1].error.code == "InvalidRequestError"
+    assert events[-1].error == events[1].error
+    return events[1].error.message
+
+
+async def test_bad_requests_fail_cleanly_and_nothing_else_breaks():
+    async with fake_engine(reply_len=40, max_context=128) as engine:
+        other = engine.session()
+        background = asyncio.create_task(collect(other, "I keep talking", max_output_tokens=40))
+        async with engine.session() as s:
+            assert "empty" in _failed(await collect(s, ""))
+            assert "empty" in _failed(await collect(s, "   \n"))
+            assert "empty" in _failed(await collect(s, input_ids=[]))
+            assert "token ids" in _failed(await collect(s, input_ids=[1, 2, 10**9]))
+            assert "assistant header" in _failed(await collect(s, input_ids=[151644, 872, 198, 5]))
+            assert "unknown voice" in _failed(await collect(s, "hi", voice="nobody"))
+            assert "longer than the context" in _failed(await collect(s, "word " * 200))
+            assert "audio input" in _failed(await collect(s, audio=np.zeros(1600, np.float32)))
+            assert "exactly one" in _failed(await collect(s, "a", input_ids=[1]))
+            # the same session still works, with its conversation untouched
+            ok = await collect(s, "Now a good one", max_output_tokens=4)
+            assert ok[-1].status == "completed" and audio(ok).size > 0
+            assert ok[-1].usage.cached_tokens == 0
+        with pytest.raises(omni_rt.InvalidRequestError, match="unknown voice"):
+            engine.session(voice="nobody")
+        with pytest.raises(omni_rt.InvalidRequestError, match="sample rate"):
+            engine.session(output_sample_rate=44100)
+        done = (await background)[-1]
+        assert done.status == "completed"
+        await other.close()
+
+
+async def test_session_bad_settings_are_typed():
+    async with fake_engine() as engine:
+        with pytest.raises(omni_rt.InvalidRequestError):
+            engine.session(max_output_tokens=0)
+
+
+@pytest.mark.parametrize("rate", [48000, 16000])
+async def test_output_sample_rates(rate):
+    async with fake_engine(reply_len=6) as engine:
+        async with engine.session() as s24:
+            native = audio(await collect(s24, "Hello"))
+        async with engine.session(output_sample_rate=rate) as s:
+            events = await collect(s, "Hello")
+    assert all(e.sample_rate == rate for e in events if e.type == "response.output_audio.delta")
+    pcm = audio(events)
+    # streamed resampling == resampling the whole 24 kHz reply at once (no seams), to 1 LSB
+    whole = resample(native.astype(np.float32) / 32767.0, 24000, rate)
+    assert len(pcm) == len(whole) == -(-len(native) * rate // 24000)
+    assert np.abs(pcm.astype(np.int32) - np.round(whole * 32767).astype(np.int32)).max() <= 1
+
+
+async def test_stage_crash_fails_response_and_engine_recovers():
+    fail: dict = {"talker": {"step"}}
+    async with fake_engine(fail=fail) as engine, engine.session() as s:
+        events = await collect(s, "Crash please")
+        assert events[-1].status == "failed"
+        err = [e for e in events if e.type == "error"][0].error
+        assert err.type == "server_error" and err.code == "StageError" and "talker step" in err.message
+        fail["talker"].clear()
+        again = await collect(s, "Better now?")
+        assert again[-1].status == "completed"
+
+
+async def test_capacity_and_slots_come_back():
+    async with fake_engine(max_sessions=1) as engine:
+        s = engine.session()
+        with pytest.raises(omni_rt.CapacityError):
+            engine.session()
+        await s.close()
+        async with engine.session() as s2:
+            assert (await collect(s2, "hi"))[-1].status == "completed"
+
+
+async def test_one_response_at_a_time_per_session():
+    async with fake_engine(reply_len=10_000) as engine, engine.session() as s:
+        gen = s.respond("long", max_output_tokens=5000)
+        first = await gen.__anext__()
+        assert first.type == "response.created"
+        await gen.__anext__()
+        assert "in progress" in _failed(await collect(s, "second"))
+        await s.cancel()
+        rest = [ev async for ev in gen]
+        assert rest[-1].status == "cancelled"
+
+
+async def test_engine_not_running():
+    engine = fake_engine()
+    with pytest.raises(omni_rt.EngineClosedError):
+        engine.session()
+    async with engine:
+        s = engine.session()
+    events = await collect(s, "after stop")
+    assert events[-1].status == "failed" and events[1].error.code == "EngineClosedError"

@@ -29,6 +29,14 @@ import torch
 
 from omni_rt.config import StageSampling
 from omni_rt.errors import InvalidRequestError
+from omni_rt.model.sampling import (
+    CODE_PREDICTOR_DEFAULTS,
+    SamplingParams,
+    mark_seen,
+    new_history,
+    sample_next,
+    suppress_mask,
+)
 from omni_rt.model.talker import (
     check_prompt,
     talker_prompt,
@@ -43,56 +51,58 @@ def codec_suppressed_ids(vocab_size: int, eos: int, suppress_eos: bool = False) 
     return ids if suppress_eos else ids[ids != eos]
 
 
-class StageSampler:
-    """One stage's logits processing and choice, as the reference's `generate` applies it.
+# Each stage draws from its own generator, seeded from the response's seed and the stage's offset, so a
+# seeded response makes the same draws whether its stages run one after another (here) or interleaved
+# (the streaming pipeline).
+STAGE_SEED_OFFSET = {"thinker": 0, "talker": 1, "code_predictor": 2}
 
-    Order (transformers' logits processors then warpers): repetition penalty over the ids seen so far,
-    suppressed ids to -inf, then for sampling temperature, top-k, top-p and a draw from `generator`;
-    greedy takes the argmax. `seen` is a static [B, V] mask updated by `observe`, so no step syncs.
+
+def stage_generator(seed: int | None, stage: str, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator of one stage of a response: seeded `3 seed + offset`, or fresh when seed is None."""
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed * 3 + STAGE_SEED_OFFSET[stage])
+    return g
+
+
+class StageSampler:
+    """One sequence's logits processing and choice for one stage, on omni_rt.model.sampling.
+
+    Holds what persists across steps: the repetition history (a static [B, V] "seen" mask, so no step
+    syncs with the host), the suppressed-id mask (built once) and the generator. Order and semantics are
+    transformers' (see sampling.py): repetition penalty, suppression, then temperature/top-k/top-p and a
+    draw when sampling; greedy takes the argmax after penalty and suppression.
     """
 
     def __init__(
         self,
-        s: StageSampling,
+        s: StageSampling | SamplingParams,
         vocab_size: int,
         batch: int = 1,
         device: torch.device | str = "cpu",
         suppress: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> None:
-        self.s = s
+        self.params = SamplingParams(
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            repetition_penalty=s.repetition_penalty,
+            do_sample=s.do_sample,
+        )
         self.generator = generator
-        self.seen = torch.zeros(batch, vocab_size, dtype=torch.bool, device=device)  # [B, V]
-        self.suppress = None if suppress is None else suppress.to(device)
+        self.seen = new_history(batch, vocab_size, device)  # [B, V]
+        self.suppress = None if suppress is None else suppress_mask(vocab_size, suppress, device)  # [V]
 
     def observe(self, ids: torch.Tensor) -> None:
         """Mark ids [B, T] (or [B]) as seen, for the repetition penalty."""
-        ids = ids.view(self.seen.shape[0], -1)
-        self.seen.scatter_(1, ids, True)
+        mark_seen(self.seen, ids)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] -> ids [B]; the chosen ids are observed."""
-        x = logits.float()
-        p = self.s.repetition_penalty
-        if p != 1.0:
-            # penalise seen ids: negative scores grow more negative, positive ones shrink (CTRL)
-            x = torch.where(self.seen, torch.where(x < 0, x * p, x / p), x)
-        if self.suppress is not None:
-            x = x.index_fill(-1, self.suppress, float("-inf"))
-        if self.s.do_sample:
-            x = x / self.s.temperature
-            if self.s.top_k > 0:
-                kth = torch.topk(x, min(self.s.top_k, x.shape[-1]), dim=-1).values[..., -1:]  # [B, 1]
-                x = x.masked_fill(x < kth, float("-inf"))
-            if self.s.top_p < 1.0:
-                srt, idx = torch.sort(x, dim=-1)  # ascending
-                cum = srt.softmax(-1).cumsum(-1)
-                drop = cum <= 1 - self.s.top_p
-                drop[..., -1] = False  # keep at least the best
-                x = x.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
-            ids = torch.multinomial(x.softmax(-1), 1, generator=self.generator).squeeze(-1)
-        else:
-            ids = x.argmax(-1)
+        ids = sample_next(logits, self.params, self.seen, self.generator, self.suppress)
         self.observe(ids)
         return ids
 
@@ -125,8 +135,8 @@ def generate_offline(
     `model` has `.thinker`, `.talker`, `.code2wav` (an `OmniModel`). `input_ids` is a chat prompt ending
     with `<|im_start|> assistant \\n`. Text ids include the final `<|im_end|>` when the Thinker emits it.
     The code predictor samples with `code_predictor_sampling` (default: top-k 50, top-p 0.8, as the
-    reference) when the Talker samples, and is greedy when the Talker is greedy. `seed` seeds one
-    generator shared by the three stages (None: a fresh one).
+    reference) when the Talker samples, and is greedy when the Talker is greedy. `seed` seeds each stage's
+    generator (`stage_generator`, as the streaming pipeline does; None: fresh ones).
     """
     thinker, talker, code2wav = model.thinker, model.talker, model.code2wav
     cfg = talker.cfg
@@ -142,11 +152,6 @@ def generate_offline(
         speaker = cfg.speaker_id(voice)
     except KeyError as e:
         raise InvalidRequestError(str(e.args[0])) from None
-    gen = torch.Generator(device=device)
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(seed)
     slot = torch.zeros(1, dtype=torch.long, device=device)  # one sequence: cache row 0
 
     # 1. Thinker: prefill the prompt, then one token per step.
@@ -154,7 +159,12 @@ def generate_offline(
     cache = thinker.allocate_cache(1, p + max_new_tokens)
     mm = (prompt == ids.audio) | (prompt == ids.image) | (prompt == ids.video)
     hidden_layer = cfg.accept_hidden_layer if bool(mm.any()) else None  # the Talker reads it at placeholders
-    pick_text = StageSampler(thinker_sampling, thinker.cfg.vocab_size, device=device, generator=gen)
+    pick_text = StageSampler(
+        thinker_sampling,
+        thinker.cfg.vocab_size,
+        device=device,
+        generator=stage_generator(seed, "thinker", device),
+    )
     pick_text.observe(prompt[None])  # the reference's repetition penalty covers the prompt too
     positions = torch.arange(p, device=device)[None]  # [1, P]
     logits, prompt_hidden = thinker(prompt[None], positions, cache, slot, hidden_layer, last_only=True)
@@ -176,17 +186,30 @@ def generate_offline(
     tcache = talker.allocate_cache(1, n + max_frames)
     vocab = cfg.talker.vocab_size
     suppress = codec_suppressed_ids(vocab, ids.codec_eos, suppress_eos=ignore_eos)
-    pick_code0 = StageSampler(talker_sampling, vocab, device=device, suppress=suppress, generator=gen)
-    cp = code_predictor_sampling or StageSampling(temperature=1.0, top_k=50, top_p=0.8)
-    if not talker_sampling.do_sample:
-        cp = cp.model_copy(update={"do_sample": False})  # the reference's code predictor follows the Talker
+    pick_code0 = StageSampler(
+        talker_sampling,
+        vocab,
+        device=device,
+        suppress=suppress,
+        generator=stage_generator(seed, "talker", device),
+    )
+    cp = code_predictor_sampling or CODE_PREDICTOR_DEFAULTS
+    # the reference's code predictor follows the Talker: greedy when the Talker is greedy
+    cp = SamplingParams(
+        temperature=cp.temperature,
+        top_k=cp.top_k,
+        top_p=cp.top_p,
+        repetition_penalty=cp.repetition_penalty,
+        do_sample=talker_sampling.do_sample and cp.do_sample,
+    )
+    cp_gen = stage_generator(seed, "code_predictor", device)
     cp_vocab = cfg.code_predictor.vocab_size
     logits, hidden = talker(x[None], torch.arange(n, device=device)[None], tcache, slot)
     code0 = pick_code0(logits[:, -1])  # [1]
     frames: list[torch.Tensor] = []
     while int(code0) != ids.codec_eos:
-        # a fresh sampler per frame: the code predictor has no repetition penalty, its state is empty
-        pick_rest = StageSampler(cp, cp_vocab, device=device, generator=gen)
+        # a fresh sampler per frame, as the reference runs a fresh code_predictor.generate per frame
+        pick_rest = StageSampler(cp, cp_vocab, device=device, generator=cp_gen)
         codes = talker.predict_frame(hidden[:, -1], code0, pick_rest)  # [1, 16]
         frames.append(codes[0])
         k = len(frames)  # the next Talker step reads text token k

@@ -11,9 +11,11 @@ new tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -117,6 +119,7 @@ class Session:
         max_output_tokens: int | None = None,
         max_audio_frames: int | None = None,
         ignore_eos: bool = False,
+        on_event: Callable[[Event], Any] | None = None,
     ) -> AsyncIterator[Event]:
         """Stream one response: response.created, text and audio deltas, ..., response.done (always last).
 
@@ -124,8 +127,31 @@ class Session:
         whole chat-formatted prompt on the first turn, ending with `<|im_start|> assistant \\n`). A bad
         request yields an `error` event and `response.done(status="failed")`. One response at a time:
         breaking out of the loop cancels the response once the dropped iterator is closed (the next
-        `respond()` sees to that); `await cancel()` stops it at once.
+        `respond()` sees to that); `await cancel()` stops it at once. `on_event(ev)` (a function or a
+        coroutine function) sees every event just before it is yielded: callbacks on the same stream.
         """
+        stream = self._respond(
+            text, input_ids, audio, voice, sampling, max_output_tokens, max_audio_frames, ignore_eos
+        )
+        async with contextlib.aclosing(stream):  # closing this iterator closes (cancels) the inner one now
+            async for ev in stream:
+                if on_event is not None:
+                    r = on_event(ev)
+                    if inspect.isawaitable(r):
+                        await r
+                yield ev
+
+    async def run(self, text: str | None = None, **kwargs: Any) -> ResponseDone:
+        """Drive one response to its end (events go to `on_event=`, if given); returns response.done."""
+        done = None
+        async for ev in self.respond(text, **kwargs):
+            done = ev
+        assert isinstance(done, ResponseDone)
+        return done
+
+    async def _respond(
+        self, text, input_ids, audio, voice, sampling, max_output_tokens, max_audio_frames, ignore_eos
+    ) -> AsyncIterator[Event]:
         t0 = time.perf_counter()
         rid = f"resp_{next(_response_ids)}"
         last = self._last

@@ -185,3 +185,20 @@ async def test_engine_start_stop_leaves_no_threads(engine):
         assert not [t for t in threading.enumerate() if t.name.startswith("omni-rt-")]
     with pytest.raises(omni_rt.EngineClosedError):
         engine.session()
+
+
+async def test_seeded_sampling_stream_equals_offline(engine, tiny):
+    # each stage has its own seeded generator, so the interleaving of the stages does not matter
+    sampling = omni_rt.Sampling(seed=7)
+    ids = prompt(tiny.tokenizer, "Sample away.")
+    async with engine:
+        async with engine.session() as s:
+            events = await collect(
+                s, input_ids=ids, sampling=sampling, max_output_tokens=8, max_audio_frames=10
+            )
+    tokens, codes, _ = reply(engine, events)
+    text, ref_codes, _ = generate_offline(
+        tiny.model, ids, "ethan", sampling.thinker, sampling.talker, max_new_tokens=8, max_frames=10, seed=7
+    )
+    assert tokens == [t for t in text if t != tiny.cfg.ids.im_end]
+    np.testing.assert_array_equal(codes, ref_codes.numpy())

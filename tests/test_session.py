@@ -232,3 +232,17 @@ async def test_engine_not_running():
         s = engine.session()
     events = await collect(s, "after stop")
     assert events[-1].status == "failed" and events[1].error.code == "EngineClosedError"
+
+
+async def test_callbacks_see_the_same_stream():
+    seen_sync, seen_async = [], []
+
+    async def on_async(ev):
+        seen_async.append(ev.type)
+
+    async with fake_engine(reply_len=5) as engine, engine.session() as s:
+        events = await collect(s, "Hi", on_event=lambda ev: seen_sync.append(ev.type))
+        done = await s.run("Again", on_event=on_async)
+    assert seen_sync == types(events)
+    assert seen_async[-1] == "response.done" and done.status == "completed"
+    assert seen_async.count("response.output_audio.done") == 1

@@ -17,22 +17,15 @@ import torch
 
 from omni_rt.config import EngineSettings, StageSampling
 from omni_rt.model.code2wav import Code2WavStream
-from omni_rt.model.offline import StageSampler, codec_suppressed_ids
+from omni_rt.model.offline import StageSampler, codec_suppressed_ids, stage_generator
 from omni_rt.model.talker import talker_prompt_last, talker_prompt_prefix, talker_step_input
 from omni_rt.pipeline.request import Request
 
-# Each stage draws from its own generator, seeded from the response's seed and the stage's offset, so a
-# seeded response is reproducible whatever the interleaving of the stages.
-_SEED_OFFSET = {"thinker": 0, "talker": 1, "code_predictor": 2}
-
 
 def _generator(req: Request, stage: str, device: torch.device) -> torch.Generator:
-    g = torch.Generator(device=device)
-    if req.sampling.seed is None:
-        g.seed()
-    else:
-        g.manual_seed(req.sampling.seed * 3 + _SEED_OFFSET[stage])
-    return g
+    # Each stage draws from its own generator seeded from the response's seed (as offline does), so a
+    # seeded response is reproducible whatever the interleaving of the stages.
+    return stage_generator(req.sampling.seed, stage, device)
 
 
 def _rows(n: int, deterministic: bool) -> list[slice]:

@@ -74,6 +74,43 @@ async def test_page_connects_speaks_and_measures_latency():
         assert len(server.peers) <= 1  # the closed tab's peer is going or gone
 
 
+@pytest.fixture(scope="module")
+def tiny():
+    import omni_rt
+
+    return omni_rt.Engine.load("tiny")
+
+
+async def test_page_plays_the_tiny_engine(tiny):
+    """The README's path: the real pipeline on the tiny preset, heard by the page."""
+    from omni_rt.server import PeerSettings
+
+    settings = ServerSettings(port=0, peer=PeerSettings(max_output_tokens=16, max_audio_frames=25))
+    async with tiny, Server(tiny, settings) as server, playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = await browser.new_page(viewport={"width": 1280, "height": 800})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            await page.goto(server.url, timeout=15_000)
+            await page.click("#connect")
+            await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
+            await page.fill("#text", "Hello!")
+            await page.press("#text", "Enter")
+            await page.wait_for_selector('body[data-audible="true"]', timeout=30_000)
+            await page.wait_for_function("window.omni.events.includes('response.done')", timeout=60_000)
+            latency = float(await page.text_content("#m-audible"))
+            assert 0 < latency < 10_000
+            assert float(await page.text_content("#m-ttfa")) > 0
+            assert float(await page.text_content("#m-ttft")) > 0
+            assert await page.locator(".msg.assistant").count() == 1
+            assert errors == []
+            OUT.mkdir(exist_ok=True)
+            await page.screenshot(path=str(OUT / "browser-demo-tiny.png"))
+        finally:
+            await browser.close()
+
+
 async def test_page_without_token_is_refused():
     engine = FakeEngine()
     async with (

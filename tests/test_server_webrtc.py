@@ -134,6 +134,43 @@ async def test_cancel_mid_reply_clears_audio_and_the_next_reply_works():
             await client.close()
 
 
+def created_id(events: list[dict]) -> str:
+    return next(e for e in events if e["type"] == "response.created")["response"]["id"]
+
+
+async def test_playout_outlasting_the_response_can_be_cut():
+    # Generation is instant here, so response.done comes long before the audio has played.
+    engine = FakeEngine(step_s=0.0, frames_per_word=5, reply=" ".join(["la"] * 30))  # 12 s of audio
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            client = Client(ws)
+            await client.connect()
+            (peer,) = server.peers
+            client.say("sing")
+            first = await client.until("response.done", "output_audio_buffer.started")
+            rid = created_id(first)
+            assert peer.track.response_id == rid  # still playing after response.done
+
+            # A new request: the old reply's unplayed audio goes; the new one plays at once.
+            engine.reply = "short"
+            client.say("stop singing")
+            events = await client.until("output_audio_buffer.stopped", timeout=5)
+            cleared = [e for e in events if e["type"] == "output_audio_buffer.cleared"]
+            assert [e["response_id"] for e in cleared] == [rid]
+            second = created_id(events)
+            assert events[-1]["response_id"] == second
+
+            # output_audio_buffer.clear cuts off a reply that is only playing.
+            engine.reply = " ".join(["la"] * 30)
+            client.say("again")
+            third = created_id(await client.until("response.done", "output_audio_buffer.started"))
+            client.send({"type": "output_audio_buffer.clear"})
+            events = await client.until("output_audio_buffer.cleared")
+            assert events[-1]["response_id"] == third
+            assert peer.track.response_id is None and peer.track.buffered_ms == 0
+            await client.close()
+
+
 async def test_socket_only_client_gets_base64_audio():
     engine = FakeEngine(step_s=0.0, frames_per_word=1, reply="a b c")
     async with Server(engine, ServerSettings(port=0)) as server:

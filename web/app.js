@@ -19,6 +19,7 @@ const state = {
   ws: null, pc: null, dc: null, transceiver: null, micStream: null,
   audioCtx: null, analyser: null, samples: null,
   response: null,        // {id, bubble, t0, firstAudibleMs}
+  speaking: false,       // the track is playing a reply (it may outlast response.done)
   pending: null,         // a request sent, its response not created yet: {t0}
   latencies: [],         // first-audible figures of this page's replies, ms
   doneWaiters: [],
@@ -114,7 +115,7 @@ function teardown(message) {
   state.doneWaiters.splice(0).forEach((w) => w());
   ui.player.srcObject = null;
   ui.mic.checked = false;
-  ui.text.disabled = ui.speak.disabled = ui.stop.disabled = ui.mic.disabled = true;
+  ui.text.disabled = ui.speak.disabled = ui.mic.disabled = true;
   ui.text.placeholder = "Connect first…";
   ui.connect.disabled = false;
   ui.connect.textContent = "Connect";
@@ -154,7 +155,7 @@ function onEvent(ev) {
       state.pending = null;
       state.response = { id: ev.response.id, t0, firstAudibleMs: null, bubble: addBubble("assistant", "") };
       state.response.bubble.classList.add("streaming");
-      ui.stop.disabled = false;
+      updateStop();
       break;
     }
     case "response.output_audio_transcript.delta":
@@ -177,10 +178,11 @@ function onEvent(ev) {
         const bubble = state.response.bubble;
         bubble.classList.remove("streaming");
         if (r.status !== "completed") bubble.dataset.status = r.status;
-        if (!bubble.querySelector(".text").textContent) appendText(bubble, r.status === "cancelled" ? "(stopped)" : "…");
+        // A reply can be all audio: the tiny preset's random weights rarely make printable text.
+        if (!bubble.querySelector(".text").textContent) appendText(bubble, r.status === "cancelled" ? "(stopped)" : "♪");
       }
       state.response = null;
-      ui.stop.disabled = true;
+      updateStop();
       state.doneWaiters.splice(0).forEach((w) => w());
       break;
     }
@@ -291,8 +293,20 @@ function appendText(bubble, delta) {
 }
 
 function setSpeaking(on) {
+  state.speaking = on;
   ui.speaking.textContent = on ? "speaking" : "silent";
   ui.speaking.classList.toggle("on", on);
+  updateStop();
+}
+
+// Stop works while a reply is generated and while its audio still plays (playout is real time).
+function updateStop() {
+  ui.stop.disabled = !state.ws || !(state.response || state.speaking);
+}
+
+function stop() {
+  if (state.response) send({ type: "response.cancel" });
+  else if (state.speaking) send({ type: "output_audio_buffer.clear" });
 }
 
 function fmt(ms) {
@@ -323,6 +337,6 @@ ui.composer.addEventListener("submit", (e) => {
   ui.text.value = "";
   speak(text);
 });
-ui.stop.addEventListener("click", () => { if (state.response) send({ type: "response.cancel" }); });
+ui.stop.addEventListener("click", stop);
 ui.voice.addEventListener("change", () => { if (state.ws) sendVoice(); });
 ui.mic.addEventListener("change", () => setMic(ui.mic.checked));

@@ -282,6 +282,8 @@ class Peer:
                 self._on_response_create(event)
             case protocol.ResponseCancel():
                 await self._on_response_cancel(event)
+            case protocol.OutputAudioBufferClear():
+                await self._on_audio_clear(event)
             case protocol.InputAudioBufferAppend():
                 self._on_audio_append(event)
 
@@ -357,6 +359,12 @@ class Peer:
             )
         text = "\n".join(self._pending_input)
         self._pending_input.clear()
+        if self.track is not None and self.track.response_id is not None:
+            # The previous reply is still playing (playout is real time, generation faster): the
+            # conversation has moved on, so its unplayed audio goes rather than delaying the new reply.
+            playing = self.track.response_id
+            self._drop_queued_audio()
+            self.send(protocol.output_audio_buffer("cleared", playing))
         limit = self.settings.max_output_tokens
         asked = event.response.max_output_tokens or self.max_output_tokens
         max_tokens = limit if asked in (None, "inf") else max(1, min(int(asked), limit))
@@ -374,6 +382,22 @@ class Peer:
                 event_id=event.event_id,
             )
         await self._cancel_response(response)
+
+    async def _on_audio_clear(self, event: protocol.OutputAudioBufferClear) -> None:
+        """Silence the track now: the reply in progress is cancelled, or the one still playing cut off."""
+        if self.track is None:
+            raise ProtocolError(
+                "unsupported_event",
+                "output_audio_buffer.clear needs a WebRTC audio track",
+                event_id=event.event_id,
+            )
+        if self._response is not None:
+            await self._cancel_response(self._response)
+            return
+        playing = self.track.response_id
+        self._drop_queued_audio()
+        if playing is not None:
+            self.send(protocol.output_audio_buffer("cleared", playing))
 
     def _on_audio_append(self, event: protocol.InputAudioBufferAppend) -> None:
         self.input_audio_frames += 1

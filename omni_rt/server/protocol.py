@@ -125,6 +125,10 @@ class ResponseCancel(_Event):
     response_id: str | None = None
 
 
+class OutputAudioBufferClear(_Event):
+    type: Literal["output_audio_buffer.clear"]
+
+
 class WebRtcOffer(_Event):
     type: Literal["webrtc.offer"]
     sdp: str = Field(min_length=1, max_length=MAX_MESSAGE_BYTES)
@@ -140,6 +144,7 @@ CLIENT_EVENTS: dict[str, type[_Event]] = {
     "conversation.item.create": ConversationItemCreate,
     "response.create": ResponseCreate,
     "response.cancel": ResponseCancel,
+    "output_audio_buffer.clear": OutputAudioBufferClear,
     "webrtc.offer": WebRtcOffer,
     "input_audio_buffer.append": InputAudioBufferAppend,
 }

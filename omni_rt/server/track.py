@@ -159,6 +159,11 @@ class AudioOutputTrack(MediaStreamTrack):
         return dropped
 
     @property
+    def response_id(self) -> str | None:
+        """The response whose audio is queued or playing, if any."""
+        return self._response_id
+
+    @property
     def buffered_ms(self) -> float:
         return 1000.0 * self._buffer.size / SAMPLE_RATE
 

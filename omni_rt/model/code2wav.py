@@ -461,6 +461,7 @@ class Code2Wav(nn.Module):
             conv=conv,
         )
 
+    @torch.no_grad()
     def step(self, codes: torch.Tensor, state: Code2WavState) -> torch.Tensor:
         """One streaming chunk, no input checks: codes [B, Q, T] -> wav [B, 1, samples_per_frame T].
 
@@ -549,7 +550,8 @@ class Code2WavStream:
                 f"{cfg.num_quantizers}, n], got shape {tuple(codes.shape)}"
             )
         n = codes.shape[-1]
-        wav = self.step(codes.to(self.state.pos.device), self.state)[:, 0].float()  # [B, spf n]
+        # a copy: a graph-replaying `step` returns its static output buffer, which the next replay reuses
+        wav = self.step(codes.to(self.state.pos.device), self.state)[:, 0].to(torch.float32, copy=True)
         out = []
         for b in range(self.batch_size):
             # samples before the stream's first one (its first chunk only) are not part of the decode

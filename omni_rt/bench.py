@@ -222,16 +222,24 @@ def _engine_model(engine: Any) -> torch.nn.Module | None:
     return None
 
 
-def _load_engine(args: argparse.Namespace, settings: Any, shared_model: Any = None) -> Any:
+def _load_engine(args: argparse.Namespace, settings: Any, first: Any = None) -> Any:
+    """The first row loads the model (`Engine.load`); later rows wrap the same model in a new Engine
+    with their settings, so the weights are built once per run."""
     import omni_rt
 
-    load = omni_rt.Engine.load
-    kwargs: dict[str, Any] = dict(device=args.device, dtype=args.dtype, settings=settings)
-    if args.random_weights:
-        kwargs["random_weights"] = True
-    if shared_model is not None and _accepts(load, "model"):
-        kwargs["model"] = shared_model  # reuse the weights already on the device: no second build
-    return load(args.preset, **kwargs)
+    if first is None:
+        kwargs: dict[str, Any] = dict(device=args.device, dtype=args.dtype, settings=settings, seed=args.seed)
+        if args.random_weights:
+            kwargs["random_weights"] = True
+        return omni_rt.Engine.load(args.preset, **kwargs)
+    model = first.model
+
+    def stages(s: Any) -> Any:
+        from omni_rt.pipeline.runners import build_runners
+
+        return build_runners(model, s)
+
+    return omni_rt.Engine(first.cfg, first.tokenizer, stages, settings, model=model, name=first.name)
 
 
 async def bench_engine(
@@ -245,11 +253,12 @@ async def bench_engine(
     samples: list[Sample] = []
     conc: dict[int, tuple[list[Sample], float]] = {}
     async with engine:
-        for ids in prompts:
-            for r in range(args.warmup + args.requests):
+        for i, ids in enumerate(prompts):
+            warm = args.warmup if (i == 0 or not args.warmup_once) else 0
+            for r in range(warm + args.requests):
                 async with engine.session(voice=args.voice) as s:
                     sample = await timed_request(s, ids, args.text_tokens, args.frames, sampling)
-                if r >= args.warmup:
+                if r >= warm:
                     samples.append(sample)
         ids = prompts[len(prompts) // 2]
         for c in concurrency:
@@ -359,8 +368,9 @@ def reference_samples(
                     thinker_max_new_tokens=args.text_tokens,
                     thinker_min_new_tokens=args.text_tokens,
                     thinker_do_sample=False,
-                    talker_max_new_tokens=args.frames,
-                    talker_min_new_tokens=args.frames,
+                    # the last code 0 the Talker samples gets no residual codes: n + 1 tokens -> n frames
+                    talker_max_new_tokens=args.frames + 1,
+                    talker_min_new_tokens=args.frames + 1,
                     talker_do_sample=False,
                 )
             if device.type == "cuda":
@@ -485,6 +495,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-random-weights", dest="random_weights", action="store_false")
     ap.add_argument("--requests", type=int, default=5, help="timed requests per prompt")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up requests per prompt")
+    ap.add_argument(
+        "--warmup-once", action="store_true", help="warm up on the first prompt only (saves GPU time)"
+    )
     ap.add_argument("--text-tokens", type=int, default=64)
     ap.add_argument("--frames", type=int, default=64)
     ap.add_argument("--system-len", type=int, default=20)
@@ -547,11 +560,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     rows: list[dict[str, Any]] = []
     conc_rows: list[dict[str, Any]] = []
-    shared = None  # the first engine's model: later engines reuse it where Engine.load takes `model=`
+    first = None  # the first row's engine: later rows reuse its model
     for idx, (name, overrides) in enumerate(plan):
         settings, via_hook = _settings(base, overrides)
         t_load = time.perf_counter()
-        engine = _load_engine(args, settings, shared)
+        engine = _load_engine(args, settings, first)
         load_s = time.perf_counter() - t_load
         model = _engine_model(engine)
         if via_hook:
@@ -565,21 +578,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             install(model, "triton")  # stays installed: every later (cumulative) row keeps the kernel
         print(f"[bench] {name}: engine ready in {load_s:.1f} s", file=sys.stderr, flush=True)
         last = idx == len(plan) - 1
+        t_row = time.perf_counter()
         samples, conc = asyncio.run(
             bench_engine(engine, prompts, args, sampling, concurrency if last else ())
         )
+        row_s = time.perf_counter() - t_row
         rows.append(summarise(name, samples, settings=overrides, load_s=load_s, kernel_via_hook=via_hook))
+        print(f"[bench] {name}: {row_s:.1f} s", file=sys.stderr, flush=True)
         for c, (cs, agg) in conc.items():
             conc_rows.append(summarise(f"concurrency {c} (all on)", cs, aggregate_text_tok_s=agg))
-        if shared is None:
-            shared = model
-        del engine
-        gc.collect()
+        if first is None:
+            first = engine
     rows += conc_rows
 
     want_ref = args.reference == "on" or (args.reference == "auto" and args.device.startswith("cuda"))
     if want_ref:
-        model = shared
+        model = _engine_model(first) if first is not None else None
         if model is None:
             rows.insert(0, {"row": "reference (transformers generate)", "skipped": "engine exposes no model"})
         else:
@@ -589,7 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 samples, why = [], f"{type(exc).__name__}: {exc}"
             name = "reference (transformers generate)"
             rows.insert(0, {"row": name, "skipped": why} if why else summarise(name, samples))
-    del shared
+    del first
     gc.collect()
 
     table = format_table(rows)

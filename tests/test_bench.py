@@ -1,0 +1,126 @@
+"""The benchmark: prompt layout, per-request timing, row plan, summaries, the reference on shared
+weights, and the whole `omni-rt bench` on the tiny preset on the CPU (the CI smoke run)."""
+
+import asyncio
+import json
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from omni_rt import bench
+from omni_rt.config import EngineSettings
+from omni_rt.model.config import TokenIds
+
+
+def test_chat_prompt_layout_and_lengths():
+    ids = TokenIds()
+    p = bench.chat_prompt(20, 24, seed=0)
+    assert len(p) == 57  # the anchors' 57-token prompt
+    assert p[:3] == [ids.im_start, ids.system, ids.newline]
+    assert p[23:29] == [ids.im_end, ids.newline, ids.im_start, ids.user, ids.newline, p[28]]
+    assert p[-3:] == [ids.im_start, ids.assistant, ids.newline]
+    text = p[3:23] + p[28:52]
+    assert all(1000 <= t < 150000 for t in text)  # no special ids inside the turns
+    assert bench.chat_prompt(20, 24, seed=0) == p and bench.chat_prompt(20, 24, seed=1) != p
+    assert [len(bench.chat_prompt(20, n)) for n in (8, 24, 64)] == [41, 57, 97]
+
+
+class FakeSession:
+    """Scripted events with sleeps: text at 10 ms, audio at 30 ms, more text every 10 ms."""
+
+    def __init__(self):
+        self.kwargs = None
+
+    async def respond(
+        self, *, input_ids, max_output_tokens, max_audio_frames, ignore_eos=False, sampling=None
+    ):
+        self.kwargs = dict(ignore_eos=ignore_eos, max_output_tokens=max_output_tokens)
+        ev = types.SimpleNamespace
+        await asyncio.sleep(0.010)
+        yield ev(type="response.output_text.delta", token_ids=[1])
+        await asyncio.sleep(0.020)
+        yield ev(type="response.output_audio.delta", pcm=np.zeros(2400, np.int16), sample_rate=24000)
+        for _ in range(4):
+            await asyncio.sleep(0.010)
+            yield ev(type="response.output_text.delta", token_ids=[2, 3])
+        metrics = types.SimpleNamespace(
+            thinker_first_token_ms=9.0, talker_first_code_ms=20.0, first_pcm_ms=29.0
+        )
+        yield ev(type="response.done", status="completed", metrics=metrics)
+
+
+def test_timed_request_measures_what_the_caller_receives():
+    s = FakeSession()
+    r = asyncio.run(bench.timed_request(s, [1, 2, 3], text_tokens=9, frames=4, sampling=None))
+    assert s.kwargs == {"ignore_eos": True, "max_output_tokens": 9}  # fixed lengths asked for
+    assert 8 <= r.ttft_ms < r.ttfa_ms < r.total_ms
+    assert r.ttfa_ms >= 28
+    assert r.text_tokens == 9 and r.audio_s == pytest.approx(0.1)
+    # 8 decode tokens after the first over the ~50 ms between the first and the last text delta
+    assert 8 / 0.5 < r.text_tok_s <= 8 / 0.040
+    assert r.rtf == pytest.approx(r.total_ms / 1e3 / 0.1)
+    assert r.stages == {"thinker_first_token_ms": 9.0, "talker_first_code_ms": 20.0, "first_pcm_ms": 29.0}
+
+
+def test_summarise_medians_min_max_and_median_request():
+    mk = lambda ttfa: bench.Sample(57, 1.0, ttfa, 100.0, 64, 5.1, 100.0, 0.02)  # noqa: E731
+    row = bench.summarise("x", [mk(30.0), mk(10.0), mk(20.0)])
+    assert row["ttfa_ms"] == {"median": 20.0, "min": 10.0, "max": 30.0}
+    assert row["median_request"]["ttfa_ms"] == 20.0
+    table = bench.format_table([row, {"row": "reference", "skipped": "no transformers"}])
+    assert "20.0 (10.0-30.0)" in table and "skipped: no transformers" in table
+
+
+def test_row_plan_adds_one_optimisation_per_row_and_ends_all_on():
+    plan = bench.row_plan("cuda", kernel_ok=True)
+    assert plan[0] == ("all off", {})
+    for (_, prev), (_, cur) in zip(plan, plan[1:], strict=False):
+        assert set(prev.items()) < set(cur.items())  # cumulative: each row keeps all earlier switches
+    all_on = EngineSettings.all_off(**{k: v for k, v in plan[-1][1].items() if k != "moe_backend"})
+    defaults = EngineSettings()
+    assert all_on.model_dump() == defaults.model_dump()  # the last row is every optimisation on
+    assert plan[-1][1]["moe_backend"] == "triton"
+    cpu = dict(bench.row_plan("cpu", kernel_ok=False))
+    assert "+ cuda graphs" not in cpu and all("moe_backend" not in v for v in cpu.values())
+
+
+def test_reference_model_shares_our_weights_and_matches_logits():
+    pytest.importorskip("transformers")
+    from omni_rt.model.config import preset
+    from omni_rt.model.omni import OmniModel
+
+    cfg = preset("tiny")
+    model = OmniModel.build(cfg, weights="random", seed=3)
+    ref, info = bench.reference_model(model)
+    # same storage, not a copy
+    assert ref.thinker.lm_head.weight.data_ptr() == model.thinker.lm_head.weight.data_ptr()
+    assert info["encoder_params_random"] > 0
+    ids = torch.tensor([bench.chat_prompt(4, 6)])
+    cache = model.thinker.allocate_cache(1, 64)
+    ours, _ = model.thinker(ids, torch.arange(ids.shape[1])[None], cache, torch.zeros(1, dtype=torch.long))
+    with torch.no_grad():
+        theirs = ref.thinker.lm_head(ref.thinker.model(input_ids=ids, use_cache=False).last_hidden_state)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_bench_smoke_tiny_cpu(tmp_path):
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    argv = [
+        "--preset", "tiny", "--device", "cpu", "--requests", "1", "--warmup", "0",
+        "--text-tokens", "3", "--frames", "3", "--prompts", "8", "--rows", "0,5",
+        "--concurrency", "2", "--conc-repeats", "1", "--reference", "off",
+        "--json", str(out), "--png", str(png),
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    d = json.loads(out.read_text())
+    names = [r["row"] for r in d["rows"]]
+    assert names == ["all off", "+ yield to talker (all on)", "concurrency 2 (all on)"]
+    for r in d["rows"]:
+        assert r["statuses"] == ["completed"]
+        assert r["text_tokens"] == [3]  # fixed length: EOS ignored
+        assert r["ttfa_ms"]["median"] > 0 and r["ttft_ms"]["median"] > 0
+        assert r["audio_s"]["median"] == pytest.approx((3 * 1920 - 555) / 24000)
+    assert d["rows"][-1]["requests"] == 2
+    assert png.stat().st_size > 10_000

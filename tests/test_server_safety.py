@@ -5,11 +5,11 @@ import json
 import threading
 import urllib.request
 
-import aioice.ice
 import pytest
 
 pytest.importorskip("aiortc")
 
+import aioice.ice  # noqa: E402
 import websockets  # noqa: E402
 from server_fakes import Client, FakeEngine  # noqa: E402
 from websockets.exceptions import ConnectionClosed, InvalidStatus  # noqa: E402
@@ -248,6 +248,48 @@ async def test_connect_disconnect_cycles_leave_nothing_behind():
         await wait_for(lambda: len(asyncio.all_tasks()) <= tasks_before, 10)
         assert len(engine.sessions) == 51
         assert threading.active_count() <= threads_before + 2, [t.name for t in threading.enumerate()]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    import omni_rt
+
+    return omni_rt.Engine.load("tiny")
+
+
+async def test_vanished_and_cycling_peers_stop_the_real_pipeline(tiny):
+    settings = ServerSettings(port=0, peer=PeerSettings(max_audio_frames=2000))
+    async with tiny, Server(tiny, settings) as server:
+        pipeline = tiny.pipeline
+        ws = await websockets.connect(url(server))
+        client = Client(ws)
+        await client.connect()
+        client.say("tell me a long story")
+        await client.until("output_audio_buffer.started", timeout=30)
+        await client.pc.close()
+        ws.transport.abort()  # gone mid-reply, without a word
+        await wait_for(lambda: not server.peers, 10)
+        await asyncio.sleep(0.2)
+        steps = len(pipeline.steps)
+        await asyncio.sleep(0.5)
+        assert len(pipeline.steps) == steps  # the model stopped working for it
+        await client.close()
+
+        threads = threading.active_count()
+        for i in range(10):
+            async with websockets.connect(url(server)) as ws:
+                client = Client(ws)
+                await client.connect()
+                if i % 2 == 0:
+                    client.say("talk")
+                    await client.until("output_audio_buffer.started", timeout=30)
+                await client.close()
+        await wait_for(lambda: not server.peers, 10)
+        assert threading.active_count() <= threads + 2
+        # Every engine slot is free again: it admits as many sessions as it has.
+        sessions = [tiny.session() for _ in range(tiny.settings.max_sessions)]
+        for session in sessions:
+            await session.close()
 
 
 async def wait_for(condition, timeout: float = 5.0) -> None:

@@ -166,10 +166,23 @@ class Server:
             return
         peer = Peer(self.engine, ws, self.settings.peer)
         self.peers.add(peer)
+        log.info(
+            "%s opened from %s (%d/%d)",
+            peer.session_id,
+            _remote(ws),
+            len(self.peers),
+            self.settings.max_sessions,
+        )
         try:
             await peer.run()
         finally:
             self.peers.discard(peer)
+            log.info("%s closed after %d responses", peer.session_id, peer.responses)
+
+
+def _remote(ws: ServerConnection) -> str:
+    address = ws.remote_address
+    return f"{address[0]}:{address[1]}" if address else "?"
 
 
 def _response(status: HTTPStatus, body: bytes, content_type: str) -> Response:
@@ -273,6 +286,8 @@ async def serve_forever(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Per-request lines from the libraries drown ours: one line per session is enough.
+    logging.getLogger("websockets").setLevel(logging.WARNING)
     logging.getLogger("aioice").setLevel(logging.WARNING)
     logging.getLogger("aiortc").setLevel(logging.WARNING)
     from omni_rt.errors import OmniRtError

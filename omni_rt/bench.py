@@ -487,6 +487,11 @@ def _commit() -> str:
 # Entry point
 
 
+def _save(path: str, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="omni-rt bench", description="the omni_rt benchmark protocol")
     ap.add_argument("--preset", default="qwen3-omni-30b-a3b", help="preset name or checkpoint dir")
@@ -585,6 +590,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         row_s = time.perf_counter() - t_row
         rows.append(summarise(name, samples, settings=overrides, load_s=load_s, kernel_via_hook=via_hook))
         print(f"[bench] {name}: {row_s:.1f} s", file=sys.stderr, flush=True)
+        print(format_table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+        _save(args.json, meta, rows + conc_rows)  # partial results survive a run cut short
         for c, (cs, agg) in conc.items():
             conc_rows.append(summarise(f"concurrency {c} (all on)", cs, aggregate_text_tok_s=agg))
         if first is None:
@@ -608,9 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     table = format_table(rows)
     print(table)
-    out = {"meta": meta, "rows": rows}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    _save(args.json, meta, rows)
     if args.png:
         try:
             plot(rows, Path(args.png), f"omni-rt bench · {args.preset} · {meta['device']} · {meta['commit']}")

@@ -2,15 +2,19 @@
 with token ids and codes (plain ints) and gets plain ints and numpy PCM back.
 
 Caches are allocated once, when the runners are built at engine start: one slot (row) per session in
-the Thinker's and the Talker's KV caches, one Code2Wav streaming state per slot. Every per-token and
-per-frame call has a shape that depends only on the batch size, so it could be captured in a CUDA graph;
-on the CPU the same code runs eagerly.
+the Thinker's and the Talker's KV caches (plus one scratch row that graph capture may write), one
+Code2Wav streaming state per slot. The per-token Thinker decode and the per-frame Talker step have
+shapes that depend only on the batch size (and, for the Thinker, a power-of-two bucket of the attended
+cache length): with `cuda_graphs` on a CUDA device they are captured at engine start, one graph per
+shape, and replayed; on the CPU (or with the switch off) the same functions run eagerly.
 
 Sampling is the offline loop's (`omni_rt.model.offline.StageSampler`), one sampler per sequence and
 stage, so a request gets the same decisions from the same logits however it is batched.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import torch
@@ -19,6 +23,7 @@ from omni_rt.config import EngineSettings, StageSampling
 from omni_rt.model.code2wav import Code2WavStream
 from omni_rt.model.offline import StageSampler, codec_suppressed_ids, stage_generator
 from omni_rt.model.talker import talker_prompt_last, talker_prompt_prefix, talker_step_input
+from omni_rt.pipeline.graphs import GraphPool, capture
 from omni_rt.pipeline.request import Request
 
 
@@ -26,6 +31,25 @@ def _generator(req: Request, stage: str, device: torch.device) -> torch.Generato
     # Each stage draws from its own generator seeded from the response's seed (as offline does), so a
     # seeded response is reproducible whatever the interleaving of the stages.
     return stage_generator(req.sampling.seed, stage, device)
+
+
+def kv_bucket(n: int, max_len: int, smallest: int = 256) -> int:
+    """Cache rows a step attends over: the next power of two >= n (at least `smallest`), capped at the
+    cache length. Few distinct values, so few graphs, and short caches are cheap to attend over."""
+    b = smallest
+    while b < n:
+        b *= 2
+    return min(b, max_len)
+
+
+def _capture(fn, static_inputs, pool):
+    """A CUDA graph of `fn`, or `fn` itself if this step cannot be captured (it then runs eagerly)."""
+    try:
+        return capture(fn, static_inputs, pool=pool)
+    except Exception as e:  # e.g. a MoE backend that syncs with the host: eager is still correct
+        warnings.warn(f"CUDA graph capture failed, running eagerly: {type(e).__name__}: {e}", stacklevel=2)
+        torch.cuda.synchronize()
+        return fn
 
 
 def _rows(n: int, deterministic: bool) -> list[slice]:
@@ -38,9 +62,44 @@ class ThinkerRunner:
         self.thinker = model.thinker
         self.settings = settings
         self.device = model.device
-        self.cache = self.thinker.allocate_cache(settings.max_sessions, settings.max_context)
+        self.scratch = settings.max_sessions  # the extra cache row graph capture writes into
+        self.cache = self.thinker.allocate_cache(settings.max_sessions + 1, settings.max_context)
         self.vocab = self.thinker.cfg.vocab_size
         self._samplers: dict[int, StageSampler] = {}  # slot -> the running request's sampler
+        self._graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> captured decode step
+        if settings.cuda_graphs and self.device.type == "cuda":
+            self._capture_all()
+
+    def _kv_lens(self) -> list[int]:
+        lens, n = [], 1
+        while not lens or lens[-1] < self.cache.max_len:
+            lens.append(kv_bucket(n, self.cache.max_len))
+            n = lens[-1] + 1
+        return lens
+
+    def _decode_fn(self, kv_len: int):
+        def step(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+            logits, _ = self.thinker(ids, positions, self.cache, slots, last_only=True, kv_len=kv_len)
+            return logits[:, -1]  # [B, V]
+
+        return step
+
+    @torch.no_grad()
+    def _capture_all(self) -> None:
+        pool = GraphPool()
+        batches = [1] if self.settings.deterministic else range(1, self.settings.max_sessions + 1)
+        for b in batches:
+            for kv_len in self._kv_lens():
+                static = (
+                    torch.zeros(b, 1, dtype=torch.long, device=self.device),  # ids [B, 1]
+                    torch.zeros(b, 1, dtype=torch.long, device=self.device),  # positions [B, 1]
+                    torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
+                )
+                self._graphs[(b, kv_len)] = _capture(self._decode_fn(kv_len), static, pool)
+
+    def _decode_step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int):
+        step = self._graphs.get((ids.shape[0], kv_len)) or self._decode_fn(kv_len)
+        return step(ids, positions, slots)  # [B, V]
 
     @torch.no_grad()
     def prefill(self, req: Request) -> int:
@@ -48,7 +107,10 @@ class ThinkerRunner:
         t = new.shape[1]
         positions = torch.arange(req.thinker_start, req.thinker_start + t, device=self.device)[None]  # [1, T]
         slots = torch.tensor([req.slot], device=self.device)
-        logits, _ = self.thinker(new, positions, self.cache, slots, last_only=True)  # [1, 1, V]
+        kv_len = kv_bucket(req.thinker_start + t, self.cache.max_len)
+        logits, _ = self.thinker(
+            new, positions, self.cache, slots, last_only=True, kv_len=kv_len
+        )  # [1, 1, V]
         sampler = StageSampler(
             req.sampling.thinker,
             self.vocab,
@@ -66,11 +128,12 @@ class ThinkerRunner:
         # the last token goes to the position after everything already in the cache
         positions = torch.tensor([[len(r.prompt_ids) + len(r.tokens) - 1] for r in reqs], device=self.device)
         slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
+        kv_len = kv_bucket(max(len(r.prompt_ids) + len(r.tokens) for r in reqs), self.cache.max_len)
         out: list[int] = []
         for rows in _rows(len(reqs), self.settings.deterministic):
-            logits, _ = self.thinker(last[rows], positions[rows], self.cache, slots[rows], last_only=True)
+            logits = self._decode_step(last[rows], positions[rows], slots[rows], kv_len)  # [b, V]
             for i, r in enumerate(reqs[rows]):
-                out.append(int(self._samplers[r.slot](logits[i : i + 1, -1])))  # [1, V] -> id
+                out.append(int(self._samplers[r.slot](logits[i : i + 1])))  # [1, V] -> id
         return out
 
 
@@ -81,7 +144,8 @@ class TalkerRunner:
         self.settings = settings
         self.device = model.device
         self.cfg = model.cfg
-        self.cache = self.talker.allocate_cache(settings.max_sessions, settings.max_talker_context)
+        self.scratch = settings.max_sessions  # the extra cache row graph capture writes into
+        self.cache = self.talker.allocate_cache(settings.max_sessions + 1, settings.max_talker_context)
         self.talker.code_predictor.setup_cache(settings.max_sessions)
         vocab = self.cfg.talker.vocab_size
         eos = self.cfg.ids.codec_eos
@@ -93,6 +157,31 @@ class TalkerRunner:
         self._hidden: dict[int, torch.Tensor] = {}  # [Ht]
         self._code0: dict[int, StageSampler] = {}
         self._cp_gen: dict[int, torch.Generator] = {}
+        self._graphs: dict[int, object] = {}  # batch -> captured step
+        if settings.cuda_graphs and self.device.type == "cuda":
+            self._capture_all()
+
+    def _step_fn(
+        self, codes: torch.Tensor, text_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ):
+        """codes [B, 16], text ids [B], positions [B, 1], slots [B] -> (logits [B, V], hidden [B, Ht])."""
+        x = talker_step_input(self.talker, self.embed_text, codes, text_ids)  # [B, Ht]
+        logits, hidden = self.talker(x[:, None], positions, self.cache, slots)  # [B, 1, V], [B, 1, Ht]
+        return logits[:, -1], hidden[:, -1]
+
+    @torch.no_grad()
+    def _capture_all(self) -> None:
+        pool = GraphPool()
+        batches = [1] if self.settings.deterministic else range(1, self.settings.max_sessions + 1)
+        groups = self.cfg.num_code_groups
+        for b in batches:
+            static = (
+                torch.zeros(b, groups, dtype=torch.long, device=self.device),  # codes [B, 16]
+                torch.full((b,), self.cfg.ids.tts_pad, dtype=torch.long, device=self.device),  # text [B]
+                torch.zeros(b, 1, dtype=torch.long, device=self.device),  # positions [B, 1]
+                torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
+            )
+            self._graphs[b] = _capture(self._step_fn, static, pool)
 
     def prompt_prefix(self, req: Request) -> torch.Tensor:
         """The Talker prompt but its last position, for the whole conversation: [L - 1, Ht]."""
@@ -125,7 +214,7 @@ class TalkerRunner:
         positions = torch.tensor([[self._prompt_len[req.slot] - 1]], device=self.device)
         slots = torch.tensor([req.slot], device=self.device)
         logits, hidden = self.talker(x[:, None], positions, self.cache, slots)  # [1, 1, V], [1, 1, Ht]
-        self._hidden[req.slot] = hidden[0, -1]
+        self._hidden[req.slot] = hidden[0, -1].clone()
         return int(self._code0[req.slot](logits[:, -1]))
 
     @torch.no_grad()
@@ -162,20 +251,22 @@ class TalkerRunner:
     def step(self, reqs: list[Request], frames: list[list[int]], text_ids: list[int]) -> list[int]:
         codes = torch.tensor(frames, device=self.device)  # [B, 16]
         text = torch.tensor(text_ids, device=self.device)  # [B]
-        x = talker_step_input(self.talker, self.embed_text, codes, text)  # [B, Ht]
         for r in reqs:
             self._steps[r.slot] += 1
         # step k of a sequence with an L-position prompt writes position L - 1 + k
         positions = torch.tensor(
             [[self._prompt_len[r.slot] - 1 + self._steps[r.slot]] for r in reqs], device=self.device
-        )
-        slots = torch.tensor([r.slot for r in reqs], device=self.device)
+        )  # [B, 1]
+        slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
         out: list[int] = []
         for rows in _rows(len(reqs), self.settings.deterministic):
-            logits, hidden = self.talker(x[rows, None], positions[rows], self.cache, slots[rows])  # [b, 1, V]
+            step = self._graphs.get(rows.stop - rows.start, self._step_fn)
+            logits, hidden = step(codes[rows], text[rows], positions[rows], slots[rows])  # [b, V], [b, Ht]
             for i, r in enumerate(reqs[rows]):
-                self._hidden[r.slot] = hidden[i, -1]
-                out.append(int(self._code0[r.slot](logits[i : i + 1, -1])))
+                self._hidden[r.slot] = hidden[
+                    i
+                ].clone()  # a graph's output buffer is reused by its next replay
+                out.append(int(self._code0[r.slot](logits[i : i + 1])))
         return out
 
 

@@ -8,7 +8,7 @@ const ui = {
   transcript: $("transcript"), empty: $("empty"), composer: $("composer"), text: $("text"),
   speak: $("speak"), stop: $("stop"), voice: $("voice"), mic: $("mic"), player: $("player"),
   scope: $("scope"), speaking: $("speaking"), toast: $("toast"),
-  audible: $("m-audible"), ttfa: $("m-ttfa"), ttft: $("m-ttft"), median: $("m-median"),
+  audible: $("m-audible"), ttfa: $("m-ttfa"), ttft: $("m-ttft"), median: $("m-median"), count: $("m-count"),
 };
 
 // The level that counts as "audible" on the analyser: about -34 dBFS peak, well above the codec's
@@ -249,6 +249,7 @@ setInterval(() => {
     state.latencies.push(r.firstAudibleMs);
     ui.audible.textContent = fmt(r.firstAudibleMs);
     ui.median.textContent = fmt(median(state.latencies));
+    ui.count.textContent = state.latencies.length;
     document.body.dataset.audible = "true";
   }
   draw(peak);

@@ -18,28 +18,20 @@ from dataclasses import replace
 import pytest
 import torch
 from hf_fixtures import SMALL_CONFIGS, text_prompt
-from torch import nn
 
 from omni_rt.config import Sampling
-from omni_rt.model.code2wav import Code2Wav
+from omni_rt.errors import InvalidRequestError
 from omni_rt.model.config import OmniConfig
 from omni_rt.model.offline import generate_offline
-from omni_rt.model.talker import Talker
-from omni_rt.model.thinker import Thinker
-from omni_rt.model.weights import load_weights
+from omni_rt.model.omni import OmniModel
 
 MAX_TOKENS = 10
 MAX_FRAMES = 10
 MIN_FRAMES = 4
 
 
-def build(cfg: OmniConfig, ckpt) -> nn.Module:
-    m = nn.Module()
-    m.thinker = Thinker(cfg.thinker)
-    m.talker = Talker(cfg)
-    m.code2wav = Code2Wav(cfg.code2wav)
-    load_weights(m, ckpt, device="cpu", dtype=torch.float32)
-    return m.eval()
+def build(cfg: OmniConfig, ckpt) -> OmniModel:
+    return OmniModel.build(cfg, device="cpu", dtype=torch.float32, weights=ckpt)
 
 
 def multi_turn(cfg: OmniConfig) -> list[int]:
@@ -58,7 +50,9 @@ def single_turn(cfg: OmniConfig) -> list[int]:
 
 
 @torch.no_grad()
-def reference_generate(ref, prompt: list[int], max_tokens: int, max_frames: int, eos: int):
+def reference_generate(
+    ref, prompt: list[int], max_tokens: int, max_frames: int, eos: int, codec_eos: int | None = None
+):
     """The reference's greedy generate with audio: (new text ids, codes [16, frames], wav [S])."""
     talker_out = {}
     orig = ref.talker.generate
@@ -78,6 +72,7 @@ def reference_generate(ref, prompt: list[int], max_tokens: int, max_frames: int,
             thinker_max_new_tokens=max_tokens,
             thinker_eos_token_id=eos,
             talker_max_new_tokens=max_frames,
+            **({} if codec_eos is None else {"talker_eos_token_id": codec_eos}),
         )
     finally:
         del ref.talker.generate
@@ -86,25 +81,25 @@ def reference_generate(ref, prompt: list[int], max_tokens: int, max_frames: int,
     return seqs[0, len(prompt) :].tolist(), codes, wav.reshape(-1)
 
 
-def run_both(ref, ours, cfg: OmniConfig, prompt: list[int], eos: int | None = None):
+def run_both(ref, ours, cfg: OmniConfig, prompt: list[int], eos: int | None = None, codec_eos=None):
     greedy = Sampling.greedy()
     text, codes, wav = generate_offline(
         ours, prompt, "ethan", greedy.thinker, greedy.talker, max_new_tokens=MAX_TOKENS, max_frames=MAX_FRAMES
     )
     ref_text, ref_codes, ref_wav = reference_generate(
-        ref, prompt, MAX_TOKENS + 1, MAX_FRAMES + 1, cfg.ids.im_end if eos is None else eos
+        ref, prompt, MAX_TOKENS + 1, MAX_FRAMES + 1, cfg.ids.im_end if eos is None else eos, codec_eos
     )
     return (text, codes, wav), (ref_text, ref_codes, ref_wav)
 
 
-def assert_parity(ours, theirs, stopped_at_eos: bool):
+def assert_parity(ours, theirs, stopped_at_eos: bool, min_frames: int = MIN_FRAMES):
     (text, codes, wav), (ref_text, ref_codes, ref_wav) = ours, theirs
     if stopped_at_eos:
         assert text == ref_text
     else:
         assert len(text) == MAX_TOKENS and text == ref_text[:MAX_TOKENS]
     assert len(set(text)) > 2, f"Thinker output barely varies: {text}"
-    assert codes.shape[0] == 16 and codes.shape[1] >= MIN_FRAMES, f"only {codes.shape[1]} frames"
+    assert codes.shape[0] == 16 and codes.shape[1] >= min_frames, f"only {codes.shape[1]} frames"
     assert codes.shape == ref_codes.shape and torch.equal(codes, ref_codes), (codes, ref_codes)
     assert wav.dtype == torch.float32 and wav.shape == ref_wav.shape
     torch.testing.assert_close(wav, ref_wav.float(), atol=1e-4, rtol=0)
@@ -137,3 +132,82 @@ def test_greedy_parity_when_thinker_stops_at_eos(reference, checkpoint):
     ours, theirs = run_both(ref, build(cfg_eos, checkpoint(name, 0)), cfg_eos, prompt, eos=eos)
     assert ours[0] == free[:5]
     assert_parity(ours, theirs, stopped_at_eos=True)
+
+
+def test_greedy_parity_when_talker_stops_at_codec_eos(reference, checkpoint):
+    """The Talker ends the audio itself: declare its 6th greedy code 0 the codec EOS id, in both models."""
+    name = "wide"
+    cfg = SMALL_CONFIGS[name]
+    ref = reference(name, 0)
+    prompt = multi_turn(cfg)
+    (_, free, _), _ = run_both(ref, build(cfg, checkpoint(name, 0)), cfg, prompt)
+    codec_eos = int(free[0, 5])
+    assert codec_eos not in free[0, :5].tolist()
+    cfg_eos = replace(cfg, ids=replace(cfg.ids, codec_eos=codec_eos))
+    ours, theirs = run_both(ref, build(cfg_eos, checkpoint(name, 0)), cfg_eos, prompt, codec_eos=codec_eos)
+    assert ours[1].shape[1] == 5  # the EOS frame itself is not emitted
+    assert torch.equal(ours[1], free[:, :5])
+    assert_parity(ours, theirs, stopped_at_eos=False, min_frames=5)
+
+
+def test_ignore_eos_runs_both_stages_to_their_limits(checkpoint):
+    """Benchmarks: with ignore_eos neither the Thinker's EOS nor the codec EOS ends generation."""
+    cfg = SMALL_CONFIGS["tiny"]
+    greedy = Sampling.greedy()
+    prompt = single_turn(cfg)
+    free_text, free_codes, _ = generate_offline(
+        build(cfg, checkpoint("tiny", 0)), prompt, "ethan", greedy.thinker, greedy.talker, 8, 8
+    )
+    ids = replace(cfg.ids, im_end=free_text[2], codec_eos=int(free_codes[0, 2]))
+    model = build(replace(cfg, ids=ids), checkpoint("tiny", 0))
+    text, codes, wav = generate_offline(model, prompt, "ethan", greedy.thinker, greedy.talker, 8, 8)
+    assert text == free_text[:3] and codes.shape[1] <= 2  # both EOS ids end generation early
+    text, codes, wav = generate_offline(
+        model, prompt, "ethan", greedy.thinker, greedy.talker, 8, 8, ignore_eos=True
+    )
+    assert text == free_text and codes.shape == (16, 8)  # EOS ids are plain text / never chosen
+    assert wav.shape == (model.code2wav.output_length(8),)
+
+
+def test_sampling_is_seeded_and_valid(checkpoint):
+    cfg = SMALL_CONFIGS["narrow"]
+    model = build(cfg, checkpoint("narrow", 0))
+    s = (
+        Sampling()
+    )  # the reference's defaults: Talker temperature 0.9, top-k 50; predictor top-k 50, top-p 0.8
+    prompt = single_turn(cfg)
+
+    def run(seed):
+        return generate_offline(model, prompt, "chelsie", s.thinker, s.talker, 6, 6, seed=seed)
+
+    a, b, c = run(7), run(7), run(8)
+    assert a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+    assert a[0] != c[0] or not torch.equal(a[1], c[1])
+    codes = a[1]
+    assert codes.min() >= 0 and codes.max() < cfg.code2wav.codebook_size
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(voice="nobody"), "unknown voice"),
+        (dict(input_ids=[1, 2, 3]), "assistant header"),
+        (dict(input_ids=[]), "non-empty"),
+        (dict(max_frames=0), "max_frames"),
+        (dict(input_ids=[10**7, 151644, 77091, 198]), "token ids"),
+    ],
+)
+def test_bad_input_is_a_typed_error(checkpoint, change, match):
+    cfg = SMALL_CONFIGS["tiny"]
+    greedy = Sampling.greedy()
+    kwargs = dict(
+        model=build(cfg, checkpoint("tiny", 0)),
+        input_ids=single_turn(cfg),
+        voice="ethan",
+        thinker_sampling=greedy.thinker,
+        talker_sampling=greedy.talker,
+        max_new_tokens=4,
+        max_frames=4,
+    )
+    with pytest.raises(InvalidRequestError, match=match):
+        generate_offline(**(kwargs | change))

@@ -46,9 +46,10 @@ from omni_rt.model.talker import (
 
 
 def codec_suppressed_ids(vocab_size: int, eos: int, suppress_eos: bool = False) -> torch.Tensor:
-    """Codec ids the Talker may never emit: the top 1024 (specials), all but EOS (unless suppress_eos)."""
+    """Codec ids the Talker may never emit: the top 1024 (specials), all but EOS; EOS too if suppress_eos."""
     ids = torch.arange(max(vocab_size - 1024, 0), vocab_size)
-    return ids if suppress_eos else ids[ids != eos]
+    ids = ids[ids != eos]
+    return torch.cat((ids, torch.tensor([eos]))) if suppress_eos else ids
 
 
 # Each stage draws from its own generator, seeded from the response's seed and the stage's offset, so a
@@ -152,6 +153,9 @@ def generate_offline(
         speaker = cfg.speaker_id(voice)
     except KeyError as e:
         raise InvalidRequestError(str(e.args[0])) from None
+    vocab_text = thinker.cfg.vocab_size
+    if int(prompt.min()) < 0 or int(prompt.max()) >= vocab_text:
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_text}) (the Thinker's vocabulary)")
     slot = torch.zeros(1, dtype=torch.long, device=device)  # one sequence: cache row 0
 
     # 1. Thinker: prefill the prompt, then one token per step.
@@ -161,7 +165,7 @@ def generate_offline(
     hidden_layer = cfg.accept_hidden_layer if bool(mm.any()) else None  # the Talker reads it at placeholders
     pick_text = StageSampler(
         thinker_sampling,
-        thinker.cfg.vocab_size,
+        vocab_text,
         device=device,
         generator=stage_generator(seed, "thinker", device),
     )

@@ -14,7 +14,9 @@ stage, so a request gets the same decisions from the same logits however it is b
 
 from __future__ import annotations
 
+import functools
 import warnings
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -52,6 +54,24 @@ def _capture(fn, static_inputs, pool):
         return fn
 
 
+def _stream(device: torch.device, priority: int) -> torch.cuda.Stream | None:
+    """A stage's own CUDA stream (None on the CPU). Every stage runs off the legacy default stream,
+    which would serialise them; the Talker and Code2Wav get high priority, so that the Thinker's
+    weight streaming does not starve the small steps on the path to the first audio."""
+    return torch.cuda.Stream(device=device, priority=priority) if device.type == "cuda" else None
+
+
+def stage_call(fn):
+    """A runner method: no autograd, on the runner's stream (`self.stream`) when it has one."""
+
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            return fn(self, *args, **kwargs)
+
+    return call
+
+
 def _rows(n: int, deterministic: bool) -> list[slice]:
     """Row groups to run: the whole batch, or one row at a time (batch-invariant) when deterministic."""
     return [slice(i, i + 1) for i in range(n)] if deterministic else [slice(0, n)]
@@ -62,6 +82,7 @@ class ThinkerRunner:
         self.thinker = model.thinker
         self.settings = settings
         self.device = model.device
+        self.stream = _stream(self.device, priority=0)
         self.scratch = settings.max_sessions  # the extra cache row graph capture writes into
         self.cache = self.thinker.allocate_cache(settings.max_sessions + 1, settings.max_context)
         self.vocab = self.thinker.cfg.vocab_size
@@ -101,7 +122,7 @@ class ThinkerRunner:
         step = self._graphs.get((ids.shape[0], kv_len)) or self._decode_fn(kv_len)
         return step(ids, positions, slots)  # [B, V]
 
-    @torch.no_grad()
+    @stage_call
     def prefill(self, req: Request) -> int:
         new = torch.tensor(req.new_prompt_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
         t = new.shape[1]
@@ -122,7 +143,7 @@ class ThinkerRunner:
         self._samplers[req.slot] = sampler
         return int(sampler(logits[:, -1]))
 
-    @torch.no_grad()
+    @stage_call
     def decode(self, reqs: list[Request]) -> list[int]:
         last = torch.tensor([[r.tokens[-1]] for r in reqs], device=self.device)  # [B, 1]
         # the last token goes to the position after everything already in the cache
@@ -144,6 +165,7 @@ class TalkerRunner:
         self.settings = settings
         self.device = model.device
         self.cfg = model.cfg
+        self.stream = _stream(self.device, priority=-1)
         self.scratch = settings.max_sessions  # the extra cache row graph capture writes into
         self.cache = self.talker.allocate_cache(settings.max_sessions + 1, settings.max_talker_context)
         self.talker.code_predictor.setup_cache(settings.max_sessions)
@@ -187,7 +209,7 @@ class TalkerRunner:
         """The Talker prompt but its last position, for the whole conversation: [L - 1, Ht]."""
         return talker_prompt_prefix(self.talker, self.embed_text, req.prompt_ids, req.speaker_id)
 
-    @torch.no_grad()
+    @stage_call
     def prefill_prefix(self, req: Request) -> None:
         prefix = self.prompt_prefix(req)  # [L - 1, Ht]
         start = req.talker_start  # earlier turns' user tokens are already in this slot's cache
@@ -207,7 +229,7 @@ class TalkerRunner:
         )
         self._cp_gen[req.slot] = _generator(req, "code_predictor", self.device)
 
-    @torch.no_grad()
+    @stage_call
     def prefill_last(self, req: Request, first_token: int) -> int:
         first = torch.tensor([first_token], device=self.device)
         x = talker_prompt_last(self.talker, self.embed_text, first)  # [1, Ht]
@@ -217,7 +239,7 @@ class TalkerRunner:
         self._hidden[req.slot] = hidden[0, -1].clone()
         return int(self._code0[req.slot](logits[:, -1]))
 
-    @torch.no_grad()
+    @stage_call
     def predict(self, reqs: list[Request], code0: list[int]) -> list[list[int]]:
         hidden = torch.stack([self._hidden[r.slot] for r in reqs])  # [B, Ht]
         c0 = torch.tensor(code0, device=self.device)  # [B]
@@ -247,7 +269,7 @@ class TalkerRunner:
 
         return sample
 
-    @torch.no_grad()
+    @stage_call
     def step(self, reqs: list[Request], frames: list[list[int]], text_ids: list[int]) -> list[int]:
         codes = torch.tensor(frames, device=self.device)  # [B, 16]
         text = torch.tensor(text_ids, device=self.device)  # [B]
@@ -280,17 +302,19 @@ class Code2WavRunner:
         self.code2wav = model.code2wav
         self.device = model.device
         self.samples_per_frame = self.code2wav.samples_per_frame
+        self.stream = _stream(self.device, priority=-1)
         # one exact streaming state per session slot, allocated once
         self._streams = [Code2WavStream(self.code2wav) for _ in range(settings.max_sessions)]
 
     def open(self, req: Request) -> None:
         self._streams[req.slot].reset()
 
-    @torch.no_grad()
+    @stage_call
     def push(self, req: Request, frames: list[list[int]]) -> np.ndarray:
         codes = torch.tensor(frames, device=self.device).T  # [16, n]
         return self._streams[req.slot].push(codes).float().cpu().numpy()
 
+    @stage_call
     def flush(self, req: Request) -> np.ndarray:
         return self._streams[req.slot].flush().float().cpu().numpy()
 

@@ -45,7 +45,10 @@ SKIPPED_PREFIXES = ("thinker.audio_tower.", "thinker.visual.")
 
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _MAX_LISTED = 12
-RESIDUAL_CONV_GAIN = 0.1  # init_random: output conv of Code2Wav residual units  # names listed per error group; the rest are counted
+RESIDUAL_CONV_GAIN = 0.1  # init_random: output conv of Code2Wav residual units
+# init_random: input embeddings. At 0.02 the token's identity is drowned by the 48 layers' outputs and a
+# real-shape Thinker greedily repeats one token forever (measured on an H200); unit-RMS rows keep it.
+EMBED_STD = 1.0  # names listed per error group; the rest are counted
 
 
 @dataclass
@@ -380,6 +383,8 @@ def _fill_rule(name: str, p: torch.Tensor, std: float, layers: dict[str, int]) -
         if name.endswith("conv2.conv.weight"):
             std_conv *= RESIDUAL_CONV_GAIN  # Code2Wav residual units: x + conv2(...) would grow per unit
         return "normal", std_conv
+    if re.search(r"(embed_tokens|codec_embedding(\.\d+)?|code_embedding)\.weight$", name):
+        return "normal", EMBED_STD
     if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
         m = re.match(r"^(.*\.layers)\.\d+\.", name)
         n_layers = layers.get(m[1], 1) if m else 1
@@ -397,8 +402,8 @@ def init_random(
 ) -> None:
     """Seeded random weights, generated on the target device in the target dtype (meta params allowed).
 
-    Norm weights 1; biases and SnakeBeta alpha/beta 0; ConvNeXt gamma and layer scales 0.1; embeddings
-    and projections N(0, std); residual-branch outputs (o_proj, down_proj, experts' down_proj) N(0,
+    Norm weights 1; biases and SnakeBeta alpha/beta 0; ConvNeXt gamma and layer scales 0.1; input
+    embeddings N(0, EMBED_STD = 1); projections N(0, std); residual-branch outputs (o_proj, down_proj, experts' down_proj) N(0,
     std/sqrt(2·layers)) so the residual stream stays O(1) through 48 layers; conv kernels N(0,
     1/sqrt(fan_in)), the output conv of Code2Wav's residual units 10x smaller, so the waveform keeps a
     std of ~0.1 instead of growing through the 12 residual units into the [-1, 1] clamp. Each tensor's stream is seeded from (seed, name), so values do not depend on

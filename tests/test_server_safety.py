@@ -128,6 +128,23 @@ async def test_malformed_input_gets_an_error_and_a_clean_close(message, code, cl
         await wait_for(lambda: not server.peers and engine.open_sessions == 0)
 
 
+async def test_malformed_json_on_the_data_channel():
+    engine = FakeEngine(step_s=0)
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(url(server)) as ws:
+            client = Client(ws)
+            await client.connect()
+            client.send({"type": "response.cancel"})  # a mistake: answered on the channel, kept open
+            assert (await client.until("error"))[-1]["error"]["code"] == "response_cancel_not_active"
+            client.channel.send("{{{")  # not the protocol at all: error on the socket, then closed
+            event = await recv_json(ws)
+            assert event["type"] == "error" and event["error"]["code"] == "invalid_json"
+            assert await closed_with(ws) == 1008
+            await client.close()
+        await wait_for(lambda: not server.peers and engine.open_sessions == 0)
+        await assert_serves(server)
+
+
 async def test_protocol_mistakes_get_an_error_and_keep_the_connection():
     async with Server(FakeEngine(step_s=0), ServerSettings(port=0)) as server:
         async with websockets.connect(url(server)) as ws:

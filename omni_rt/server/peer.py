@@ -122,17 +122,18 @@ class Peer:
                 try:
                     await self._handle(raw, source)
                 except ProtocolError as exc:
-                    self.send(protocol.error(exc))
-                    if exc.fatal:
-                        await self._flush_and_close(1009 if exc.code == "message_too_large" else 1008)
-                        return
+                    if not exc.fatal:
+                        self.send(protocol.error(exc))
+                        continue
+                    # The socket is what closes: the error goes there, where it is sure to arrive first.
+                    await self._fail_now(exc, 1009 if exc.code == "message_too_large" else 1008)
+                    return
         except asyncio.CancelledError:
             raise
         except Exception:
             # A bug here must cost this client its connection, never the server.
             log.exception("peer %s failed", self.session_id)
-            self.send(protocol.error(ProtocolError("server_error", "internal error", type="server_error")))
-            await self._flush_and_close(1011)
+            await self._fail_now(ProtocolError("server_error", "internal error", type="server_error"), 1011)
         finally:
             await self.close()
 
@@ -226,7 +227,10 @@ class Peer:
         try:
             while True:
                 data = await self._outbox.get()
-                await self.ws.send(data)
+                try:
+                    await self.ws.send(data)
+                finally:
+                    self._outbox.task_done()
         except ConnectionClosed:
             self._shutdown()
 
@@ -250,9 +254,7 @@ class Peer:
     async def _flush_and_close(self, code: int) -> None:
         """Give queued events (the error that explains the close) a moment to leave, then close."""
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(1.0):
-                while not self._outbox.empty():
-                    await asyncio.sleep(0.01)
+            await asyncio.wait_for(self._outbox.join(), 1.0)
         await self.ws.close(code)
 
     async def _fail_now(self, exc: ProtocolError, code: int) -> None:

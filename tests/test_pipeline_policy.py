@@ -123,8 +123,9 @@ def test_first_audio_before_last_text_delta():
 
 
 def test_thinker_second_step_starts_at_frame0_when_talker_is_fast():
+    # frame 0 takes ~4 ms; a roomy cap keeps the test deterministic on a loaded machine
     p = make(
-        EngineSettings(yield_to_talker_ms=12),
+        EngineSettings(yield_to_talker_ms=100),
         FakeTimings(thinker_prefill=0.02, talker_last=0.002, predict=0.002),
     )
     try:
@@ -137,7 +138,7 @@ def test_thinker_second_step_starts_at_frame0_when_talker_is_fast():
     decode1 = steps(p, "thinker", "decode")[0]
     # the Thinker's second step waited for frame 0, and no longer than the cap
     assert decode1.t_start >= frame0.t_end
-    assert p.yields[0].t_end - p.yields[0].t_start < 0.012 + 0.05
+    assert p.yields[0].t_end - p.yields[0].t_start < 0.1
 
 
 def test_thinker_second_step_starts_at_cap_when_talker_is_slow():

@@ -21,7 +21,7 @@ import numpy as np
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
-from omni_rt.errors import CapacityError, InvalidRequestError
+from omni_rt.errors import CapacityError, InvalidRequestError, StageError
 from omni_rt.events import (
     Metrics,
     ResponseCreated,
@@ -65,6 +65,8 @@ class FakeSession:
                     status = "cancelled"
                     break
                 await asyncio.sleep(self.engine.step_s)
+                if self.engine.fail_after is not None and i >= self.engine.fail_after:
+                    raise StageError("talker: simulated failure")
                 self.engine.steps += 1
                 delta = word if i == 0 else " " + word
                 ttft = ttft if ttft is not None else 1000 * (loop.time() - t0)
@@ -100,8 +102,15 @@ class FakeSession:
 
 class FakeEngine:
     def __init__(
-        self, *, step_s: float = 0.02, frames_per_word: int = 1, reply: str | None = None, max_sessions=8
+        self,
+        *,
+        step_s: float = 0.02,
+        frames_per_word: int = 1,
+        reply: str | None = None,
+        max_sessions: int = 8,
+        fail_after: int | None = None,
     ):
+        self.fail_after = fail_after  # raise StageError after this many words, as a broken stage would
         self.step_s = step_s
         self.frames_per_word = frames_per_word
         self.reply = reply

@@ -244,3 +244,19 @@ async def test_input_audio_is_counted_and_refused_once(served):
     assert (await recv(ws))["type"] == "conversation.item.added"  # not a second error
     (peer,) = server.peers
     assert peer.input_audio_frames == 3
+
+
+async def test_a_failing_stage_fails_the_response_not_the_connection(served):
+    engine, _, ws = served
+    engine.fail_after = 1
+    await recv(ws)
+    await ws.send(json.dumps(user_message("hi")))
+    await ws.send(json.dumps({"type": "response.create"}))
+    events = await until(ws, "response.done")
+    error = next(e for e in events if e["type"] == "error")
+    assert error["error"]["code"] == "StageError" and "simulated" in error["error"]["message"]
+    assert events[-1]["response"]["status"] == "failed"
+    engine.fail_after = None
+    await ws.send(json.dumps(user_message("again")))
+    await ws.send(json.dumps({"type": "response.create"}))
+    assert (await until(ws, "response.done"))[-1]["response"]["status"] == "completed"

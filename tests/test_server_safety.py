@@ -267,6 +267,20 @@ async def test_connect_disconnect_cycles_leave_nothing_behind():
         assert threading.active_count() <= threads_before + 2, [t.name for t in threading.enumerate()]
 
 
+async def test_server_close_with_a_reply_in_progress():
+    engine = FakeEngine(step_s=0.02, reply=" ".join(["word"] * 500))
+    server = Server(engine, ServerSettings(port=0))
+    await server.start()
+    ws = await websockets.connect(url(server))
+    client = Client(ws)
+    await client.connect()
+    client.say("go")
+    await client.until("output_audio_buffer.started")
+    await asyncio.wait_for(server.close(), 10)
+    assert not server.peers and engine.open_sessions == 0 and engine.running == 0
+    await client.close()
+
+
 @pytest.fixture(scope="module")
 def tiny():
     import omni_rt

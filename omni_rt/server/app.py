@@ -101,7 +101,10 @@ class Server:
 
     @property
     def url(self) -> str:
+        """Where a browser on this machine opens the page (with the token, when there is one)."""
         host = self.settings.host
+        if host in ("", "0.0.0.0", "::"):
+            host = "127.0.0.1"  # all interfaces: loopback is one of them
         host = f"[{host}]" if ":" in host else host
         url = f"http://{host}:{self.port}/"
         return f"{url}?token={self.settings.token}" if self.settings.token else url
@@ -277,6 +280,10 @@ async def serve_forever(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):  # not on Windows
             loop.add_signal_handler(sig, stop.set)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.token:
+        print(
+            "omni-rt: warning: listening beyond this machine without --token: anyone who can reach it can talk"
+        )
     async with engine, Server(engine, settings) as server:
         print(f"omni-rt: serving {args.model} at {server.url}  (Ctrl-C to stop)", flush=True)
         await stop.wait()

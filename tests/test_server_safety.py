@@ -327,3 +327,61 @@ async def wait_for(condition, timeout: float = 5.0) -> None:
     async with asyncio.timeout(timeout):
         while not condition():
             await asyncio.sleep(0.02)
+
+
+async def test_serve_command_starts_prints_its_url_and_stops_on_ctrl_c():
+    import re
+    import signal
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "omni_rt.server.app", "--port", "0", "--token", "tk",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        url = None
+        async with asyncio.timeout(60):
+            while url is None:
+                line = (await proc.stdout.readline()).decode()
+                assert line, "the server exited before printing its URL"
+                if match := re.search(r"serving tiny at (http://127\.0\.0\.1:(\d+)/\?token=tk)", line):
+                    url, port = match.group(1), int(match.group(2))
+
+        def get(path):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+                return r.status, r.read()
+
+        status, body = await asyncio.to_thread(get, "/health")
+        assert status == 200 and json.loads(body)["ok"] is True
+        async with websockets.connect(f"ws://127.0.0.1:{port}/ws?token=tk") as ws:
+            assert (await recv_json(ws, 10))["type"] == "session.created"
+        proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(30):
+            rest = (await proc.stdout.read()).decode()
+            assert await proc.wait() == 0
+        assert "stopped" in rest and "Traceback" not in rest
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def test_serve_arguments_are_checked():
+    from omni_rt.server.app import parse_args
+
+    args = parse_args([])
+    assert (args.model, args.host, args.port, args.token, args.max_sessions) == (
+        "tiny",
+        "127.0.0.1",
+        8080,
+        None,
+        4,
+    )
+    for bad in (
+        ["--max-sessions", "0"],
+        ["--port", "70000"],
+        ["--idle", "beep"],
+        ["--max-audio-seconds", "0"],
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(bad)

@@ -14,6 +14,7 @@ from hf_fixtures import SMALL_CONFIGS, text_prompt
 from transformers import DynamicCache
 
 from omni_rt.errors import ConfigError, InvalidRequestError
+from omni_rt.model.layers import KVCache
 from omni_rt.model.talker import (
     Talker,
     talker_prompt,
@@ -80,6 +81,12 @@ def test_forward_matches_reference_prefill_then_decode(ref, talker):
         logits, hidden = talker(x[:, lo:hi], pos, cache, slots)
         got_logits.append(logits)
         got_hidden.append(hidden)
+
+    # attending over a shorter static window (a kv_len bucket) changes nothing while it covers all positions
+    cache2 = talker.allocate_cache(n_slots=4, max_len=16)
+    talker(x[:, :t], torch.arange(t).expand(b, -1), cache2, slots, kv_len=8)
+    logits, hidden = talker(x[:, t : t + 1], torch.full((b, 1), t), cache2, slots, kv_len=8)
+    torch.testing.assert_close(logits, want_logits[1], atol=2e-5, rtol=1e-4)
 
     for got, want in zip(got_logits, want_logits, strict=True):
         assert got.shape == want.shape
@@ -264,3 +271,42 @@ def test_multimodal_positions_read_hidden_projection(ref, talker):
     want = ref._get_talker_user_parts(0, n, mm, hidden[None], embeds)[0][user]  # [U, Ht]
     got = talker_prompt_prefix(talker, embed_fn(ref), prompt, CFG.speaker_id("ethan"), prompt_hidden=hidden)
     torch.testing.assert_close(got[: want.shape[0]], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("embeds_width", "inputs_embeds"),
+        ("positions_shape", "positions must be"),
+        ("position_beyond_cache", "positions must be in"),
+        ("slot_beyond_cache", "slots must be in"),
+        ("kv_len", "kv_len"),
+        ("cache_of_other_model", "cache shape"),
+    ],
+)
+def test_forward_bad_input_is_a_typed_error(talker, case, match):
+    h = CFG.talker.hidden_size
+    x, pos, slots = torch.zeros(1, 3, h), torch.arange(3)[None], torch.tensor([0])
+    cache, kv_len = talker.allocate_cache(n_slots=2, max_len=8), None
+    if case == "embeds_width":
+        x = torch.zeros(1, 3, h + 1)
+    elif case == "positions_shape":
+        pos = torch.arange(4)[None]
+    elif case == "position_beyond_cache":
+        pos = torch.arange(6, 9)[None]
+    elif case == "slot_beyond_cache":
+        slots = torch.tensor([2])
+    elif case == "kv_len":
+        kv_len = 9
+    elif case == "cache_of_other_model":
+        cache = KVCache(1, 2, CFG.talker.num_key_value_heads, 8, CFG.talker.head_dim)
+    with pytest.raises(InvalidRequestError, match=match):
+        talker(x, pos, cache, slots, kv_len=kv_len)
+
+
+def test_predict_bad_shapes_are_typed_errors(talker):
+    h = CFG.talker.hidden_size
+    with pytest.raises(InvalidRequestError, match="talker_hidden"):
+        talker.code_predictor.predict(torch.zeros(2, h), torch.zeros(3, h))
+    with pytest.raises(InvalidRequestError, match="code0"):
+        talker.predict_frame(torch.zeros(2, h), torch.zeros(3, dtype=torch.long))

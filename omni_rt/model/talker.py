@@ -38,7 +38,7 @@ from torch.nn import functional as F
 
 from omni_rt.errors import ConfigError, InvalidRequestError
 from omni_rt.model.config import DecoderConfig, OmniConfig, TokenIds
-from omni_rt.model.layers import DecoderLayer, KVCache, RMSNorm, Rotary
+from omni_rt.model.layers import DecoderLayer, KVCache, RMSNorm, Rotary, attention_mask
 
 # `sample(logits[B, V]) -> ids[B]`: a pure function of logits (greedy, or sampling with its own generator)
 SampleFn = Callable[[torch.Tensor], torch.Tensor]
@@ -126,10 +126,12 @@ class CodePredictor(nn.Module):
         self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor
     ) -> torch.Tensor:
         """embeds [B, T, H], positions [B, T] -> normed hidden [B, T, H]."""
-        cos, sin = self.rotary(positions, embeds.dtype)
+        cos, sin = self.rotary(positions, embeds.dtype)  # [B, T, head_dim]
+        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        mask = attention_mask(positions, cache.max_len, rep)  # shared by all layers
         h = embeds
         for layer in self.model.layers:
-            h = layer(h, cos, sin, cache, slots, positions)
+            h = layer(h, cos, sin, cache, slots, positions, cache.max_len, mask)
         return self.model.norm(h)
 
     def predict(
@@ -139,6 +141,16 @@ class CodePredictor(nn.Module):
 
         Static shapes and no host sync: a whole frame can be captured in one CUDA graph.
         """
+        h = self.cfg.hidden_size
+        if (
+            talker_hidden.dim() != 2
+            or talker_hidden.shape[1] != h
+            or code0_embed.shape != talker_hidden.shape
+        ):
+            raise InvalidRequestError(
+                f"talker_hidden and code0_embed must both be [B, {h}], got {tuple(talker_hidden.shape)} "
+                f"and {tuple(code0_embed.shape)}"
+            )
         b = talker_hidden.shape[0]
         cache = self._cache_for(b, talker_hidden)
         slots = torch.arange(b, device=talker_hidden.device)  # [B]
@@ -213,18 +225,62 @@ class Talker(nn.Module):
         )
 
     def forward(
-        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,
+        kv_len: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """inputs_embeds [B, T, Ht], positions [B, T], slots [B] -> (logits [B, T, codec_vocab], hidden [B, T, Ht]).
 
         `hidden` is after the final norm: the code predictor's input at the frame's position 0.
+        kv_len (a Python int, static per CUDA graph): attend over cache rows [0, kv_len) only; it must
+        exceed every position. Defaults to the whole cache.
         """
+        self._check(inputs_embeds, positions, cache, slots, kv_len)
+        kv_len = cache.max_len if kv_len is None else kv_len
         cos, sin = self.rotary(positions, inputs_embeds.dtype)  # [B, T, head_dim]
+        tk = self.cfg.talker
+        mask = attention_mask(positions, kv_len, tk.num_attention_heads // tk.num_key_value_heads)
         h = inputs_embeds
         for layer in self.model.layers:
-            h = layer(h, cos, sin, cache, slots, positions)
+            h = layer(h, cos, sin, cache, slots, positions, kv_len, mask)  # [B, T, Ht]
         h = self.model.norm(h)
         return self.codec_head(h), h
+
+    def _check(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,
+        kv_len: int | None,
+    ) -> None:
+        """Shapes always; values only on the CPU (reading GPU values would sync with the host)."""
+        tk = self.cfg.talker
+        if x.dim() != 3 or x.shape[1] == 0 or x.shape[2] != tk.hidden_size:
+            raise InvalidRequestError(
+                f"inputs_embeds must be [B, T, {tk.hidden_size}] with T > 0, got {tuple(x.shape)}"
+            )
+        b, t = x.shape[:2]
+        if tuple(positions.shape) != (b, t):
+            raise InvalidRequestError(f"positions must be [B, T] = {[b, t]}, got {tuple(positions.shape)}")
+        if tuple(slots.shape) != (b,):
+            raise InvalidRequestError(f"slots must be [B] = [{b}], got {tuple(slots.shape)}")
+        want = (tk.num_hidden_layers, tk.num_key_value_heads, tk.head_dim)
+        got = (cache.k.shape[0], cache.k.shape[2], cache.k.shape[4])
+        if got != want:
+            raise InvalidRequestError(f"cache shape {tuple(cache.k.shape)} does not fit this Talker")
+        limit = cache.max_len
+        if kv_len is not None:
+            if not 0 < kv_len <= cache.max_len:
+                raise InvalidRequestError(f"kv_len {kv_len} outside 1..{cache.max_len} (the cache length)")
+            limit = kv_len
+        if positions.device.type == "cpu" and (positions.min() < 0 or positions.max() >= limit):
+            raise InvalidRequestError(f"positions must be in [0, {limit}) (the cache length or kv_len)")
+        if slots.device.type == "cpu" and (slots.min() < 0 or slots.max() >= cache.n_slots):
+            raise InvalidRequestError(f"slots must be in [0, {cache.n_slots})")
 
     def project_text(self, thinker_embeds: torch.Tensor) -> torch.Tensor:
         """[..., thinker_hidden] -> [..., Ht]."""
@@ -244,6 +300,8 @@ class Talker(nn.Module):
         self, hidden: torch.Tensor, code0: torch.Tensor, sample: SampleFn = greedy
     ) -> torch.Tensor:
         """The Talker's last hidden [B, Ht] and its code 0 [B] -> the whole frame's codes [B, 16]."""
+        if code0.shape != hidden.shape[:1]:
+            raise InvalidRequestError(f"code0 must be [B] = [{hidden.shape[0]}], got {tuple(code0.shape)}")
         rest = self.code_predictor.predict(hidden, self.model.codec_embedding(code0), sample)  # [B, 15]
         return torch.cat((code0.unsqueeze(1), rest), dim=1)
 

@@ -104,7 +104,7 @@ async def test_reply_over_data_channel_and_audio_track(idle, sent_frames):
             # Received in real time too: never more than a few frames ahead of the wall clock.
             r0 = client.frames[0][0]
             lead = [i * FRAME_S - (t - r0) for i, (t, _) in enumerate(client.frames)]
-            assert max(lead) <= 5 * FRAME_S
+            assert max(lead) <= 8 * FRAME_S  # looser than the sender's check: network and jitter buffer
             await client.close()
 
 

@@ -237,7 +237,7 @@ def text_prompt(cfg: OmniConfig, text_ids: list[int]) -> list[int]:
 
 @torch.no_grad()
 def reference_generate(ref, cfg: OmniConfig, prompt: list[int], max_tokens: int = 8, max_frames: int = 12):
-    """Greedy reference generate with audio: (new text ids, codes [16, frames] or None, wav [S])."""
+    """Greedy reference generate with audio: (new text ids, codes [16, frames], Talker ids, wav [S])."""
     input_ids = torch.tensor([prompt])
     talker_result: dict = {}
     orig = ref.talker.generate

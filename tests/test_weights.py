@@ -373,6 +373,19 @@ def test_omni_model_loads_transformers_checkpoint(reference, checkpoint):
         torch.testing.assert_close(p, ref_state[n], rtol=0, atol=0, msg=n)
     # every reference parameter outside the skipped encoders is in OmniModel
     assert {n for n, _ in ref.named_parameters() if not n.startswith(SKIPPED_PREFIXES)} == set(names)
+    assert model.load_report.skipped and not model.load_report.unknown
+
+
+@needs_stages
+def test_omni_model_from_checkpoint_reads_config(checkpoint):
+    from omni_rt.model.omni import OmniModel
+
+    model = OmniModel.from_checkpoint(checkpoint("wide"), dtype="float32")
+    assert (
+        model.cfg.thinker == SMALL_CONFIGS["wide"].thinker
+        and model.cfg.talker == SMALL_CONFIGS["wide"].talker
+    )
+    assert model.thinker.model.embed_tokens.weight.shape[1] == 96
 
 
 @needs_stages
@@ -431,3 +444,22 @@ def test_omni_model_build_random_is_seeded_and_bf16():
     assert not any(p.is_meta for p in c.parameters())
     d = OmniModel.build(cfg, weights={k: v.float() for k, v in a.state_dict().items()})
     assert all(torch.equal(x.float(), y) for x, y in zip(a.parameters(), d.parameters(), strict=True))
+
+
+@needs_stages
+def test_random_tiny_greedy_reply_is_varied():
+    """Seeded random weights give a usable greedy reply: varied text, many distinct frames, real audio."""
+    from omni_rt.config import StageSampling
+    from omni_rt.model.offline import generate_offline
+    from omni_rt.model.omni import OmniModel
+    from omni_rt.tokenizer import Tokenizer
+
+    model = OmniModel.build(preset("tiny"), weights="random", seed=0)
+    prompt = Tokenizer.tiny().chat_prompt([("user", "Hello, how are you today?")])
+    greedy = StageSampling(do_sample=False)
+    text, codes, wav = generate_offline(
+        model, prompt, "ethan", greedy, StageSampling(do_sample=False, repetition_penalty=1.05), 12, 16
+    )
+    assert len(set(text)) > 6, text
+    assert codes.shape[1] >= 8 and len(set(codes[0].tolist())) > 4, codes[0]
+    assert torch.isfinite(wav).all() and 0.01 < wav.std() < 0.5

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from omni_rt.errors import WeightError
+from omni_rt.errors import ConfigError, WeightError
 from omni_rt.model.config import preset
 from omni_rt.model.omni import params_on_meta
 from omni_rt.model.thinker import Thinker
@@ -249,6 +249,11 @@ def test_index_naming_missing_shard(small_ckpt):
     (ckpt / "model-00002-of-00003.safetensors").unlink()
     with pytest.raises(WeightError, match="model-00002-of-00003.safetensors"):
         load_weights(_thinker_holder(cfg), ckpt)
+
+
+def test_bad_dtype_is_a_config_error():
+    with pytest.raises(ConfigError, match="unknown dtype 'float17'"):
+        init_random(_thinker_holder(_small_thinker_cfg()), dtype="float17")
 
 
 def test_no_checkpoint_files(tmp_path):

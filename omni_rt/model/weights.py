@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from omni_rt.errors import WeightError
+from omni_rt.errors import ConfigError, WeightError
 
 # Checkpoint tensors of parts omni_rt deliberately does not implement: skipped, never "unknown".
 SKIPPED_PREFIXES = ("thinker.audio_tower.", "thinker.visual.")
@@ -240,11 +240,16 @@ def _resolve(model: nn.Module, device, dtype) -> tuple[torch.device, torch.dtype
     )
     dt = dtype if dtype is not None else (p.dtype if p is not None else torch.float32)
     if isinstance(dt, str):
-        dt = getattr(torch, dt)
+        resolved = getattr(torch, dt, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ConfigError(f"unknown dtype {dt!r}")
+        dt = resolved
     return dev, dt
 
 
 def _set_param(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    # Replaces the parameter in its owning module only: tied parameters would come untied (none are:
+    # Qwen3-Omni's lm_head is not tied to its embeddings).
     mod_name, _, leaf = name.rpartition(".")
     mod = model.get_submodule(mod_name)
     mod._parameters[leaf] = nn.Parameter(value, requires_grad=False)

@@ -385,3 +385,14 @@ def test_serve_arguments_are_checked():
     ):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+async def test_without_the_page_the_socket_still_serves(monkeypatch):
+    from omni_rt.server import app
+
+    monkeypatch.setattr(app, "find_web_dir", lambda: None)
+    async with Server(FakeEngine(step_s=0), ServerSettings(port=0)) as server:
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{server.port}/", timeout=5)
+        assert missing.value.code == 404
+        await assert_serves(server)

@@ -35,13 +35,13 @@ from omni_rt.server.protocol import ProtocolError
 log = logging.getLogger("omni_rt.server")
 
 
-def find_web_dir() -> Path:
+def find_web_dir() -> Path | None:
     """The demo page: packaged as `omni_rt/web` when installed, `<repo>/web` in a checkout."""
     package = Path(__file__).resolve().parent.parent  # omni_rt/
     for candidate in (package / "web", package.parent / "web"):
         if (candidate / "index.html").is_file():
-            return candidate
-    raise FileNotFoundError(f"the demo page (web/index.html) is neither in {package} nor beside it")
+            return candidate.resolve()
+    return None
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,11 @@ class Server:
     def __init__(self, engine: Any, settings: ServerSettings | None = None) -> None:
         self.engine = engine
         self.settings = settings or ServerSettings()
-        self.web_dir = (self.settings.web_dir or find_web_dir()).resolve()
+        web_dir = self.settings.web_dir or find_web_dir()
+        self.web_dir = web_dir.resolve() if web_dir is not None else None
+        if self.web_dir is None:
+            # /ws works without it; only the demo page is missing (an install without package data).
+            log.warning("the demo page (web/) was not found: serving /ws only")
         self.peers: set[Peer] = set()
         self._server: Any = None
         self._handlers: set[asyncio.Task] = set()
@@ -145,6 +149,8 @@ class Server:
         return parts.scheme in ("http", "https") and parts.netloc.lower() == host.lower()
 
     def _static(self, path: str) -> Response:
+        if self.web_dir is None:
+            return _response(HTTPStatus.NOT_FOUND, b"The demo page is not installed; /ws is.\n", "text/plain")
         name = "index.html" if path in ("/", "/index.html") else path.lstrip("/")
         file = (self.web_dir / name).resolve()
         # Only plain files directly inside web/: no traversal, no hidden files, no directories.

@@ -395,4 +395,5 @@ async def test_without_the_page_the_socket_still_serves(monkeypatch):
         with pytest.raises(urllib.error.HTTPError) as missing:
             await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{server.port}/", timeout=5)
         assert missing.value.code == 404
+        missing.value.close()  # an unread error response would hold its connection open
         await assert_serves(server)

@@ -149,10 +149,16 @@ class Client:
         self.events: asyncio.Queue = asyncio.Queue()
         self.frames: list[tuple[float, object]] = []
         self._tasks: list[asyncio.Task] = []
+        self.direction = "recvonly"  # of the offer's audio
 
     async def connect(self) -> dict:
         created = json.loads(await self.ws.recv())
-        self.pc.addTransceiver("audio", direction="recvonly")
+        if self.direction == "sendonly":
+            from aiortc.mediastreams import AudioStreamTrack
+
+            self.pc.addTransceiver(AudioStreamTrack(), direction="sendonly")  # a "microphone" of silence
+        else:
+            self.pc.addTransceiver("audio", direction=self.direction)
         self.channel = self.pc.createDataChannel("events")
         opened = asyncio.Event()
         self.channel.on("open", opened.set)

@@ -249,3 +249,24 @@ async def test_tiny_engine_reply_over_webrtc(tiny, sent_frames):
             assert np.sqrt(np.mean(samples**2)) > 300  # the model's audio, not silence
             assert (len(got) + AIORTC_PREFETCH) * FRAME_S == pytest.approx(pcm_s, abs=CODEC_FRAME_S + 1e-9)
             await client.close()
+
+
+async def test_send_only_offer_gets_its_audio_as_events():
+    # A client that only sends audio (a microphone) cannot play a track: the reply comes as base64.
+    engine = FakeEngine(step_s=0.0, reply="a b")
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            client = Client(ws)
+            client.direction = "sendonly"
+            await client.connect()
+            (peer,) = server.peers
+            assert peer.track is None
+            client.say("hi")
+            events = await client.until("response.done")
+            audio = [e for e in events if e["type"] == "response.output_audio.delta"]
+            assert len(audio) == 2
+            # The client's microphone is read as it arrives (counted; speech input is not in the Session).
+            async with asyncio.timeout(5):
+                while peer.input_audio_frames < 10:
+                    await asyncio.sleep(0.05)
+            await client.close()

@@ -578,7 +578,6 @@ class Peer:
                 idle=self.settings.idle, on_started=self._on_audio_started, on_stopped=self._on_audio_stopped
             )
             pc.addTrack(self.track)
-            self._spawn(self._feed_track(self.track), "track feeder")
         try:
             answer = await pc.createAnswer()
             await pc.setLocalDescription(answer)
@@ -590,6 +589,13 @@ class Peer:
                 event_id=event.event_id,
                 fatal=True,
             ) from None
+        if self.track is not None and not _sends(pc, self.track):
+            # The offer's audio is send-only (a microphone, nothing to play): nobody will read the
+            # track, so the reply's audio goes as events instead of piling up in front of it.
+            self.track.stop()
+            self.track = None
+        if self.track is not None:
+            self._spawn(self._feed_track(self.track), "track feeder")
         # Signaling always goes on the socket: the data channel does not exist until this answer lands.
         self._send_socket(json.dumps(protocol.webrtc_answer(pc.localDescription.sdp)))
 
@@ -637,6 +643,14 @@ class Peer:
 
     def _on_audio_stopped(self, response_id: str) -> None:
         self.send(protocol.output_audio_buffer("stopped", response_id))
+
+
+def _sends(pc: RTCPeerConnection, track: AudioOutputTrack) -> bool:
+    """Whether the answer lets `track` be sent (its transceiver's direction includes send)."""
+    for transceiver in pc.getTransceivers():
+        if transceiver.sender.track is track:
+            return transceiver.currentDirection in ("sendrecv", "sendonly")
+    return False
 
 
 def _session_error(ev: Any) -> ProtocolError:

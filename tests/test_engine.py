@@ -202,3 +202,27 @@ async def test_seeded_sampling_stream_equals_offline(engine, tiny):
     )
     assert tokens == [t for t in text if t != tiny.cfg.ids.im_end]
     np.testing.assert_array_equal(codes, ref_codes.numpy())
+
+
+async def test_every_switch_off_gives_the_same_output(tiny):
+    """The optimisations change when things happen, never what comes out."""
+    ids = prompt(tiny.tokenizer, "Same words, please.")
+    outs = []
+    for settings in (omni_rt.EngineSettings(), omni_rt.EngineSettings.all_off(deterministic=True)):
+        engine = omni_rt.Engine.load("tiny", settings=settings)
+        async with engine, engine.session() as s:
+            events = await collect(s, input_ids=ids, sampling=GREEDY, max_output_tokens=7, max_audio_frames=9)
+        assert events[-1].status == "completed"
+        sizes = [e.num_frames for e in of(events, "response.output_audio.delta")]
+        outs.append((reply_text_and_pcm(events), sizes))
+    (on, on_sizes), (off, off_sizes) = outs
+    assert on[0] == off[0]
+    # same codes; PCM decoded in other chunk sizes agrees to float rounding (1 LSB)
+    assert len(on[1]) == len(off[1])
+    assert np.abs(on[1].astype(np.int32) - off[1].astype(np.int32)).max() <= 1
+    assert on_sizes[0] == 1 and off_sizes[0] == 4
+
+
+def reply_text_and_pcm(events) -> tuple[list[int], np.ndarray]:
+    tokens = [t for e in of(events, "response.output_text.delta") for t in e.token_ids]
+    return tokens, np.concatenate([e.pcm for e in of(events, "response.output_audio.delta")])

@@ -265,10 +265,10 @@ def reference_generate(ref, cfg: OmniConfig, prompt: list[int], max_tokens: int 
     return seqs[0, len(prompt) :].tolist(), codes[0].T, out.sequences[0].tolist(), wav.reshape(-1)
 
 
-def check_varied(ref, cfg: OmniConfig) -> dict:
+def check_varied(ref, cfg: OmniConfig, max_tokens: int = 6, max_frames: int = 6) -> dict:
     """Assert that greedy outputs of `ref` are varied (the point of the init above); return them."""
     prompt = text_prompt(cfg, [9707, 11, 1879, 0, 2585, 525, 498, 30])  # "Hello, world! How are you?"
-    text, codes, talker_seq, wav = reference_generate(ref, cfg, prompt, max_tokens=8, max_frames=12)
+    text, codes, talker_seq, wav = reference_generate(ref, cfg, prompt, max_tokens, max_frames)
     assert len(set(text)) > 2, f"Thinker greedy output barely varies: {text}"
     frames = codes.shape[1]
     assert frames >= 3, f"Talker made only {frames} frames before EOS: {talker_seq}"

@@ -1,5 +1,6 @@
 """The demo page in real headless Chromium (Debian's, driven by Playwright; no browser download)."""
 
+import asyncio
 import os
 import shutil
 from pathlib import Path
@@ -63,6 +64,17 @@ async def test_page_connects_speaks_and_measures_latency():
                 == "Hello from omni rt, streamed as it is made."
             )
             assert engine.requests == ["Say hello"]
+
+            # The microphone toggle sends Chromium's fake device up the same transceiver; the server reads it.
+            (peer,) = server.peers
+            await page.click("label.switch")
+            async with asyncio.timeout(10):
+                while peer.input_audio_frames < 10:
+                    await asyncio.sleep(0.05)
+            # A new voice opens a new session on the server; the page marks the new conversation.
+            await page.select_option("#voice", "chelsie")
+            await page.wait_for_selector(".divider", timeout=10_000)
+            assert engine.sessions[-1].voice == "chelsie" and engine.open_sessions == 1
             assert errors == []
 
             OUT.mkdir(exist_ok=True)

@@ -270,3 +270,30 @@ async def test_send_only_offer_gets_its_audio_as_events():
                 while peer.input_audio_frames < 10:
                     await asyncio.sleep(0.05)
             await client.close()
+
+
+async def test_two_browsers_at_once_each_get_their_own_session():
+    engine = FakeEngine(step_s=0.02, frames_per_word=1)  # replies "you said <text>"
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with (
+            websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws_a,
+            websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws_b,
+        ):
+            a, b = Client(ws_a), Client(ws_b)
+            await asyncio.gather(a.connect(), b.connect())
+            a.say("apples")
+            b.say("bananas")
+            events_a, events_b = await asyncio.gather(
+                a.until("output_audio_buffer.stopped", "response.done"),
+                b.until("output_audio_buffer.stopped", "response.done"),
+            )
+            for events, word in ((events_a, "apples"), (events_b, "bananas")):
+                text = "".join(
+                    e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta"
+                )
+                assert text == f"you said {word}"
+            assert len(server.peers) == 2 and engine.open_sessions == 2
+            await asyncio.sleep(0.3)
+            assert a.frames and b.frames  # each heard its own track
+            await a.close()
+            await b.close()

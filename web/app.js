@@ -20,6 +20,7 @@ const state = {
   audioCtx: null, analyser: null, samples: null,
   response: null,        // {id, bubble, t0, firstAudibleMs}
   speaking: false,       // the track is playing a reply (it may outlast response.done)
+  voice: null,           // the session's voice, as the server last said
   pending: null,         // a request sent, its response not created yet: {t0}
   latencies: [],         // first-audible figures of this page's replies, ms
   doneWaiters: [],
@@ -189,8 +190,17 @@ function onEvent(ev) {
     case "error":
       toast(ev.error.message);
       break;
+    case "session.created":
+      state.voice = ev.session.audio.output.voice;
+      break;
+    case "session.updated": {
+      const voice = ev.session.audio.output.voice;
+      if (voice !== state.voice && state.voice) addDivider(`Voice: ${voice[0].toUpperCase() + voice.slice(1)} · a new conversation`);
+      state.voice = voice;
+      break;
+    }
     default:
-      break;  // session.created/updated, conversation.item.*: nothing to show
+      break;  // conversation.item.*: the page shows its own copy of what it sent
   }
 }
 
@@ -286,6 +296,14 @@ function addBubble(role, text) {
   ui.transcript.appendChild(el);
   ui.transcript.scrollTop = ui.transcript.scrollHeight;
   return el;
+}
+
+function addDivider(text) {
+  const el = document.createElement("div");
+  el.className = "divider";
+  el.textContent = text;
+  ui.transcript.appendChild(el);
+  ui.transcript.scrollTop = ui.transcript.scrollHeight;
 }
 
 function appendText(bubble, delta) {

@@ -25,8 +25,8 @@ from omni_rt.model.config import OmniConfig
 from omni_rt.model.offline import generate_offline
 from omni_rt.model.omni import OmniModel
 
-MAX_TOKENS = 10
-MAX_FRAMES = 10
+MAX_TOKENS = 8
+MAX_FRAMES = 8
 MIN_FRAMES = 4
 
 
@@ -106,7 +106,7 @@ def assert_parity(ours, theirs, stopped_at_eos: bool, min_frames: int = MIN_FRAM
     assert wav.abs().max() > 1e-2  # a real waveform, not silence
 
 
-CASES = [("tiny", 0), ("wide", 0), ("deep", 0), ("narrow", 0)]
+CASES = [("wide", 0), ("deep", 0), ("narrow", 0)]  # "tiny" runs in the EOS cases below
 
 
 @pytest.mark.parametrize("name,seed", CASES)

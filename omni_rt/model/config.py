@@ -61,7 +61,8 @@ class DecoderConfig:
             rope_theta=float(theta),
             max_position_embeddings=d.get("max_position_embeddings", 32768),
             intermediate_size=d.get("intermediate_size", 0),
-            num_experts=d.get("num_experts", 0),
+            # transformers' save_pretrained writes the Talker's count as num_local_experts, num_experts null
+            num_experts=d.get("num_experts") or d.get("num_local_experts") or 0,
             num_experts_per_tok=d.get("num_experts_per_tok", 0),
             moe_intermediate_size=d.get("moe_intermediate_size", 0),
             norm_topk_prob=d.get("norm_topk_prob", True),
@@ -343,7 +344,8 @@ class OmniConfig:
                 "spatial_merge_size": 2,
                 "speaker_id": dict(self.speakers),
                 "text_config": self.talker.to_hf(),
-                "code_predictor_config": self.code_predictor.to_hf() | {"num_code_groups": self.num_code_groups},
+                "code_predictor_config": self.code_predictor.to_hf()
+                | {"num_code_groups": self.num_code_groups},
             },
             "code2wav_config": self.code2wav.to_hf(),
         }
@@ -431,9 +433,18 @@ def preset(name: str) -> OmniConfig:
 
 
 def load_hf_config(path: str | Path) -> OmniConfig:
-    """The config of a Hugging Face checkpoint directory (its `config.json`)."""
+    """The config of a Hugging Face checkpoint directory (its `config.json`); ConfigError if unusable."""
+    from omni_rt.errors import ConfigError
+
     p = Path(path)
     f = p / "config.json" if p.is_dir() else p
     if not f.is_file():
-        raise FileNotFoundError(f"no config.json at {p}")
-    return OmniConfig.from_hf(json.loads(f.read_text()))
+        raise ConfigError(f"no config.json at {p}")
+    try:
+        d = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{f}: not JSON ({e})") from None
+    try:
+        return OmniConfig.from_hf(d)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{f}: not a Qwen3-Omni config ({type(e).__name__}: {e})") from e

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 from omni_rt.errors import ConfigError
-from omni_rt.model.config import OmniConfig
+from omni_rt.model.config import OmniConfig, load_hf_config
 from omni_rt.model.weights import LoadReport, init_random, load_weights, materialize_
 
 WeightsArg = None | str | Path | Mapping[str, torch.Tensor]
@@ -57,30 +56,6 @@ def _construct(cls, *args, moe_impl: str):
     if "moe_impl" in inspect.signature(cls).parameters:
         return cls(*args, moe_impl=moe_impl)
     return cls(*args)
-
-
-def checkpoint_config(directory: str | Path) -> OmniConfig:
-    """`OmniConfig` of a checkpoint dir, also when transformers wrote its config.json.
-
-    transformers 5.17's `save_pretrained` writes the Talker's expert count as `num_local_experts` with
-    `"num_experts": null` (the published config.json says `num_experts`); `DecoderConfig.from_hf` reads
-    only `num_experts`, so the alias is resolved here before parsing.
-    """
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"no config.json in {directory}")
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not JSON ({e})") from None
-    for stage in ("thinker_config", "talker_config"):
-        text = d.get(stage, {}).get("text_config", {})
-        if text.get("num_experts") is None and text.get("num_local_experts") is not None:
-            text["num_experts"] = text["num_local_experts"]
-    try:
-        return OmniConfig.from_hf(d)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConfigError(f"{path}: not a Qwen3-Omni config ({type(e).__name__}: {e})") from e
 
 
 class OmniModel(nn.Module):
@@ -143,7 +118,7 @@ class OmniModel(nn.Module):
         moe_impl: str = "auto",
     ) -> OmniModel:
         """Config (`config.json`) and weights of a Hugging Face checkpoint directory."""
-        cfg = checkpoint_config(directory)
+        cfg = load_hf_config(directory)
         return cls.build(cfg, device, dtype, weights=Path(directory), moe_impl=moe_impl)
 
     @property

@@ -84,8 +84,9 @@ class CodePredictor(nn.Module):
 
     Position 0 holds the Talker's last (normed) hidden state, position 1 the Talker's embedding of code 0;
     head `lm_head[i]` predicts code i+1 from the last position, and code i+1 enters the next step
-    through `model.codec_embedding[i]` (i = 0..13; code 15 is only embedded by the next Talker step). A fresh sequence every frame, so its cache is tiny
-    (one row per batch element, 16 positions) and never needs clearing (see layers.KVCache).
+    through `model.codec_embedding[i]` (i = 0..13; code 15 is embedded only by the next Talker step).
+    A fresh sequence every frame, so its cache is tiny (one row per batch element, 16 positions) and
+    never needs clearing (see layers.KVCache).
     """
 
     def __init__(self, cfg: DecoderConfig, num_code_groups: int) -> None:
@@ -141,14 +142,14 @@ class CodePredictor(nn.Module):
 
         Static shapes and no host sync: a whole frame can be captured in one CUDA graph.
         """
-        h = self.cfg.hidden_size
+        width = self.cfg.hidden_size
         if (
             talker_hidden.dim() != 2
-            or talker_hidden.shape[1] != h
+            or talker_hidden.shape[1] != width
             or code0_embed.shape != talker_hidden.shape
         ):
             raise InvalidRequestError(
-                f"talker_hidden and code0_embed must both be [B, {h}], got {tuple(talker_hidden.shape)} "
+                f"talker_hidden and code0_embed must both be [B, {width}], got {tuple(talker_hidden.shape)} "
                 f"and {tuple(code0_embed.shape)}"
             )
         b = talker_hidden.shape[0]
@@ -156,13 +157,15 @@ class CodePredictor(nn.Module):
         slots = torch.arange(b, device=talker_hidden.device)  # [B]
         x = torch.stack((talker_hidden, code0_embed), dim=1)  # [B, 2, H]
         positions = torch.arange(2, device=x.device).expand(b, 2)  # [B, 2]
+        n = self.num_code_groups - 1
         codes = []
-        for i in range(self.num_code_groups - 1):
+        for i in range(n):
             h = self(x, positions, cache, slots)[:, -1]  # [B, H]
             code = sample(self.lm_head[i](h))  # [B]
             codes.append(code)
-            x = self.model.codec_embedding[i](code).unsqueeze(1)  # [B, 1, H]: code i+1 enters step i+1
-            positions = torch.full((b, 1), i + 2, device=x.device, dtype=torch.long)  # [B, 1]
+            if i + 1 < n:
+                x = self.model.codec_embedding[i](code).unsqueeze(1)  # [B, 1, H]: code i+1 enters step i+1
+                positions = torch.full((b, 1), i + 2, device=x.device, dtype=torch.long)  # [B, 1]
         return torch.stack(codes, dim=1)  # [B, 15]
 
 

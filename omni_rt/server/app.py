@@ -82,6 +82,8 @@ class Server:
             max_queue=16,
             ping_interval=20,
             ping_timeout=20,
+            # Don't let a client that never closes its end hold a shutdown (or a slot) for long.
+            close_timeout=2,
         )
 
     async def close(self) -> None:
@@ -199,6 +201,7 @@ def _response(status: HTTPStatus, body: bytes, content_type: str) -> Response:
     headers["Content-Type"] = content_type
     headers["Content-Length"] = str(len(body))
     headers["Cache-Control"] = "no-cache"
+    headers["Connection"] = "close"  # one request per connection: this is a WebSocket server at heart
     headers["X-Content-Type-Options"] = "nosniff"
     headers["Referrer-Policy"] = "no-referrer"  # the page's URL may carry the token
     return Response(status.value, status.phrase, headers, body)

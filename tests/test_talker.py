@@ -96,6 +96,22 @@ def test_forward_matches_reference_prefill_then_decode(ref, talker):
 
 
 @torch.no_grad()
+def test_forward_with_mrope_positions_matches_reference(ref, talker):
+    """Image/video prompts give distinct (t, h, w) positions; the Talker rotates with all three."""
+    g = torch.Generator().manual_seed(5)
+    t, h = 6, CFG.talker.hidden_size
+    x = torch.randn(1, t, h, generator=g)  # [1, T, Ht]
+    thw = torch.tensor([[0, 1, 2, 2, 2, 3], [0, 1, 2, 2, 3, 4], [0, 1, 2, 3, 2, 5]])[:, None]  # [3, 1, T]
+    out = ref.talker.model(inputs_embeds=x, position_ids=thw, use_cache=False)
+    want = ref.talker.codec_head(out.last_hidden_state)
+    cache = talker.allocate_cache(n_slots=1, max_len=8)
+    logits, _ = talker(x, torch.arange(t)[None], cache, torch.tensor([0]), rope_positions=thw)
+    torch.testing.assert_close(logits, want, atol=2e-5, rtol=1e-4)
+    plain, _ = talker(x, torch.arange(t)[None], cache, torch.tensor([0]))
+    assert not torch.allclose(plain, want, atol=1e-3)  # the (h, w) components really matter
+
+
+@torch.no_grad()
 def test_code_predictor_matches_reference_generate_greedy(ref, talker):
     g = torch.Generator().manual_seed(2)
     b, h = 3, CFG.talker.hidden_size

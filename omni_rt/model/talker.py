@@ -234,16 +234,25 @@ class Talker(nn.Module):
         cache: KVCache,
         slots: torch.Tensor,
         kv_len: int | None = None,
+        *,
+        rope_positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """inputs_embeds [B, T, Ht], positions [B, T], slots [B] -> (logits [B, T, codec_vocab], hidden [B, T, Ht]).
 
         `hidden` is after the final norm: the code predictor's input at the frame's position 0.
+        positions are the cache rows (and causal limits) of the new tokens; rope_positions [3, B, T] are
+        (t, h, w) M-RoPE positions for image/video prompts, defaulting to `positions` (text and audio).
         kv_len (a Python int, static per CUDA graph): attend over cache rows [0, kv_len) only; it must
         exceed every position. Defaults to the whole cache.
         """
         self._check(inputs_embeds, positions, cache, slots, kv_len)
+        if rope_positions is not None and tuple(rope_positions.shape) != (3, *positions.shape):
+            raise InvalidRequestError(
+                f"rope_positions must be [3, B, T] = {[3, *positions.shape]}, got {tuple(rope_positions.shape)}"
+            )
         kv_len = cache.max_len if kv_len is None else kv_len
-        cos, sin = self.rotary(positions, inputs_embeds.dtype)  # [B, T, head_dim]
+        rope = positions if rope_positions is None else rope_positions
+        cos, sin = self.rotary(rope, inputs_embeds.dtype)  # [B, T, head_dim]
         tk = self.cfg.talker
         mask = attention_mask(positions, kv_len, tk.num_attention_heads // tk.num_key_value_heads)
         h = inputs_embeds

@@ -122,6 +122,11 @@ class FakeEngine:
         self.requests: list[str] = []
         self.sessions: list[FakeSession] = []
 
+    def speaker_id(self, voice: str) -> int:
+        if voice not in VOICES:
+            raise InvalidRequestError(f"unknown voice {voice!r}; known: {', '.join(VOICES)}")
+        return VOICES.index(voice)
+
     @contextlib.asynccontextmanager
     async def session(
         self, *, voice: str = "ethan", instructions: str | None = None, output_sample_rate: int = RATE

@@ -162,6 +162,23 @@ async def test_session_created_then_updated(served):
     assert (engine.sessions[-1].voice, engine.sessions[-1].instructions) == ("chelsie", "Speak softly.")
     assert engine.open_sessions == 1
 
+    # A bad voice is refused as a whole and leaves the session (and its conversation) as it was.
+    opened = len(engine.sessions)
+    await ws.send(
+        json.dumps(
+            {
+                "type": "session.update",
+                "session": {"output_modalities": ["text"], "audio": {"output": {"voice": "x"}}},
+            }
+        )
+    )
+    error = await recv(ws)
+    assert error["type"] == "error" and error["error"]["param"] == "session.audio.output.voice"
+    assert len(engine.sessions) == opened and engine.open_sessions == 1
+    await ws.send(json.dumps({"type": "session.update", "session": {}}))
+    unchanged = (await recv(ws))["session"]
+    assert unchanged["output_modalities"] == ["audio"] and unchanged["audio"]["output"]["voice"] == "chelsie"
+
 
 async def test_a_whole_turn_in_order(served):
     engine, _, ws = served

@@ -292,24 +292,32 @@ class Peer:
     async def _on_session_update(self, event: protocol.SessionUpdate) -> None:
         s = event.session
         voice = s.voice or (s.audio.output.voice if s.audio and s.audio.output else None)
+        instructions = s.instructions
+        changed = (voice is not None and voice != self.voice) or (
+            instructions is not None and instructions != self.instructions
+        )
+        if changed and self._response is not None:
+            raise ProtocolError(
+                "conversation_already_has_active_response",
+                "voice and instructions cannot change while a response is in progress",
+                event_id=event.event_id,
+            )
+        if voice is not None and hasattr(self.engine, "speaker_id"):
+            try:
+                self.engine.speaker_id(voice)  # checked before the current session is given up
+            except OmniRtError as exc:
+                raise ProtocolError(
+                    "invalid_value", str(exc), param="session.audio.output.voice", event_id=event.event_id
+                ) from None
+        # Valid: apply all of it.
         modalities = s.output_modalities or s.modalities
         if modalities is not None:
             self.output_modalities = list(dict.fromkeys(modalities))
         if s.max_output_tokens is not None:
             self.max_output_tokens = s.max_output_tokens
-        changed = (voice is not None and voice != self.voice) or (
-            s.instructions is not None and s.instructions != self.instructions
-        )
         if changed:
-            if self._response is not None:
-                raise ProtocolError(
-                    "conversation_already_has_active_response",
-                    "voice and instructions cannot change while a response is in progress",
-                    event_id=event.event_id,
-                )
-            old = (self.voice, self.instructions)
             self.voice = voice or self.voice
-            self.instructions = s.instructions if s.instructions is not None else self.instructions
+            self.instructions = instructions if instructions is not None else self.instructions
             # A Session's voice and system prompt are fixed when it opens: open a fresh one (the
             # conversation starts over, as it would with a new system prompt anyway).
             if self._session_stack is not None:
@@ -317,11 +325,9 @@ class Peer:
                 self._session_stack = None
             try:
                 await self._open_session()
-            except OmniRtError as exc:
-                self.voice, self.instructions = old
-                await self._open_session()
+            except OmniRtError as exc:  # the engine stopped, or lost its slot to another client
                 raise ProtocolError(
-                    "invalid_value", str(exc), param="session", event_id=event.event_id
+                    "session_unavailable", str(exc), type="server_error", event_id=event.event_id, fatal=True
                 ) from None
         self.send(protocol.session_updated(self._session_object()))
 

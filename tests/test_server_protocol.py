@@ -277,3 +277,15 @@ async def test_a_failing_stage_fails_the_response_not_the_connection(served):
     await ws.send(json.dumps(user_message("again")))
     await ws.send(json.dumps({"type": "response.create"}))
     assert (await until(ws, "response.done"))[-1]["response"]["status"] == "completed"
+
+
+def test_ice_server_urls():
+    from omni_rt.server.peer import ice_server
+
+    stun = ice_server("stun:stun.example:3478")
+    assert (stun.urls, stun.username, stun.credential) == ("stun:stun.example:3478", None, None)
+    turn = ice_server("turn:al%40ice:p%3Ass@relay.example:3478?transport=udp")
+    assert turn.urls == "turn:relay.example:3478?transport=udp"
+    assert (turn.username, turn.credential) == ("al@ice", "p:ss")
+    with pytest.raises(ValueError):
+        ice_server("http://example.com")

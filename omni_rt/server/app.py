@@ -29,7 +29,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from omni_rt.server import protocol
-from omni_rt.server.peer import Peer, PeerSettings
+from omni_rt.server.peer import Peer, PeerSettings, ice_server
 from omni_rt.server.protocol import ProtocolError
 
 log = logging.getLogger("omni_rt.server")
@@ -252,6 +252,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_sessions < 1:
         p.error("--max-sessions must be at least 1")
+    for url in args.ice_server:
+        try:
+            ice_server(url)
+        except ValueError as exc:
+            p.error(str(exc))
     if args.max_audio_seconds <= 0:
         p.error("--max-audio-seconds must be positive")
     if not 0 <= args.port < 65536:

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote
 
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
@@ -545,7 +546,7 @@ class Peer:
             raise ProtocolError(
                 "renegotiation_unsupported", "this connection already has WebRTC", event_id=event.event_id
             )
-        config = RTCConfiguration(iceServers=[RTCIceServer(urls=url) for url in self.settings.ice_servers])
+        config = RTCConfiguration(iceServers=[ice_server(url) for url in self.settings.ice_servers])
         pc = RTCPeerConnection(configuration=config)
         self.pc = pc
         pc.on("datachannel", self._on_datachannel)
@@ -649,6 +650,18 @@ class Peer:
 
     def _on_audio_stopped(self, response_id: str) -> None:
         self.send(protocol.output_audio_buffer("stopped", response_id))
+
+
+def ice_server(url: str) -> RTCIceServer:
+    """`stun:host:port`, or `turn:USER:PASSWORD@host:port[?transport=udp]` with its credentials inline."""
+    scheme, sep, rest = url.partition(":")
+    if not sep or scheme not in ("stun", "stuns", "turn", "turns"):
+        raise ValueError(f"not a STUN/TURN URL: {url!r}")
+    if "@" not in rest:
+        return RTCIceServer(urls=url)
+    credentials, _, address = rest.rpartition("@")
+    username, _, password = credentials.partition(":")
+    return RTCIceServer(urls=f"{scheme}:{address}", username=unquote(username), credential=unquote(password))
 
 
 def _sends(pc: RTCPeerConnection, track: AudioOutputTrack) -> bool:

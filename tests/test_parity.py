@@ -51,7 +51,13 @@ def single_turn(cfg: OmniConfig) -> list[int]:
 
 @torch.no_grad()
 def reference_generate(
-    ref, prompt: list[int], max_tokens: int, max_frames: int, eos: int, codec_eos: int | None = None
+    ref,
+    prompt: list[int],
+    max_tokens: int,
+    max_frames: int,
+    eos: int,
+    codec_eos: int | None = None,
+    talker_penalty: float = 1.05,
 ):
     """The reference's greedy generate with audio: (new text ids, codes [16, frames], wav [S])."""
     talker_out = {}
@@ -72,6 +78,7 @@ def reference_generate(
             thinker_max_new_tokens=max_tokens,
             thinker_eos_token_id=eos,
             talker_max_new_tokens=max_frames,
+            talker_repetition_penalty=talker_penalty,
             **({} if codec_eos is None else {"talker_eos_token_id": codec_eos}),
         )
     finally:
@@ -81,13 +88,15 @@ def reference_generate(
     return seqs[0, len(prompt) :].tolist(), codes, wav.reshape(-1)
 
 
-def run_both(ref, ours, cfg: OmniConfig, prompt: list[int], eos: int | None = None, codec_eos=None):
+def run_both(ref, ours, cfg: OmniConfig, prompt: list[int], eos=None, codec_eos=None, talker_penalty=1.05):
     greedy = Sampling.greedy()
+    talker = greedy.talker.model_copy(update={"repetition_penalty": talker_penalty})
     text, codes, wav = generate_offline(
-        ours, prompt, "ethan", greedy.thinker, greedy.talker, max_new_tokens=MAX_TOKENS, max_frames=MAX_FRAMES
+        ours, prompt, "ethan", greedy.thinker, talker, max_new_tokens=MAX_TOKENS, max_frames=MAX_FRAMES
     )
+    eos = cfg.ids.im_end if eos is None else eos
     ref_text, ref_codes, ref_wav = reference_generate(
-        ref, prompt, MAX_TOKENS + 1, MAX_FRAMES + 1, cfg.ids.im_end if eos is None else eos, codec_eos
+        ref, prompt, MAX_TOKENS + 1, MAX_FRAMES + 1, eos, codec_eos, talker_penalty
     )
     return (text, codes, wav), (ref_text, ref_codes, ref_wav)
 
@@ -117,6 +126,20 @@ def test_greedy_parity(reference, checkpoint, name, seed, turns):
     ours = build(cfg, checkpoint(name, seed))
     prompt = single_turn(cfg) if turns == "single" else multi_turn(cfg)
     assert_parity(*run_both(ref, ours, cfg, prompt), stopped_at_eos=False)
+
+
+def test_greedy_parity_with_a_repetition_penalty_that_changes_codes(reference, checkpoint):
+    """At 1.05 the penalty flips no greedy choice of these random Talkers; at 1.3 it does for "deep"
+    (code 0 repeats there), so this case checks that it is applied as the reference applies it."""
+    name = "deep"
+    cfg = SMALL_CONFIGS[name]
+    ref, ours = reference(name, 0), build(cfg, checkpoint(name, 0))
+    prompt = multi_turn(cfg)
+    greedy = Sampling.greedy()  # the reference's default penalty, 1.05
+    _, default_codes, _ = generate_offline(ours, prompt, "ethan", greedy.thinker, greedy.talker, 8, 8)
+    penalised, theirs = run_both(ref, ours, cfg, prompt, talker_penalty=1.3)
+    assert not torch.equal(penalised[1], default_codes)
+    assert_parity(penalised, theirs, stopped_at_eos=False)
 
 
 def test_greedy_parity_when_thinker_stops_at_eos(reference, checkpoint):

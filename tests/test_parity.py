@@ -136,7 +136,9 @@ def test_greedy_parity_with_a_repetition_penalty_that_changes_codes(reference, c
     ref, ours = reference(name, 0), build(cfg, checkpoint(name, 0))
     prompt = multi_turn(cfg)
     greedy = Sampling.greedy()  # the reference's default penalty, 1.05
-    _, default_codes, _ = generate_offline(ours, prompt, "ethan", greedy.thinker, greedy.talker, 8, 8)
+    _, default_codes, _ = generate_offline(
+        ours, prompt, "ethan", greedy.thinker, greedy.talker, MAX_TOKENS, MAX_FRAMES
+    )
     penalised, theirs = run_both(ref, ours, cfg, prompt, talker_penalty=1.3)
     assert not torch.equal(penalised[1], default_codes)
     assert_parity(penalised, theirs, stopped_at_eos=False)
@@ -190,6 +192,19 @@ def test_ignore_eos_runs_both_stages_to_their_limits(checkpoint):
     )
     assert text == free_text and codes.shape == (16, 8)  # EOS ids are plain text / never chosen
     assert wav.shape == (model.code2wav.output_length(8),)
+
+
+def test_no_text_means_no_audio(checkpoint):
+    """A reply that is only `<|im_end|>` has nothing to speak (the reference would build a broken prompt)."""
+    cfg = SMALL_CONFIGS["tiny"]
+    greedy = Sampling.greedy()
+    prompt = single_turn(cfg)
+    free_text, _, _ = generate_offline(
+        build(cfg, checkpoint("tiny", 0)), prompt, "ethan", greedy.thinker, greedy.talker, 2, 2
+    )
+    model = build(replace(cfg, ids=replace(cfg.ids, im_end=free_text[0])), checkpoint("tiny", 0))
+    text, codes, wav = generate_offline(model, prompt, "ethan", greedy.thinker, greedy.talker, 8, 8)
+    assert text == free_text[:1] and codes.shape == (16, 0) and wav.shape == (0,)
 
 
 def test_sampling_is_seeded_and_valid(checkpoint):

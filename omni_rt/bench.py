@@ -353,9 +353,11 @@ def reference_samples(
 
     ref.thinker.generate = timed_thinker_generate  # instance attribute: only this object is changed
     samples: list[Sample] = []
-    for ids in prompts:
-        for r in range(args.reference_warmup + args.reference_requests):
+    for i, ids in enumerate(prompts):
+        warm = args.reference_warmup if i == 0 else 0  # warm-up generate calls, short (2 tokens, 2 frames)
+        for r in range(warm + args.reference_requests):
             x = torch.tensor([ids], device=device)
+            n_text, n_frames = (2, 2) if r < warm else (args.text_tokens, args.frames)
             thinker_end.clear()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -365,18 +367,18 @@ def reference_samples(
                     x,
                     speaker=args.voice.capitalize(),
                     return_audio=True,
-                    thinker_max_new_tokens=args.text_tokens,
-                    thinker_min_new_tokens=args.text_tokens,
+                    thinker_max_new_tokens=n_text,
+                    thinker_min_new_tokens=n_text,
                     thinker_do_sample=False,
                     # the last code 0 the Talker samples gets no residual codes: n + 1 tokens -> n frames
-                    talker_max_new_tokens=args.frames + 1,
-                    talker_min_new_tokens=args.frames + 1,
+                    talker_max_new_tokens=n_frames + 1,
+                    talker_min_new_tokens=n_frames + 1,
                     talker_do_sample=False,
                 )
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t1 = time.perf_counter()
-            if r < args.reference_warmup:
+            if r < warm:
                 continue
             n_text = int(text.shape[-1]) - len(ids)
             audio_s = (wav.numel() / 24000) if wav is not None else 0.0
@@ -507,14 +509,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--frames", type=int, default=64)
     ap.add_argument("--system-len", type=int, default=20)
     ap.add_argument("--prompts", default="8,24,64", help="user-turn lengths in ids")
-    ap.add_argument("--rows", default="all", help="'all' or comma-separated indices of the cumulative rows")
+    ap.add_argument(
+        "--rows", default="all", help="'all', 'none' (reference only) or comma-separated indices of the rows"
+    )
     ap.add_argument(
         "--concurrency", default="1,4,8", help="simultaneous sessions for the all-on rows; '' none"
     )
     ap.add_argument("--conc-repeats", type=int, default=2)
     ap.add_argument("--reference", choices=("auto", "on", "off"), default="auto")
     ap.add_argument("--reference-requests", type=int, default=1, help="per prompt (generate is slow)")
-    ap.add_argument("--reference-warmup", type=int, default=1, help="warm-up generate calls per prompt")
+    ap.add_argument(
+        "--reference-warmup", type=int, default=1, help="short warm-up generate calls, first prompt"
+    )
     ap.add_argument("--voice", default="ethan")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench.json")
@@ -542,7 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kernel_ok = False
     plan = row_plan("cpu" if args.device == "cpu" else "cuda", kernel_ok)
     if args.rows != "all":
-        keep = {int(i) for i in args.rows.split(",")}
+        keep = {int(i) for i in args.rows.split(",") if i and i != "none"}
         plan = [p for i, p in enumerate(plan) if i in keep]
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
     # caches sized for this run: the longest prompt plus its output, and the largest concurrency
@@ -601,6 +607,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     want_ref = args.reference == "on" or (args.reference == "auto" and args.device.startswith("cuda"))
     if want_ref:
         model = _engine_model(first) if first is not None else None
+        if model is None and first is None:  # reference-only run: the same seeded weights Engine.load builds
+            from omni_rt.model.config import preset
+            from omni_rt.model.omni import OmniModel
+
+            model = OmniModel.build(
+                preset(args.preset), device=args.device, dtype=args.dtype, weights="random", seed=args.seed
+            )
         if model is None:
             rows.insert(0, {"row": "reference (transformers generate)", "skipped": "engine exposes no model"})
         else:

@@ -349,3 +349,17 @@ def test_text_id_rule_matches_the_talker_module():
                     assert scheduler_mod.talker_text_id(tokens, step, done, IDS, ignore) == model_rule(
                         tokens, step, done, IDS, ignore_eos=ignore
                     ), (tokens, step, done, ignore)
+
+
+def test_stop_ends_requests_that_no_stage_has_seen_yet():
+    # the Thinker is busy with a long prefill; the second request is still in its inbox at stop
+    p = make(timings=FakeTimings(thinker_prefill=0.3))
+    busy, queued = request("busy"), request("queued", slot=1)
+    p.submit(busy[0])
+    p.submit(queued[0])
+    time.sleep(0.05)
+    p.stop()
+    for _, sink in (busy, queued):
+        assert sink.done.wait(5)
+        assert sink.of(DoneOut)[0].status == "failed"
+        assert isinstance(sink.of(ErrorOut)[0].error, EngineClosedError)

@@ -127,6 +127,8 @@ class Pipeline:
         self.code2wav_inbox = Inbox("code2wav")
         self._frame0 = threading.Condition()  # the Talker notifies it when a frame 0 leaves
         self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._inflight: set[Request] = set()  # submitted, not done yet
         self._stopping = False
         self.running = False
         self.steps: list[StepRecord] = []  # bounded: see _record
@@ -160,10 +162,20 @@ class Pipeline:
             t.join(timeout)
         self._threads = []
         self.running = False
+        # Whatever a stage never got to (still in an inbox, or held for hand-off) ends here: every
+        # response gets its error and done, none hangs.
+        with self._lock:
+            leftover = list(self._inflight)
+        for req in leftover:
+            self._fail(req, EngineClosedError("the engine stopped"))
+            for stage in list(req.holders):
+                self._release(req, stage)
 
     def submit(self, req: Request) -> None:
         if not self.running or self._stopping:
             raise EngineClosedError("the engine is not running: use `async with engine:`")
+        with self._lock:
+            self._inflight.add(req)
         self.thinker_inbox.put(("admit", req))
 
     def cancel(self, req: Request) -> None:
@@ -206,6 +218,8 @@ class Pipeline:
             self._clear_frame0(req)
         if last:
             req.t_done = self.clock()
+            with self._lock:
+                self._inflight.discard(req)
             self._post(req, DoneOut(req.status))
 
     def _clear_frame0(self, req: Request) -> None:

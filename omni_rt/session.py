@@ -216,7 +216,7 @@ class Session:
 
         The response's iterator ends with `response.done(status="cancelled")`; no audio follows it.
         """
-        resp = self._current
+        resp = self._last  # also a response whose iterator the caller dropped: it may still be stopping
         if resp is None or resp.done.is_set():
             return
         resp.cancel_requested = True

@@ -244,7 +244,7 @@ def _load_engine(args: argparse.Namespace, settings: Any, first: Any = None) -> 
 
 async def bench_engine(
     engine: Any, prompts: list[list[int]], args: argparse.Namespace, sampling: Any, concurrency: Sequence[int]
-) -> tuple[list[Sample], dict[int, tuple[list[Sample], float]]]:
+) -> tuple[list[Sample], dict[int, tuple[list[Sample], float]], dict[str, dict[str, float]]]:
     """One engine start: the prompts' requests (each in a fresh session), then the concurrency rounds.
 
     Concurrency c: c sessions respond at once, `conc_repeats` rounds after one warm-up round; returns
@@ -252,6 +252,7 @@ async def bench_engine(
     """
     samples: list[Sample] = []
     conc: dict[int, tuple[list[Sample], float]] = {}
+    steps: dict[str, dict[str, float]] = {}
     async with engine:
         for i, ids in enumerate(prompts):
             warm = args.warmup if (i == 0 or not args.warmup_once) else 0
@@ -260,6 +261,7 @@ async def bench_engine(
                     sample = await timed_request(s, ids, args.text_tokens, args.frames, sampling)
                 if r >= warm:
                     samples.append(sample)
+        steps = step_summary(getattr(getattr(engine, "pipeline", None), "steps", None) or [])
         ids = prompts[len(prompts) // 2]
         for c in concurrency:
             got_all: list[Sample] = []
@@ -279,7 +281,22 @@ async def bench_engine(
                     tokens += sum(g.text_tokens for g in got)
                     wall += dt
             conc[c] = (got_all, tokens / wall if wall > 0 else 0.0)
-    return samples, conc
+    return samples, conc, steps
+
+
+def step_summary(steps: Sequence[Any]) -> dict[str, dict[str, float]]:
+    """Where the time goes: per (stage, kind) of the pipeline's step log, count and ms per call.
+
+    A step's time runs from the stage's call to its return with ints/PCM on the host, so it includes the
+    GPU work and the stage's sync; steps of different stages overlap in time.
+    """
+    by: dict[str, list[float]] = {}
+    for st in steps:
+        by.setdefault(f"{st.stage}.{st.kind}", []).append((st.t_end - st.t_start) * 1e3)
+    return {
+        k: {"count": len(v), "median_ms": statistics.median(v), "total_ms": sum(v)}
+        for k, v in sorted(by.items())
+    }
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -590,11 +607,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[bench] {name}: engine ready in {load_s:.1f} s", file=sys.stderr, flush=True)
         last = idx == len(plan) - 1
         t_row = time.perf_counter()
-        samples, conc = asyncio.run(
+        samples, conc, steps = asyncio.run(
             bench_engine(engine, prompts, args, sampling, concurrency if last else ())
         )
         row_s = time.perf_counter() - t_row
-        rows.append(summarise(name, samples, settings=overrides, load_s=load_s, kernel_via_hook=via_hook))
+        rows.append(
+            summarise(
+                name, samples, settings=overrides, load_s=load_s, kernel_via_hook=via_hook, stage_steps=steps
+            )
+        )
+        brief = ", ".join(f"{k} {v['count']}x{v['median_ms']:.2f}ms" for k, v in steps.items())
+        print(f"[bench]   steps: {brief}", file=sys.stderr, flush=True)
         print(f"[bench] {name}: {row_s:.1f} s", file=sys.stderr, flush=True)
         print(format_table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
         _save(args.json, meta, rows + conc_rows)  # partial results survive a run cut short

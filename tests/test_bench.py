@@ -123,4 +123,20 @@ def test_bench_smoke_tiny_cpu(tmp_path):
         assert r["ttfa_ms"]["median"] > 0 and r["ttft_ms"]["median"] > 0
         assert r["audio_s"]["median"] == pytest.approx((3 * 1920 - 555) / 24000)
     assert d["rows"][-1]["requests"] == 2
+    steps = d["rows"][0]["stage_steps"]  # the pipeline's own step log, per stage and kind
+    assert steps["thinker.decode"]["count"] >= 2 and steps["code2wav.chunk"]["count"] >= 1
     assert png.stat().st_size > 10_000
+
+
+def test_step_summary_groups_by_stage_and_kind():
+    rec = types.SimpleNamespace
+    steps = [
+        rec(stage="thinker", kind="decode", t_start=0.0, t_end=0.010),
+        rec(stage="thinker", kind="decode", t_start=0.010, t_end=0.030),
+        rec(stage="talker", kind="predict", t_start=0.0, t_end=0.005),
+    ]
+    s = bench.step_summary(steps)
+    assert s["thinker.decode"]["count"] == 2
+    assert s["thinker.decode"]["median_ms"] == pytest.approx(15.0)
+    assert s["thinker.decode"]["total_ms"] == pytest.approx(30.0)
+    assert s["talker.predict"]["median_ms"] == pytest.approx(5.0)

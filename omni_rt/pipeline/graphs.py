@@ -45,6 +45,7 @@ class Graphed:
         warmup: int = 2,
         pool: GraphPool | None = None,
         stream: torch.cuda.Stream | None = None,
+        generators: Sequence[torch.Generator] = (),
     ) -> None:
         self.fn = fn
         self.static_inputs = tuple(static_inputs)
@@ -58,6 +59,10 @@ class Graphed:
                 fn(*self.static_inputs)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
+        for g in generators:
+            # A sampling step draws from its own CUDA generator: registered, each replay advances that
+            # generator's Philox offset as an eager call would, instead of replaying the same draws.
+            self.graph.register_generator_state(g)
         with torch.cuda.graph(self.graph, pool=None if pool is None else pool.handle, stream=side):
             self.static_outputs = fn(*self.static_inputs)
 
@@ -79,11 +84,15 @@ def capture(
     warmup: int = 2,
     pool: GraphPool | None = None,
     stream: torch.cuda.Stream | None = None,
+    generators: Sequence[torch.Generator] = (),
 ) -> Callable[..., Any]:
-    """`fn` captured in a CUDA graph over `static_inputs` (CUDA and enabled), else `fn` itself."""
+    """`fn` captured in a CUDA graph over `static_inputs` (CUDA and enabled), else `fn` itself.
+
+    generators: CUDA generators `fn` samples from (torch >= 2.4 registers them with the graph).
+    """
     if not enabled or not static_inputs or static_inputs[0].device.type != "cuda":
         return fn
-    return Graphed(fn, static_inputs, warmup=warmup, pool=pool, stream=stream)
+    return Graphed(fn, static_inputs, warmup=warmup, pool=pool, stream=stream, generators=generators)
 
 
 class GraphBuckets:

@@ -92,11 +92,26 @@ def main(argv=None) -> int:
     cache = model.thinker.allocate_cache(1, 256)
     slots = torch.zeros(1, dtype=torch.long, device=dev)
     pos = torch.arange(T, device=dev)[None]  # [1, T]
-    ours_logits, _ = model.thinker(ids, pos, cache, slots)  # [1, T, V]
+    n_layers = cfg.thinker.num_hidden_layers
+    ours_logits, ours_last = model.thinker(
+        ids, pos, cache, slots, hidden_layer=n_layers
+    )  # [1, T, V], [1, T, H]
     out = ref.thinker.model(input_ids=ids, use_cache=False)
     ref_logits = ref.thinker.lm_head(out.last_hidden_state)  # [1, T, V]
     res["thinker"] = compare(ours_logits[0], ref_logits[0])
     print("thinker", {k: v for k, v in res["thinker"].items() if k != "mismatch_ref_margins"}, flush=True)
+    # The same final hidden states through an fp32 lm_head on both sides: separates the network's
+    # agreement from ties created by rounding the logits themselves to bf16.
+    w32 = model.thinker.lm_head.weight.float()
+    res["thinker_fp32_head"] = compare(ours_last[0].float() @ w32.T, out.last_hidden_state[0].float() @ w32.T)
+    res["thinker_final_hidden_max_rel_err"] = float(
+        (ours_last.float() - out.last_hidden_state.float()).abs().max()
+        / out.last_hidden_state.float().abs().max()
+    )
+    print(
+        "thinker fp32 head",
+        {k: v for k, v in res["thinker_fp32_head"].items() if k != "mismatch_ref_margins"},
+    )
 
     # ---- Talker prefill: every position, from the same prompt and the Thinker's first greedy token
     first = int(ref_logits[0, -1].argmax())
@@ -111,6 +126,8 @@ def main(argv=None) -> int:
     ref_h = rout.last_hidden_state
     ref_t = ref.talker.codec_head(ref_h)
     res["talker_prefill"] = compare(ours_t[0], ref_t[0])
+    c32 = model.talker.codec_head.weight.float()
+    res["talker_prefill_fp32_head"] = compare(ours_h[0].float() @ c32.T, ref_h[0].float() @ c32.T)
     print("talker prefill", {k: v for k, v in res["talker_prefill"].items() if k != "mismatch_ref_margins"})
 
     # ---- Code predictor, frame 0: 15 greedy codes from our hidden and the reference's
@@ -149,7 +166,7 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(res, indent=1))
     print()
     print(f"build {res['build_s']:.1f} s (target < 60 s); prompt {T} tokens")
-    for k in ("thinker", "talker_prefill", "talker_step"):
+    for k in ("thinker", "thinker_fp32_head", "talker_prefill", "talker_prefill_fp32_head", "talker_step"):
         r = res[k]
         print(
             f"{k:15} positions {r['positions']:3}  agreement {100 * r['agreement']:6.2f} %  max rel err {r['max_rel_err']:.2e}"

@@ -24,6 +24,7 @@ import torch
 from omni_rt.config import EngineSettings, StageSampling
 from omni_rt.model.code2wav import Code2WavStream
 from omni_rt.model.offline import StageSampler, codec_suppressed_ids, stage_generator
+from omni_rt.model.sampling import greedy
 from omni_rt.model.talker import talker_prompt_last, talker_prompt_prefix, talker_step_input
 from omni_rt.pipeline.graphs import GraphPool, capture
 from omni_rt.pipeline.request import Request
@@ -180,6 +181,7 @@ class TalkerRunner:
         self._code0: dict[int, StageSampler] = {}
         self._cp_gen: dict[int, torch.Generator] = {}
         self._graphs: dict[int, object] = {}  # batch -> captured step
+        self._greedy_frame: dict[int, object] = {}  # batch -> captured greedy code-predictor frame
         if settings.cuda_graphs and self.device.type == "cuda":
             self._capture_all()
 
@@ -204,6 +206,15 @@ class TalkerRunner:
                 torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
             )
             self._graphs[b] = _capture(self._step_fn, static, pool)
+            # a whole greedy frame of the code predictor (15 steps) as one graph; sampled frames draw
+            # from per-request generators, which run eagerly
+            hidden = torch.zeros(b, self.cfg.talker.hidden_size, dtype=self.cache.dtype, device=self.device)
+            code0 = torch.zeros(b, dtype=torch.long, device=self.device)
+            self._greedy_frame[b] = _capture(self._greedy_frame_fn, (hidden, code0), pool)
+
+    def _greedy_frame_fn(self, hidden: torch.Tensor, code0: torch.Tensor) -> torch.Tensor:
+        """hidden [B, Ht], code 0 [B] -> the frame's 16 codes [B, 16], codes 1..15 by argmax."""
+        return self.talker.predict_frame(hidden, code0, greedy)
 
     def prompt_prefix(self, req: Request) -> torch.Tensor:
         """The Talker prompt but its last position, for the whole conversation: [L - 1, Ht]."""
@@ -245,9 +256,14 @@ class TalkerRunner:
         c0 = torch.tensor(code0, device=self.device)  # [B]
         out: list[list[int]] = []
         for rows in _rows(len(reqs), self.settings.deterministic):
-            frames = self.talker.predict_frame(
-                hidden[rows], c0[rows], self._code_sampler(reqs[rows])
-            )  # [b, 16]
+            batch = reqs[rows]
+            graph = self._greedy_frame.get(len(batch))
+            if graph is not None and not any(r.sampling.effective_code_predictor.do_sample for r in batch):
+                frames = graph(hidden[rows], c0[rows])  # [b, 16]: same argmax as the eager path
+            else:
+                frames = self.talker.predict_frame(
+                    hidden[rows], c0[rows], self._code_sampler(batch)
+                )  # [b, 16]
             out += frames.tolist()
         return out
 

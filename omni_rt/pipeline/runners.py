@@ -45,6 +45,14 @@ def kv_bucket(n: int, max_len: int, smallest: int = 256) -> int:
     return min(b, max_len)
 
 
+def kv_buckets(max_len: int) -> list[int]:
+    """Every value `kv_bucket` takes for a cache of `max_len` rows (one graph each)."""
+    lens = [kv_bucket(1, max_len)]
+    while lens[-1] < max_len:
+        lens.append(kv_bucket(lens[-1] + 1, max_len))
+    return lens
+
+
 def _capture(fn, static_inputs, pool):
     """A CUDA graph of `fn`, or `fn` itself if this step cannot be captured (it then runs eagerly)."""
     try:
@@ -92,13 +100,6 @@ class ThinkerRunner:
         if settings.cuda_graphs and self.device.type == "cuda":
             self._capture_all()
 
-    def _kv_lens(self) -> list[int]:
-        lens, n = [], 1
-        while not lens or lens[-1] < self.cache.max_len:
-            lens.append(kv_bucket(n, self.cache.max_len))
-            n = lens[-1] + 1
-        return lens
-
     def _decode_fn(self, kv_len: int):
         def step(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
             logits, _ = self.thinker(ids, positions, self.cache, slots, last_only=True, kv_len=kv_len)
@@ -111,7 +112,7 @@ class ThinkerRunner:
         pool = GraphPool()
         batches = [1] if self.settings.deterministic else range(1, self.settings.max_sessions + 1)
         for b in batches:
-            for kv_len in self._kv_lens():
+            for kv_len in kv_buckets(self.cache.max_len):
                 static = (
                     torch.zeros(b, 1, dtype=torch.long, device=self.device),  # ids [B, 1]
                     torch.zeros(b, 1, dtype=torch.long, device=self.device),  # positions [B, 1]
@@ -180,18 +181,21 @@ class TalkerRunner:
         self._hidden: dict[int, torch.Tensor] = {}  # [Ht]
         self._code0: dict[int, StageSampler] = {}
         self._cp_gen: dict[int, torch.Generator] = {}
-        self._graphs: dict[int, object] = {}  # batch -> captured step
+        self._graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> captured step
         self._greedy_frame: dict[int, object] = {}  # batch -> captured greedy code-predictor frame
         if settings.cuda_graphs and self.device.type == "cuda":
             self._capture_all()
 
-    def _step_fn(
-        self, codes: torch.Tensor, text_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
-    ):
-        """codes [B, 16], text ids [B], positions [B, 1], slots [B] -> (logits [B, V], hidden [B, Ht])."""
-        x = talker_step_input(self.talker, self.embed_text, codes, text_ids)  # [B, Ht]
-        logits, hidden = self.talker(x[:, None], positions, self.cache, slots)  # [B, 1, V], [B, 1, Ht]
-        return logits[:, -1], hidden[:, -1]
+    def _step_fn(self, kv_len: int):
+        def step(codes: torch.Tensor, text_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
+            """codes [B, 16], text ids [B], positions [B, 1], slots [B] -> (logits [B, V], hidden [B, Ht])."""
+            x = talker_step_input(self.talker, self.embed_text, codes, text_ids)  # [B, Ht]
+            logits, hidden = self.talker(
+                x[:, None], positions, self.cache, slots, kv_len
+            )  # [B, 1, V], [B, 1, Ht]
+            return logits[:, -1], hidden[:, -1]
+
+        return step
 
     @torch.no_grad()
     def _capture_all(self) -> None:
@@ -199,13 +203,14 @@ class TalkerRunner:
         batches = [1] if self.settings.deterministic else range(1, self.settings.max_sessions + 1)
         groups = self.cfg.num_code_groups
         for b in batches:
-            static = (
-                torch.zeros(b, groups, dtype=torch.long, device=self.device),  # codes [B, 16]
-                torch.full((b,), self.cfg.ids.tts_pad, dtype=torch.long, device=self.device),  # text [B]
-                torch.zeros(b, 1, dtype=torch.long, device=self.device),  # positions [B, 1]
-                torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
-            )
-            self._graphs[b] = _capture(self._step_fn, static, pool)
+            for kv_len in kv_buckets(self.cache.max_len):
+                static = (
+                    torch.zeros(b, groups, dtype=torch.long, device=self.device),  # codes [B, 16]
+                    torch.full((b,), self.cfg.ids.tts_pad, dtype=torch.long, device=self.device),  # text [B]
+                    torch.zeros(b, 1, dtype=torch.long, device=self.device),  # positions [B, 1]
+                    torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
+                )
+                self._graphs[(b, kv_len)] = _capture(self._step_fn(kv_len), static, pool)
             # a whole greedy frame of the code predictor (15 steps) as one graph; sampled frames draw
             # from per-request generators, which run eagerly
             hidden = torch.zeros(b, self.cfg.talker.hidden_size, dtype=self.cache.dtype, device=self.device)
@@ -226,7 +231,8 @@ class TalkerRunner:
         start = req.talker_start  # earlier turns' user tokens are already in this slot's cache
         positions = torch.arange(start, prefix.shape[0], device=self.device)[None]  # [1, L - 1 - start]
         slots = torch.tensor([req.slot], device=self.device)
-        self.talker(prefix[start:][None], positions, self.cache, slots)
+        kv_len = kv_bucket(prefix.shape[0], self.cache.max_len)
+        self.talker(prefix[start:][None], positions, self.cache, slots, kv_len)
         self._prompt_len[req.slot] = prefix.shape[0] + 1
         self._steps[req.slot] = 0
         vocab = self.cfg.talker.vocab_size
@@ -246,7 +252,10 @@ class TalkerRunner:
         x = talker_prompt_last(self.talker, self.embed_text, first)  # [1, Ht]
         positions = torch.tensor([[self._prompt_len[req.slot] - 1]], device=self.device)
         slots = torch.tensor([req.slot], device=self.device)
-        logits, hidden = self.talker(x[:, None], positions, self.cache, slots)  # [1, 1, V], [1, 1, Ht]
+        kv_len = kv_bucket(self._prompt_len[req.slot], self.cache.max_len)
+        logits, hidden = self.talker(
+            x[:, None], positions, self.cache, slots, kv_len
+        )  # [1, 1, V], [1, 1, Ht]
         self._hidden[req.slot] = hidden[0, -1].clone()
         return int(self._code0[req.slot](logits[:, -1]))
 
@@ -292,18 +301,17 @@ class TalkerRunner:
         for r in reqs:
             self._steps[r.slot] += 1
         # step k of a sequence with an L-position prompt writes position L - 1 + k
-        positions = torch.tensor(
-            [[self._prompt_len[r.slot] - 1 + self._steps[r.slot]] for r in reqs], device=self.device
-        )  # [B, 1]
+        pos = [self._prompt_len[r.slot] - 1 + self._steps[r.slot] for r in reqs]
+        positions = torch.tensor(pos, device=self.device)[:, None]  # [B, 1]
         slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
+        kv_len = kv_bucket(max(pos) + 1, self.cache.max_len)
         out: list[int] = []
         for rows in _rows(len(reqs), self.settings.deterministic):
-            step = self._graphs.get(rows.stop - rows.start, self._step_fn)
+            step = self._graphs.get((rows.stop - rows.start, kv_len)) or self._step_fn(kv_len)
             logits, hidden = step(codes[rows], text[rows], positions[rows], slots[rows])  # [b, V], [b, Ht]
             for i, r in enumerate(reqs[rows]):
-                self._hidden[r.slot] = hidden[
-                    i
-                ].clone()  # a graph's output buffer is reused by its next replay
+                # a copy: a graph's output buffer is overwritten by its next replay
+                self._hidden[r.slot] = hidden[i].clone()
                 out.append(int(self._code0[r.slot](logits[i : i + 1])))
         return out
 

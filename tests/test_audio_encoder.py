@@ -159,3 +159,18 @@ def test_bad_input_is_a_typed_error(pair):
         ours(feats(50), torch.tensor([50, 0]))
     with pytest.raises(ConfigError):
         AudioEncoder({**asdict(SMALL), "activation_function": "relu"})
+
+
+@torch.no_grad()
+def test_random_encoder_is_seeded_and_alive():
+    from omni_rt.model.audio_encoder import random_audio_encoder
+
+    a, b = random_audio_encoder(SMALL, seed=3), random_audio_encoder(SMALL, seed=3)
+    c = random_audio_encoder(SMALL, seed=4)
+    assert float(a.ln_post.weight.min()) == 1.0
+    x = feats(300, 9)
+    ya, yb, yc = a.encode(x), b.encode(x), c.encode(x)
+    assert torch.equal(ya, yb) and not torch.allclose(ya, yc)
+    assert torch.isfinite(ya).all() and ya.std() > 1e-3
+    # different audio, different tokens: the front end passes the signal through
+    assert (a.encode(feats(300, 10)) - ya).abs().mean() > 0.1 * ya.abs().mean()

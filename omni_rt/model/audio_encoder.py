@@ -286,3 +286,43 @@ def load_audio_encoder(
         where = "mapping" if isinstance(source, Mapping) else str(source)
         raise WeightError(f"audio encoder ({CHECKPOINT_PREFIX}*) of {where}: {e}") from None
     return enc
+
+
+@torch.no_grad()
+def random_audio_encoder(
+    config: AudioEncoderConfig | Mapping[str, Any],
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+) -> AudioEncoder:
+    """An encoder with seeded random weights (presets without a checkpoint, benchmarks at real shapes).
+
+    Every matrix and conv kernel N(0, 1/sqrt(fan_in)), biases 0, LayerNorm weights 1: each layer keeps its
+    input's scale, so the output tokens are O(1) like the Thinker's random text embeddings (weights.py,
+    EMBED_STD) and depend on the audio. (`weights.init_random`'s N(0, 0.02) would shrink them ~100x at
+    small widths and drown the audio in the positional table.) Each tensor is drawn on the target device
+    from a stream seeded by (seed, name), so values do not depend on parameter order.
+    """
+    import zlib
+
+    from omni_rt.model.omni import params_on_meta
+    from omni_rt.model.weights import materialize_
+
+    cfg = config if isinstance(config, AudioEncoderConfig) else AudioEncoderConfig.from_hf(config)
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ConfigError(f"unknown dtype {dtype!r}")
+        dtype = resolved
+    with params_on_meta():
+        enc = AudioEncoder(cfg)
+    enc.eval().requires_grad_(False)
+    materialize_(enc, device, dtype)
+    gen = torch.Generator(device=torch.device(device))
+    for name, p in enc.named_parameters():
+        if p.dim() == 1:  # the only 1-D weights are LayerNorm gains; every bias starts at 0
+            p.fill_(1.0 if name.endswith("weight") else 0.0)
+            continue
+        gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+        p.normal_(0.0, 1.0 / math.sqrt(p[0].numel()), generator=gen)  # fan-in: in_features or in·kh·kw
+    return enc

@@ -7,6 +7,7 @@ import threading
 import time
 import types
 
+import numpy as np
 import pytest
 
 from omni_rt.config import EngineSettings, Sampling
@@ -363,3 +364,33 @@ def test_stop_ends_requests_that_no_stage_has_seen_yet():
         assert sink.done.wait(5)
         assert sink.of(DoneOut)[0].status == "failed"
         assert isinstance(sink.of(ErrorOut)[0].error, EngineClosedError)
+
+
+@pytest.mark.parametrize(
+    "switch",
+    [
+        dict(talker_overlap_prefill=False),
+        dict(frame0_in_prefill=False),
+        dict(handoff="after_step"),
+        dict(first_chunk_frames=4, chunk_growth=False, max_chunk_frames=4),
+        dict(yield_to_talker_ms=0),
+        dict(deterministic=True),
+    ],
+    ids=lambda d: ",".join(d),
+)
+def test_each_switch_alone_changes_timing_not_output(switch):
+    def outputs(settings):
+        p = make(settings, reply_len=9)
+        try:
+            req, sink = request("r")
+            run(p, (req, sink))
+        finally:
+            p.stop()
+        assert sink.of(DoneOut)[0].status == "completed"
+        return (
+            [m.token_id for m in sink.of(TextOut)],
+            [m.token_id for m in sink.of(TranscriptOut)],
+            np.concatenate([a.pcm for a in sink.of(AudioOut)]).tolist(),
+        )
+
+    assert outputs(EngineSettings(**switch)) == outputs(EngineSettings())

@@ -32,6 +32,7 @@ from omni_rt.model.speech_input import (
     multimodal_mask,
     scatter_audio,
     speech_prompt,
+    speech_turn_input,
 )
 
 IDS = TokenIds()
@@ -253,6 +254,17 @@ def test_greedy_reply_to_speech_equals_reference(reference, built, name):
     prompt = speech_prompt(cfg.ids, [int(audio_token_count(n_frames))], text_ids=QUESTION)
     x = build_speech_input(model.thinker, enc, prompt, [log_mel(clip)], cfg.ids)
     assert x.mm_mask.sum() == audio_token_count(n_frames) == 13 + 8  # 160 frames
+    # the one-call path from raw PCM builds the same inputs
+    pcm = np.round(clip * 32767).astype(np.int16)
+    same = speech_turn_input(
+        model.thinker, enc, [pcm.astype(np.float32) / 32768.0], cfg.ids, text_ids=QUESTION
+    )
+    assert torch.equal(same.input_ids[0], torch.tensor(prompt))
+    torch.testing.assert_close(same.inputs_embeds, x.inputs_embeds, atol=1e-3, rtol=0)
+    torch.testing.assert_close(
+        speech_turn_input(model.thinker, enc, [pcm], cfg.ids, text_ids=QUESTION).inputs_embeds,
+        same.inputs_embeds,
+    )
 
     ours = SimpleNamespace(
         thinker=AudioPrefill(model.thinker, x), talker=model.talker, code2wav=model.code2wav

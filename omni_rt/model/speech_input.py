@@ -2,6 +2,7 @@
 
 Pure functions between the audio encoder (`audio_encoder.py`) and the Thinker; no scheduling.
 
+    x = speech_turn_input(thinker, encoder, [audio], cfg.ids, text_ids=question_ids)  # all of the below
     feats = log_mel(audio)                                             # [128, F] (omni_rt.audio.features)
     n = audio_token_count(feats.shape[1])                              # Thinker placeholders for the clip
     prompt = speech_prompt(cfg.ids, [n], text_ids=question_ids)        # chat prompt ids [T]
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_rt.audio.features import audio_token_count
+from omni_rt.audio.features import SAMPLE_RATE, audio_token_count, log_mel
 from omni_rt.errors import InvalidRequestError
 from omni_rt.model.config import TokenIds
 
@@ -43,6 +44,7 @@ __all__ = [
     "multimodal_mask",
     "scatter_audio",
     "speech_prompt",
+    "speech_turn_input",
 ]
 
 
@@ -269,3 +271,28 @@ def build_speech_input(
         rope_positions=rope.to(w.device),
         mm_mask=multimodal_mask(prompt, ids),
     )
+
+
+def speech_turn_input(
+    thinker,
+    encoder,
+    clips: Sequence,
+    ids: TokenIds,
+    text_ids: Sequence[int] = (),
+    history: Sequence[int] = (),
+    sample_rate: int = SAMPLE_RATE,
+) -> SpeechInput:
+    """Raw 16 kHz clips (float or int16 PCM) of one user turn -> the Thinker's inputs, in one call.
+
+    Features per clip (`log_mel`), placeholders per clip (`audio_token_count`), the prompt
+    (`speech_prompt`: history, the user turn with the clips then `text_ids`, the assistant header) and
+    `build_speech_input`. The prompt is `SpeechInput.input_ids`. Each clip's features are its own; the
+    reference's processor, given several clips at once, zero-pads the shorter ones to the longest before
+    the STFT, which changes their last frame (one clip per turn, the usual case, is identical).
+    """
+    if len(clips) == 0:
+        raise InvalidRequestError("a speech turn needs at least one audio clip")
+    feats = [log_mel(c, sample_rate) for c in clips]
+    counts = [int(audio_token_count(f.shape[1], encoder.cfg.n_window)) for f in feats]
+    prompt = speech_prompt(ids, counts, text_ids=text_ids, history=history)
+    return build_speech_input(thinker, encoder, prompt, feats, ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from omni_rt.audio.vad import ServerVad, SpeechStarted, SpeechStopped, VadConfig
+from omni_rt.audio.vad import ServerVad, SpeechStarted, SpeechStopped, Turn, TurnSegmenter, VadConfig
 from omni_rt.errors import ConfigError, InvalidRequestError
 
 SR = 16000
@@ -139,3 +139,45 @@ def test_a_steady_hum_does_not_hold_a_turn_forever():
         SpeechStarted(12000 - 300),
         SpeechStopped(12800 + 500),
     ]
+
+
+def segment(audio: np.ndarray, chunk: int):
+    seg = TurnSegmenter()
+    out = []
+    for i in range(0, len(audio), chunk):
+        out += seg.push(audio[i : i + chunk])
+    return out, seg
+
+
+@pytest.mark.parametrize("chunk", [320, 1000, 7, 10**6])
+def test_turns_carry_exactly_their_audio(chunk):
+    audio = np.concatenate(
+        [noise(1000), voice(600), noise(700, seed=5), voice(500, seed=6), noise(900, seed=7)]
+    )
+    out, seg = segment(audio, chunk)
+    assert [type(e) for e in out] == [SpeechStarted, SpeechStopped, Turn] * 2
+    assert [e for e in out if not isinstance(e, Turn)] == run(audio)[0]  # the same events as ServerVad
+    for turn in (out[2], out[5]):
+        a, b = turn.audio_start_ms * 16, turn.audio_end_ms * 16
+        assert np.array_equal(turn.audio, audio[a:b])
+    assert (out[2].audio_start_ms, out[2].audio_end_ms) == (700, 2100)
+    # idle memory stays bounded: prefix padding + min speech + two frames (+ the last chunk's tail)
+    buffered = sum(len(c) for c in seg._chunks)
+    assert buffered <= (300 + 60 + 40) * 16 + chunk
+
+
+def test_commit_ends_a_turn_early_and_clear_drops_it():
+    audio = np.concatenate([noise(500), voice(1000)])
+    seg = TurnSegmenter()
+    out = seg.push(audio)
+    assert out == [SpeechStarted(200)] and seg.in_speech
+    turn = seg.commit()
+    assert turn is not None and (turn.audio_start_ms, turn.audio_end_ms) == (200, 1500)
+    assert np.array_equal(turn.audio, audio[200 * 16 : 1500 * 16])
+    assert not seg.in_speech and seg.commit() is None
+    assert seg.push(noise(1000, seed=4)) == []  # no speech_stopped for a committed turn
+
+    seg.push(voice(400, seed=5))
+    assert seg.in_speech
+    seg.clear()
+    assert not seg.in_speech and seg.commit() is None

@@ -5,6 +5,8 @@
         for ev in vad.push(chunk):
             ev.type        # "input_audio_buffer.speech_started": ev.audio_start_ms
                            # "input_audio_buffer.speech_stopped": ev.audio_end_ms
+    seg = TurnSegmenter()                               # the same, plus each turn's audio
+    for ev in seg.push(chunk): ...                      # ... SpeechStopped, then Turn(audio, start, end)
 
 Times are milliseconds of audio pushed since the detector started (or was `reset`), as the Realtime API
 counts them on its input buffer:
@@ -32,7 +34,16 @@ from typing import Literal
 
 import numpy as np
 
-__all__ = ["ServerVad", "SpeechStarted", "SpeechStopped", "VadConfig", "frame_features", "speech_probability"]
+__all__ = [
+    "ServerVad",
+    "SpeechStarted",
+    "SpeechStopped",
+    "Turn",
+    "TurnSegmenter",
+    "VadConfig",
+    "frame_features",
+    "speech_probability",
+]
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,11 @@ class ServerVad:
         self._run = 0  # consecutive speech frames (before a start) / silent frames (during speech)
         self.last_probability = 0.0
 
+    def reset_speech(self) -> None:
+        """End any turn in progress without an event (a manual commit or clear); time and floor stay."""
+        self._in_speech = False
+        self._run = 0
+
     @property
     def in_speech(self) -> bool:
         return self._in_speech
@@ -183,3 +199,89 @@ class ServerVad:
             self._floor = max(level, cfg.floor_min_db)
         else:
             self._floor = min(level, self._floor + cfg.floor_rise_db_per_s * cfg.frame_ms / 1000.0)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One user turn's audio: 16 kHz float32 samples of [audio_start_ms, audio_end_ms)."""
+
+    audio: np.ndarray
+    audio_start_ms: int
+    audio_end_ms: int
+    type: Literal["turn"] = "turn"
+
+
+class TurnSegmenter:
+    """A `ServerVad` that also keeps the audio: each speech_stopped is followed by the `Turn` it closed.
+
+    Memory is bounded while idle (the last prefix_padding + min_speech + one frame of audio, what a
+    speech_started can reach back to); during a turn it holds the turn (the caller bounds turn length,
+    as the Realtime API bounds its input buffer). `commit()` ends a turn early (a client's
+    `input_audio_buffer.commit` while the user is still talking), `clear()` drops it.
+    """
+
+    def __init__(self, cfg: VadConfig | None = None) -> None:
+        self.vad = ServerVad(cfg)
+        self._chunks: list[np.ndarray] = []
+        self._start = 0  # sample index of the first buffered sample
+        self._pushed = 0  # samples pushed in all
+        self._turn_start_ms: int | None = None
+
+    @property
+    def in_speech(self) -> bool:
+        return self.vad.in_speech
+
+    def push(self, audio: np.ndarray) -> list[SpeechStarted | SpeechStopped | Turn]:
+        events = self.vad.push(audio)  # validates audio
+        a = np.asarray(audio)
+        a = a.astype(np.float32) / 32768.0 if a.dtype == np.int16 else a.astype(np.float32, copy=False)
+        self._chunks.append(a.copy())
+        self._pushed += len(a)
+        out: list[SpeechStarted | SpeechStopped | Turn] = []
+        for ev in events:
+            out.append(ev)
+            if isinstance(ev, SpeechStarted):
+                self._turn_start_ms = ev.audio_start_ms
+            else:
+                out.append(self._take(ev.audio_end_ms))
+        self._trim()
+        return out
+
+    def commit(self) -> Turn | None:
+        """End the current turn now (whole frames analysed so far); None when no speech is under way."""
+        if self._turn_start_ms is None:
+            return None
+        turn = self._take(self.vad.elapsed_ms)
+        self.vad.reset_speech()
+        return turn
+
+    def clear(self) -> None:
+        """Drop the current turn's audio and state (`input_audio_buffer.clear`); time keeps running."""
+        self._turn_start_ms = None
+        self.vad.reset_speech()
+        self._trim()
+
+    def _samples(self, ms: int) -> int:
+        return ms * self.vad.cfg.sample_rate // 1000
+
+    def _take(self, end_ms: int) -> Turn:
+        start_ms = self._turn_start_ms if self._turn_start_ms is not None else end_ms
+        buf = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
+        lo, hi = self._samples(start_ms) - self._start, self._samples(end_ms) - self._start
+        self._turn_start_ms = None
+        return Turn(audio=buf[max(lo, 0) : hi].copy(), audio_start_ms=start_ms, audio_end_ms=end_ms)
+
+    def _trim(self) -> None:
+        """Keep only what a turn can still need: from the open turn's start, or the look-back window."""
+        cfg = self.vad.cfg
+        if self._turn_start_ms is not None:
+            keep_from = self._samples(self._turn_start_ms)
+        else:
+            back = cfg.prefix_padding_ms + cfg.min_speech_ms + 2 * cfg.frame_ms
+            keep_from = max(self._samples(self.vad.elapsed_ms - back), 0)
+        if keep_from <= self._start or not self._chunks:
+            return
+        buf = np.concatenate(self._chunks)
+        cut = min(keep_from - self._start, len(buf))
+        self._chunks = [buf[cut:]]
+        self._start += cut

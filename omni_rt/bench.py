@@ -176,25 +176,41 @@ def summarise(name: str, samples: list[Sample], **extra: Any) -> dict[str, Any]:
 
 
 def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
-    """Cumulative settings: every optimisation off, then each one added in turn; the last is all on."""
-    steps: list[tuple[str, dict[str, Any]]] = [
-        ("all off", {}),
-        ("+ cuda graphs", {"cuda_graphs": True}),
-        ("+ triton MoE decode", {"moe_backend": "triton"}),
-        ("+ event hand-off", {"handoff": "event"}),
-        ("+ talker prefill overlap", {"talker_overlap_prefill": True}),
-        ("+ frame 0 in prefill", {"frame0_in_prefill": True}),
-        ("+ 1-frame first chunk", {"first_chunk_frames": 1, "chunk_growth": True, "max_chunk_frames": 16}),
-        ("+ yield to talker (all on)", {"yield_to_talker_ms": 12.0}),
+    """Cumulative settings: every optimisation off, then each one added in turn; the last is all on.
+
+    The switches come from `EngineSettings`: every field where the defaults differ from `all_off()`
+    is one step (known ones in a meaningful order, any newer ones after them), so a new optimisation
+    setting gets its own row without touching the benchmark.
+    """
+    from omni_rt.config import EngineSettings
+
+    on, off = EngineSettings().model_dump(), EngineSettings.all_off().model_dump()
+    differ = {k for k in on if on[k] != off[k]}
+    known: list[tuple[str, tuple[str, ...]]] = [
+        ("+ cuda graphs", ("cuda_graphs",)),
+        ("+ triton MoE decode", ("moe_backend",)),
+        ("+ event hand-off", ("handoff",)),
+        ("+ talker prefill overlap", ("talker_overlap_prefill",)),
+        ("+ frame 0 in prefill", ("frame0_in_prefill",)),
+        ("+ 1-frame first chunk", ("first_chunk_frames", "chunk_growth", "max_chunk_frames")),
+        ("+ yield to talker", ("yield_to_talker_ms",)),
     ]
-    if device == "cpu":  # graphs are GPU-only; the kernel on a CPU would run in Triton's slow interpreter
-        steps = [s for s in steps if s[0] not in ("+ cuda graphs",)]
-    if not kernel_ok:
-        steps = [s for s in steps if "moe_backend" not in s[1]]
-    plan, acc = [], {}
+    covered = {f for _, fields in known for f in fields}
+    steps: list[tuple[str, dict[str, Any]]] = []
+    for name, fields in known:
+        if fields == ("moe_backend",):
+            if kernel_ok:  # not an EngineSettings value: the bench installs the kernel (see _settings)
+                steps.append((name, {"moe_backend": "triton"}))
+            continue
+        change = {f: on[f] for f in fields if f in differ}
+        if change and not (device == "cpu" and fields == ("cuda_graphs",)):  # graphs are GPU-only
+            steps.append((name, change))
+    steps += [(f"+ {f.replace('_', ' ')}", {f: on[f]}) for f in sorted(differ - covered)]
+    plan, acc = [("all off", {})], {}
     for name, change in steps:
         acc = acc | change
         plan.append((name, dict(acc)))
+    plan[-1] = (plan[-1][0] + " (all on)", plan[-1][1])
     return plan
 
 
@@ -212,6 +228,25 @@ def _settings(base: dict[str, Any], overrides: dict[str, Any]) -> tuple[Any, boo
             raise
         o.pop("moe_backend")
         return EngineSettings.all_off(**o), True
+
+
+def _kernels() -> Any:
+    """`omni_rt.kernels.moe_decode`; from a source tree that is not installed (the GPU machine runs the
+    checkout as is), the `kernels/` folder beside `omni_rt/`."""
+    try:
+        from omni_rt.kernels import moe_decode
+
+        return moe_decode
+    except ImportError:
+        import importlib.util
+
+        path = Path(__file__).resolve().parents[1] / "kernels" / "moe_decode.py"
+        if not path.is_file():
+            raise
+        spec = importlib.util.spec_from_file_location("omni_rt.kernels.moe_decode", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
 
 
 def _engine_model(engine: Any) -> torch.nn.Module | None:
@@ -458,7 +493,9 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if not r.get("skipped")]
+    rows = [r for r in rows if not r.get("skipped") and r.get("ttfa_ms")]
+    if not rows:
+        return
     names = [r["row"] for r in rows]
     fig, axes = plt.subplots(2, 2, figsize=(14, 9))
     for ax, (key, label, log) in zip(
@@ -558,14 +595,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     kernel_ok = False
     if args.device.startswith("cuda"):
         try:
-            from omni_rt.kernels.moe_decode import triton_available
-
-            kernel_ok = triton_available()
-        except ImportError:
-            kernel_ok = False
+            kernel_ok = _kernels().triton_available()
+        except ImportError as exc:
+            print(f"[bench] no Triton MoE row: {exc}", file=sys.stderr)
     plan = row_plan("cpu" if args.device == "cpu" else "cuda", kernel_ok)
     if args.rows != "all":
         keep = {int(i) for i in args.rows.split(",") if i and i != "none"}
+        if keep - set(range(len(plan))):
+            names = ", ".join(f"{i}: {n}" for i, (n, _) in enumerate(plan))
+            raise SystemExit(f"--rows {args.rows}: this run's rows are {names}")
         plan = [p for i, p in enumerate(plan) if i in keep]
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
     # caches sized for this run: the longest prompt plus its output, and the largest concurrency
@@ -596,8 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_s = time.perf_counter() - t_load
         model = _engine_model(engine)
         if via_hook:
-            from omni_rt.kernels.moe_decode import install
-
+            install = _kernels().install
             if model is None:
                 rows.append(
                     {"row": name, "skipped": "moe_backend='triton' is no setting and no model to hook"}

@@ -78,12 +78,15 @@ def test_row_plan_adds_one_optimisation_per_row_and_ends_all_on():
     assert plan[0] == ("all off", {})
     for (_, prev), (_, cur) in zip(plan, plan[1:], strict=False):
         assert set(prev.items()) < set(cur.items())  # cumulative: each row keeps all earlier switches
+    assert plan[-1][0].endswith("(all on)")
     all_on = EngineSettings.all_off(**{k: v for k, v in plan[-1][1].items() if k != "moe_backend"})
-    defaults = EngineSettings()
-    assert all_on.model_dump() == defaults.model_dump()  # the last row is every optimisation on
+    assert all_on.model_dump() == EngineSettings().model_dump()  # the last row is every optimisation on
     assert plan[-1][1]["moe_backend"] == "triton"
     cpu = dict(bench.row_plan("cpu", kernel_ok=False))
     assert "+ cuda graphs" not in cpu and all("moe_backend" not in v for v in cpu.values())
+    cpu_last = bench.row_plan("cpu", kernel_ok=False)[-1][1]
+    # on the CPU the last row is all on but for the GPU-only graphs
+    assert EngineSettings.all_off(**cpu_last).model_dump() == EngineSettings(cuda_graphs=False).model_dump()
 
 
 def test_reference_model_shares_our_weights_and_matches_logits():
@@ -107,16 +110,18 @@ def test_reference_model_shares_our_weights_and_matches_logits():
 
 def test_bench_smoke_tiny_cpu(tmp_path):
     out, png = tmp_path / "b.json", tmp_path / "b.png"
+    plan = bench.row_plan("cpu", kernel_ok=False)
+    last = len(plan) - 1
     argv = [
         "--preset", "tiny", "--device", "cpu", "--requests", "1", "--warmup", "0",
-        "--text-tokens", "3", "--frames", "3", "--prompts", "8", "--rows", "0,5",
+        "--text-tokens", "3", "--frames", "3", "--prompts", "8", "--rows", f"0,{last}",
         "--concurrency", "2", "--conc-repeats", "1", "--reference", "off",
         "--json", str(out), "--png", str(png),
     ]  # fmt: skip
     assert bench.main(argv) == 0
     d = json.loads(out.read_text())
     names = [r["row"] for r in d["rows"]]
-    assert names == ["all off", "+ yield to talker (all on)", "concurrency 2 (all on)"]
+    assert names == ["all off", plan[-1][0], "concurrency 2 (all on)"]
     for r in d["rows"]:
         assert r["statuses"] == ["completed"]
         assert r["text_tokens"] == [3]  # fixed length: EOS ignored
@@ -140,3 +145,17 @@ def test_step_summary_groups_by_stage_and_kind():
     assert s["thinker.decode"]["median_ms"] == pytest.approx(15.0)
     assert s["thinker.decode"]["total_ms"] == pytest.approx(30.0)
     assert s["talker.predict"]["median_ms"] == pytest.approx(5.0)
+
+
+def test_rows_out_of_range_names_the_rows():
+    with pytest.raises(SystemExit, match="0: all off"):
+        bench.main(["--preset", "tiny", "--device", "cpu", "--rows", "99", "--reference", "off"])
+
+
+def test_kernels_found_installed_or_from_the_source_tree(monkeypatch):
+    assert callable(bench._kernels().install)
+    import sys
+
+    monkeypatch.setitem(sys.modules, "omni_rt.kernels", None)  # as on a machine without the mapping
+    mod = bench._kernels()
+    assert callable(mod.install) and callable(mod.moe_decode_triton)

@@ -43,6 +43,9 @@ class EngineSettings(_Settings):
     frame0_in_prefill: bool = Field(
         True, description="run the code predictor for frame 0 in the step that finishes the Talker prefill"
     )
+    batch_prefill: bool = Field(
+        True, description="prefill the requests that arrive together in one batched call (right-padded)"
+    )
     handoff: Literal["event", "after_step"] = Field(
         "event",
         description="'event': each Thinker token goes to the Talker the moment it is sampled; "
@@ -77,6 +80,7 @@ class EngineSettings(_Settings):
         base: dict[str, object] = dict(
             talker_overlap_prefill=False,
             frame0_in_prefill=False,
+            batch_prefill=False,
             handoff="after_step",
             first_chunk_frames=4,
             chunk_growth=False,

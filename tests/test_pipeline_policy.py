@@ -394,3 +394,18 @@ def test_each_switch_alone_changes_timing_not_output(switch):
         )
 
     assert outputs(EngineSettings(**switch)) == outputs(EngineSettings())
+
+
+def test_requests_that_arrive_together_prefill_together():
+    p = make(timings=FakeTimings(thinker_prefill=0.1), reply_len=4)
+    try:
+        first = request("first")
+        p.submit(first[0])
+        time.sleep(0.03)  # the Thinker is busy prefilling "first": the next two queue up together
+        pair = [request("a", slot=1), request("b", slot=2, prompt=PROMPT[:3] + [5] + PROMPT[3:])]
+        run(p, *pair)
+        assert first[1].done.wait(10)
+    finally:
+        p.stop()
+    assert [s.request_ids for s in steps(p, "thinker", "prefill")] == [("first",), ("a", "b")]
+    assert all(s.of(DoneOut)[0].status == "completed" for _, s in pair)

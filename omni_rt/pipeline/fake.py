@@ -67,9 +67,9 @@ class FakeThinker(_Busy):
             return self.ids.im_end
         return 33 + _h(*req.prompt_ids, i) % 90  # ids that the tiny byte-level tokenizer prints
 
-    def prefill(self, req: Request) -> int:
-        self.work("prefill", self.t.thinker_prefill, [req])
-        return self._token(req, 0)
+    def prefill(self, reqs: list[Request]) -> list[int]:
+        self.work("prefill", self.t.thinker_prefill, reqs)
+        return [self._token(r, 0) for r in reqs]
 
     def decode(self, reqs: list[Request]) -> list[int]:
         self.work("decode", self.t.thinker_decode, reqs)

@@ -125,25 +125,61 @@ class ThinkerRunner:
         return step(ids, positions, slots)  # [B, V]
 
     @stage_call
-    def prefill(self, req: Request) -> int:
+    def prefill(self, reqs: list[Request]) -> list[int]:
+        if len(reqs) == 1:
+            logits = self._prefill_one(reqs[0])  # [1, V]
+        else:
+            logits = self._prefill_padded(reqs)  # [B, V]
+        out = []
+        for i, req in enumerate(reqs):
+            sampler = StageSampler(
+                req.sampling.thinker,
+                self.vocab,
+                device=self.device,
+                generator=_generator(req, "thinker", self.device),
+            )
+            # the repetition penalty covers the whole conversation, as the reference's covers its prompt
+            sampler.observe(torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)[None])
+            self._samplers[req.slot] = sampler
+            out.append(int(sampler(logits[i : i + 1])))
+        return out
+
+    def _prefill_one(self, req: Request) -> torch.Tensor:
         new = torch.tensor(req.new_prompt_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
         t = new.shape[1]
         positions = torch.arange(req.thinker_start, req.thinker_start + t, device=self.device)[None]  # [1, T]
         slots = torch.tensor([req.slot], device=self.device)
         kv_len = kv_bucket(req.thinker_start + t, self.cache.max_len)
+        logits, _ = self.thinker(new, positions, self.cache, slots, last_only=True, kv_len=kv_len)
+        return logits[:, -1]  # [1, V]
+
+    def _prefill_padded(self, reqs: list[Request]) -> torch.Tensor:
+        """Several prompts in one call, right-padded to the longest: [B, V] logits of each last token.
+
+        Padding tokens sit after their row's prompt, at positions no real query of this call attends to;
+        the junk they write there is overwritten by that row's next tokens before anything reads it.
+        Past the cache's end they are clamped to its last row, which no prompt reaches (prompts are
+        shorter than the context)."""
+        news = [r.new_prompt_ids for r in reqs]
+        t = max(len(n) for n in news)
+        last = self.cache.max_len - 1
+        ids = torch.zeros(len(reqs), t, dtype=torch.long)  # [B, T]
+        positions = torch.zeros(len(reqs), t, dtype=torch.long)  # [B, T]
+        for i, (r, n) in enumerate(zip(reqs, news, strict=True)):
+            ids[i, : len(n)] = torch.tensor(n)
+            positions[i] = torch.arange(r.thinker_start, r.thinker_start + t).clamp_max(last)
+        slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
+        index = torch.tensor([len(n) - 1 for n in news], device=self.device)  # [B]
+        kv_len = kv_bucket(int(positions.max()) + 1, self.cache.max_len)  # host tensor: no device sync
         logits, _ = self.thinker(
-            new, positions, self.cache, slots, last_only=True, kv_len=kv_len
-        )  # [1, 1, V]
-        sampler = StageSampler(
-            req.sampling.thinker,
-            self.vocab,
-            device=self.device,
-            generator=_generator(req, "thinker", self.device),
-        )
-        # the repetition penalty covers the whole conversation, as the reference's covers its prompt
-        sampler.observe(torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)[None])
-        self._samplers[req.slot] = sampler
-        return int(sampler(logits[:, -1]))
+            ids.to(self.device),
+            positions.to(self.device),
+            self.cache,
+            slots,
+            logits_index=index,
+            kv_len=kv_len,
+        )  # [B, 1, V]
+        return logits[:, -1]
 
     @stage_call
     def decode(self, reqs: list[Request]) -> list[int]:

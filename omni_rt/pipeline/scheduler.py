@@ -268,6 +268,7 @@ class Pipeline:
         for req in [r for r in active if r.stopped]:
             active.remove(req)
             self._release(req, "thinker")
+        admitted = []
         for kind, req in msgs:
             if kind != "admit":
                 continue  # "stop": the request is dropped above or at admission
@@ -278,18 +279,24 @@ class Pipeline:
                 self.talker_inbox.put(("prefix", req))  # the Talker prefills its prefix meanwhile
             else:
                 out.append(("prefix", req))
+            admitted.append(req)
+        # requests that arrived together prefill together (one weight pass), unless switched off
+        together = s.batch_prefill and not s.deterministic
+        for group in [admitted] if together and admitted else [[r] for r in admitted]:
             t0 = self.clock()
             try:
-                token = self.thinker.prefill(req)
+                tokens = self.thinker.prefill(group)
             except Exception as e:
-                self._fail(req, self._stage_error("thinker", "prefill", e))
-                self._release(req, "thinker")
+                for req in group:
+                    self._fail(req, self._stage_error("thinker", "prefill", e))
+                    self._release(req, "thinker")
                 continue
-            self._record("thinker", "prefill", t0, [req])
-            req.t_thinker_first = self.clock()
-            self._accept_token(req, token, out)
-            if not req.text_done:
-                active.append(req)
+            self._record("thinker", "prefill", t0, group)
+            for req, token in zip(group, tokens, strict=True):
+                req.t_thinker_first = self.clock()
+                self._accept_token(req, token, out)
+                if not req.text_done:
+                    active.append(req)
 
         # Hand off what the prefills made before the decode step (event mode), so the Talker works on
         # frame 0 while the Thinker yields and decodes.

@@ -13,8 +13,8 @@ from omni_rt.pipeline.request import Request
 
 
 class ThinkerStage(Protocol):
-    def prefill(self, req: Request) -> int:
-        """Feed `req.new_prompt_ids` at positions `req.thinker_start`...; return the first sampled token."""
+    def prefill(self, reqs: list[Request]) -> list[int]:
+        """Feed each request's `new_prompt_ids` at positions `thinker_start`...; return the first tokens."""
         ...
 
     def decode(self, reqs: list[Request]) -> list[int]:

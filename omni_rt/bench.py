@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import datetime as _dt
 import gc
+import hashlib
 import inspect
 import json
 import os
@@ -36,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from omni_rt.model.config import TokenIds
@@ -81,6 +83,8 @@ class Sample:
     rtf: float | None
     status: str = "completed"
     stages: dict[str, float | None] = field(default_factory=dict)  # the engine's own timestamps
+    token_ids: list[int] = field(default_factory=list)  # the text, for agreement between rows
+    pcm_sha1: str = ""  # digest of all PCM bytes, for bit-identical repeats
 
 
 def _accepts(fn: Callable, name: str) -> bool:
@@ -103,12 +107,15 @@ async def timed_request(
     t0 = time.perf_counter()
     first_text = first_audio = last_text = None
     first_text_tokens = n_tokens = n_samples = 0
+    token_ids: list[int] = []
+    pcm_hash = hashlib.sha1()
     rate = 24000
     done = None
     async for ev in session.respond(**kwargs):
         now = time.perf_counter()
         if ev.type == "response.output_text.delta":
             n = len(ev.token_ids) if ev.token_ids else 1
+            token_ids += list(ev.token_ids or [])
             if first_text is None:
                 first_text, first_text_tokens = now, n
             n_tokens += n
@@ -117,6 +124,7 @@ async def timed_request(
             if first_audio is None:
                 first_audio = now
             n_samples += len(ev.pcm)
+            pcm_hash.update(np.ascontiguousarray(ev.pcm).tobytes())
             rate = ev.sample_rate
         elif ev.type == "error":
             raise RuntimeError(f"benchmark request failed: {ev.error.code}: {ev.error.message}")
@@ -145,6 +153,8 @@ async def timed_request(
         rtf=(t_end - t0) / audio_s if audio_s > 0 else None,
         status=getattr(done, "status", "missing"),
         stages=stages,
+        token_ids=token_ids,
+        pcm_sha1=pcm_hash.hexdigest(),
     )
 
 
@@ -153,6 +163,48 @@ def _stat(values: list[float | None]) -> dict[str, float] | None:
     if not v:
         return None
     return {"median": statistics.median(v), "min": min(v), "max": max(v)}
+
+
+def token_agreement(a: Sequence[Sample], b: Sequence[Sample]) -> float | None:
+    """Greedy text agreement of two rows: per prompt (first request of each), the fraction of positions
+    whose token ids are equal (a length difference counts as disagreement), averaged over prompts."""
+    first_a = {s.prompt_len: s.token_ids for s in reversed(a)}
+    first_b = {s.prompt_len: s.token_ids for s in reversed(b)}
+    fracs = []
+    for n in sorted(first_a.keys() & first_b.keys()):
+        x, y = first_a[n], first_b[n]
+        if max(len(x), len(y)) == 0:
+            continue
+        fracs.append(sum(p == q for p, q in zip(x, y, strict=False)) / max(len(x), len(y)))
+    return sum(fracs) / len(fracs) if fracs else None
+
+
+async def determinism_check(
+    engine: Any, ids: list[int], args: argparse.Namespace, sampling: Any
+) -> dict[str, Any]:
+    """The same request alone twice, then `c` copies at once: every run must give the same bits
+    (token ids and PCM). Meaningful with `deterministic=True` in the engine's settings."""
+    runs: list[Sample] = []
+    async with engine:
+        for _ in range(2):
+            async with engine.session(voice=args.voice) as s:
+                runs.append(await timed_request(s, ids, args.text_tokens, args.frames, sampling))
+        c = max(2, args.determinism_concurrency)
+        async with contextlib.AsyncExitStack() as stack:
+            sessions = [await stack.enter_async_context(engine.session(voice=args.voice)) for _ in range(c)]
+            runs += await asyncio.gather(
+                *(timed_request(s, ids, args.text_tokens, args.frames, sampling) for s in sessions)
+            )
+    ref = runs[0]
+    same = [r.token_ids == ref.token_ids and r.pcm_sha1 == ref.pcm_sha1 for r in runs]
+    return {
+        "runs": len(runs),
+        "alone_then_concurrent": [1, 1, c],
+        "bit_identical": all(same),
+        "identical_runs": sum(same),
+        "text_tokens": ref.text_tokens,
+        "pcm_sha1": ref.pcm_sha1,
+    }
 
 
 def summarise(name: str, samples: list[Sample], **extra: Any) -> dict[str, Any]:
@@ -575,6 +627,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--reference-warmup", type=int, default=1, help="short warm-up generate calls, first prompt"
     )
+    ap.add_argument(
+        "--determinism",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after the rows: all on + deterministic=True, the same request alone and concurrently, bits compared",
+    )
+    ap.add_argument("--determinism-concurrency", type=int, default=4)
     ap.add_argument("--voice", default="ethan")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench.json")
@@ -627,6 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     conc_rows: list[dict[str, Any]] = []
     first = None  # the first row's engine: later rows reuse its model
+    row_samples: dict[str, list[Sample]] = {}
     for idx, (name, overrides) in enumerate(plan):
         settings, via_hook = _settings(base, overrides)
         t_load = time.perf_counter()
@@ -648,6 +708,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             bench_engine(engine, prompts, args, sampling, concurrency if last else ())
         )
         row_s = time.perf_counter() - t_row
+        row_samples[name] = samples
         rows.append(
             summarise(
                 name, samples, settings=overrides, load_s=load_s, kernel_via_hook=via_hook, stage_steps=steps
@@ -663,6 +724,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         if first is None:
             first = engine
     rows += conc_rows
+    # greedy text of each row against the plain path (every optimisation off), per prompt
+    if "all off" in row_samples:
+        for r in rows:
+            if r["row"] in row_samples:
+                r["token_agreement_vs_all_off"] = token_agreement(
+                    row_samples[r["row"]], row_samples["all off"]
+                )
+
+    determinism = None
+    if args.determinism and first is not None and plan:
+        settings, via_hook = _settings(base, plan[-1][1] | {"deterministic": True})
+        engine = _load_engine(args, settings, first)
+        if via_hook and _engine_model(engine) is not None:
+            _kernels().install(_engine_model(engine), "triton")
+        determinism = asyncio.run(determinism_check(engine, prompts[len(prompts) // 2], args, sampling))
+        meta["determinism"] = determinism
 
     want_ref = args.reference == "on" or (args.reference == "auto" and args.device.startswith("cuda"))
     if want_ref:
@@ -688,6 +765,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     table = format_table(rows)
     print(table)
+    agree = [
+        f"{r['row']}: {100 * r['token_agreement_vs_all_off']:.1f} %"
+        for r in rows
+        if r.get("token_agreement_vs_all_off") is not None
+    ]
+    if agree:
+        print("greedy text agreement with 'all off': " + "; ".join(agree))
+    if determinism is not None:
+        print(
+            f"deterministic mode (all on): {determinism['identical_runs']}/{determinism['runs']} runs "
+            f"bit-identical (2 alone, {determinism['alone_then_concurrent'][-1]} at once)"
+        )
     _save(args.json, meta, rows)
     if args.png:
         try:

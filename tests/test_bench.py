@@ -64,6 +64,15 @@ def test_timed_request_measures_what_the_caller_receives():
     assert r.stages == {"thinker_first_token_ms": 9.0, "talker_first_code_ms": 20.0, "first_pcm_ms": 29.0}
 
 
+def test_token_agreement_per_prompt_position():
+    mk = lambda n, toks: bench.Sample(n, 1.0, 2.0, 3.0, len(toks), 0.1, None, None, token_ids=toks)  # noqa: E731
+    a = [mk(41, [1, 2, 3, 4]), mk(57, [5, 6])]
+    b = [mk(41, [1, 2, 9, 4]), mk(57, [5, 6, 7])]
+    # prompt 41: 3 of 4 positions; prompt 57: 2 of 3 (a length difference counts against)
+    assert bench.token_agreement(a, b) == pytest.approx((3 / 4 + 2 / 3) / 2)
+    assert bench.token_agreement(a, a) == 1.0
+
+
 def test_summarise_medians_min_max_and_median_request():
     mk = lambda ttfa: bench.Sample(57, 1.0, ttfa, 100.0, 64, 5.1, 100.0, 0.02)  # noqa: E731
     row = bench.summarise("x", [mk(30.0), mk(10.0), mk(20.0)])
@@ -115,7 +124,7 @@ def test_bench_smoke_tiny_cpu(tmp_path):
     argv = [
         "--preset", "tiny", "--device", "cpu", "--requests", "1", "--warmup", "0",
         "--text-tokens", "3", "--frames", "3", "--prompts", "8", "--rows", f"0,{last}",
-        "--concurrency", "2", "--conc-repeats", "1", "--reference", "off",
+        "--concurrency", "2", "--conc-repeats", "1", "--reference", "off", "--determinism-concurrency", "2",
         "--json", str(out), "--png", str(png),
     ]  # fmt: skip
     assert bench.main(argv) == 0
@@ -130,6 +139,10 @@ def test_bench_smoke_tiny_cpu(tmp_path):
     assert d["rows"][-1]["requests"] == 2
     steps = d["rows"][0]["stage_steps"]  # the pipeline's own step log, per stage and kind
     assert steps["thinker.decode"]["count"] >= 2 and steps["code2wav.chunk"]["count"] >= 1
+    # greedy text of every row equals the plain path's (the optimisations change timing, not results)
+    assert d["rows"][1]["token_agreement_vs_all_off"] == 1.0
+    det = d["meta"]["determinism"]
+    assert det["bit_identical"] and det["runs"] == 4 and det["text_tokens"] == 3
     assert png.stat().st_size > 10_000
 
 

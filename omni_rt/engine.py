@@ -13,6 +13,7 @@ the engine starts (one slot per session, `EngineSettings.max_sessions`) and drop
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,18 @@ from omni_rt.session import Session, check_sample_rate
 
 # builds (thinker, talker, code2wav) stage runners at engine start
 StageFactory = Callable[[EngineSettings], tuple[Any, Any, Any]]
+
+
+def _checkpoint_tokenizer(directory: Path, cfg: OmniConfig):
+    """The checkpoint's tokenizer; a directory without one (a test checkpoint from `save_pretrained`)
+    gets the byte-level tiny tokenizer at the same special ids, with a warning: `respond(input_ids=...)`
+    is then exact and text deltas are bytes."""
+    from omni_rt.tokenizer import Tokenizer
+
+    if any((directory / f).is_file() for f in ("tokenizer.json", "vocab.json")):
+        return Tokenizer.from_checkpoint(directory, cfg.ids)
+    warnings.warn(f"{directory} has no tokenizer files: using the byte-level tiny tokenizer", stacklevel=3)
+    return Tokenizer.tiny(cfg.ids)
 
 
 class Engine:
@@ -89,7 +102,7 @@ class Engine:
         elif Path(name).is_dir():
             cfg = load_hf_config(name)
             weights = "random" if random_weights else name
-            tokenizer = Tokenizer.from_checkpoint(name, cfg.ids)
+            tokenizer = _checkpoint_tokenizer(Path(name), cfg)
         else:
             raise ConfigError(f"unknown model {name!r}: a preset {list(PRESETS)} or a checkpoint directory")
         dtype = dtype or ("float32" if torch.device(device).type == "cpu" else "bfloat16")

@@ -258,3 +258,36 @@ def test_padded_batch_prefill_matches_one_at_a_time(tiny):
         r.tokens.append(one.prefill([r])[0])
         singles.append(one.decode([r])[0])
     assert batched_next == singles
+
+
+async def test_checkpoint_directory_streams_what_offline_makes(reference, checkpoint):
+    """Engine.load(DIR) on a Hugging Face checkpoint saved from the reference (a well-conditioned small
+    model; offline == reference is tests/test_parity.py), a multi-turn prompt with a system turn."""
+    from hf_fixtures import SMALL_CONFIGS
+
+    cfg = SMALL_CONFIGS["tiny"]
+    i = cfg.ids
+    conversation = [
+        *[i.im_start, i.system, i.newline, 2610, 525, 264, 10950, 17847, i.im_end, i.newline],
+        *[i.im_start, i.user, i.newline, 9707, 0, i.im_end, i.newline],
+        *[i.im_start, i.assistant, i.newline, 13048, 11, 1246, 646, i.im_end, i.newline],
+        *[i.im_start, i.user, i.newline, 3838, 374, 279, 9104, 30, i.im_end, i.newline],
+        *[i.im_start, i.assistant, i.newline],
+    ]
+    with pytest.warns(UserWarning, match="no tokenizer"):
+        engine = omni_rt.Engine.load(str(checkpoint("tiny")))
+    async with engine, engine.session() as s:
+        events = await collect(
+            s, input_ids=conversation, sampling=GREEDY, max_output_tokens=8, max_audio_frames=40
+        )
+    done = events[-1]
+    assert done.status == "completed"
+    text, codes, wav = generate_offline(
+        engine.model, conversation, "ethan", GREEDY.thinker, GREEDY.talker, 8, 40
+    )
+    assert done.usage.output_tokens == len(text) and done.usage.audio_frames == codes.shape[1] >= 3
+    tokens = [t for e in of(events, "response.output_text.delta") for t in e.token_ids]
+    assert tokens == [t for t in text if t != i.im_end]
+    pcm = np.concatenate([e.pcm for e in of(events, "response.output_audio.delta")])
+    assert len(pcm) == len(wav)
+    assert np.abs(pcm.astype(np.int32) - np.round(wav.numpy() * 32767).astype(np.int32)).max() <= 1

@@ -668,7 +668,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # caches sized for this run: the longest prompt plus its output, and the largest concurrency
     longest = max(len(p) for p in prompts) + args.text_tokens + 8
     base = dict(
-        max_sessions=max([1, *concurrency]),
+        max_sessions=max([1, *concurrency, max(2, args.determinism_concurrency) if args.determinism else 1]),
         max_context=max(64, longest),
         max_talker_context=max(64, longest + args.frames),
     )

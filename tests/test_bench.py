@@ -124,25 +124,25 @@ def test_bench_smoke_tiny_cpu(tmp_path):
     argv = [
         "--preset", "tiny", "--device", "cpu", "--requests", "1", "--warmup", "0",
         "--text-tokens", "3", "--frames", "3", "--prompts", "8", "--rows", f"0,{last}",
-        "--concurrency", "2", "--conc-repeats", "1", "--reference", "off", "--determinism-concurrency", "2",
+        "--concurrency", "", "--reference", "off", "--determinism-concurrency", "3",
         "--json", str(out), "--png", str(png),
     ]  # fmt: skip
     assert bench.main(argv) == 0
     d = json.loads(out.read_text())
     names = [r["row"] for r in d["rows"]]
-    assert names == ["all off", plan[-1][0], "concurrency 2 (all on)"]
+    assert names == ["all off", plan[-1][0]]
     for r in d["rows"]:
         assert r["statuses"] == ["completed"]
         assert r["text_tokens"] == [3]  # fixed length: EOS ignored
         assert r["ttfa_ms"]["median"] > 0 and r["ttft_ms"]["median"] > 0
         assert r["audio_s"]["median"] == pytest.approx((3 * 1920 - 555) / 24000)
-    assert d["rows"][-1]["requests"] == 2
     steps = d["rows"][0]["stage_steps"]  # the pipeline's own step log, per stage and kind
     assert steps["thinker.decode"]["count"] >= 2 and steps["code2wav.chunk"]["count"] >= 1
     # greedy text of every row equals the plain path's (the optimisations change timing, not results)
     assert d["rows"][1]["token_agreement_vs_all_off"] == 1.0
     det = d["meta"]["determinism"]
-    assert det["bit_identical"] and det["runs"] == 4 and det["text_tokens"] == 3
+    # slots for the determinism check's sessions even with no concurrency rows
+    assert det["bit_identical"] and det["runs"] == 5 and det["text_tokens"] == 3
     assert png.stat().st_size > 10_000
 
 

@@ -124,13 +124,14 @@ def test_bench_smoke_tiny_cpu(tmp_path):
     argv = [
         "--preset", "tiny", "--device", "cpu", "--requests", "1", "--warmup", "0",
         "--text-tokens", "3", "--frames", "3", "--prompts", "8", "--rows", f"0,{last}",
-        "--concurrency", "", "--reference", "off", "--determinism-concurrency", "3",
+        "--concurrency", "2", "--conc-repeats", "1", "--reference", "off", "--determinism-concurrency", "3",
         "--json", str(out), "--png", str(png),
     ]  # fmt: skip
     assert bench.main(argv) == 0
     d = json.loads(out.read_text())
     names = [r["row"] for r in d["rows"]]
-    assert names == ["all off", plan[-1][0]]
+    assert names == ["all off", plan[-1][0], "concurrency 2 (all on)"]
+    assert d["rows"][-1]["requests"] == 2
     for r in d["rows"]:
         assert r["statuses"] == ["completed"]
         assert r["text_tokens"] == [3]  # fixed length: EOS ignored

@@ -267,19 +267,19 @@ def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _settings(base: dict[str, Any], overrides: dict[str, Any]) -> tuple[Any, bool]:
-    """EngineSettings.all_off(**base | overrides); (settings, kernel_via_hook) when moe_backend='triton'
-    is not a setting the engine knows, the kernel is installed on the loaded model instead."""
+    """(EngineSettings.all_off(**base | overrides), whether to install the Triton MoE kernel).
+
+    The kernel is always installed by the benchmark on the loaded model (`kernels.moe_decode.install`),
+    not left to a setting: later rows wrap the first row's model in new Engines (no second build), so a
+    setting applied at `Engine.load` would never reach them.
+    """
     from omni_rt.config import EngineSettings
 
     o = base | overrides
     want_triton = o.get("moe_backend") == "triton"
-    try:
-        return EngineSettings.all_off(**o), False
-    except Exception:
-        if not want_triton:
-            raise
+    if want_triton:
         o.pop("moe_backend")
-        return EngineSettings.all_off(**o), True
+    return EngineSettings.all_off(**o), want_triton
 
 
 def _kernels() -> Any:

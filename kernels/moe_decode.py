@@ -219,7 +219,8 @@ def moe_decode_triton(
     """The two-launch Triton expert computation; fp32 accumulation, output in hidden's dtype.
 
     Block sizes are tunable (scripts/gpu_kernels.py sweeps them on the H200); the defaults were the
-    fastest or within 10 % of it at every Thinker and Talker decode shape measured (docs/performance.md).
+    fastest of those swept, or within 4 % of it, at every Thinker and Talker decode shape measured but the
+    Talker's batch 1, where 8 warps with block_h_down 16 were 12 % faster (docs/performance.md).
     """
     gate_up_act, down_weighted = _kernels()
     n, k = topk_ids.shape

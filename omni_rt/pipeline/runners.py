@@ -53,6 +53,11 @@ def kv_buckets(max_len: int) -> list[int]:
     return lens
 
 
+def graphs_on(settings: EngineSettings, device: torch.device) -> bool:
+    """Capture CUDA graphs? Only where there is CUDA (the CPU runs the same functions eagerly)."""
+    return settings.cuda_graphs and device.type == "cuda"
+
+
 def _capture(fn, static_inputs, pool):
     """A CUDA graph of `fn`, or `fn` itself if this step cannot be captured (it then runs eagerly)."""
     try:
@@ -97,7 +102,7 @@ class ThinkerRunner:
         self.vocab = self.thinker.cfg.vocab_size
         self._samplers: dict[int, StageSampler] = {}  # slot -> the running request's sampler
         self._graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> captured decode step
-        if settings.cuda_graphs and self.device.type == "cuda":
+        if graphs_on(settings, self.device):
             self._capture_all()
 
     def _decode_fn(self, kv_len: int):
@@ -219,7 +224,7 @@ class TalkerRunner:
         self._cp_gen: dict[int, torch.Generator] = {}
         self._graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> captured step
         self._greedy_frame: dict[int, object] = {}  # batch -> captured greedy code-predictor frame
-        if settings.cuda_graphs and self.device.type == "cuda":
+        if graphs_on(settings, self.device):
             self._capture_all()
 
     def _step_fn(self, kv_len: int):
@@ -358,13 +363,40 @@ def _cp_sampling(s: StageSampling) -> StageSampling:
 
 
 class Code2WavRunner:
+    """One exact streaming decoder state per session slot. With graphs, one CUDA graph per chunk size
+    decodes a shared work state: a slot's state is copied in before the replay and out after it (a few
+    MB at real shapes: microseconds), so the graphs need not be captured per slot."""
+
     def __init__(self, model, settings: EngineSettings) -> None:
         self.code2wav = model.code2wav
         self.device = model.device
         self.samples_per_frame = self.code2wav.samples_per_frame
         self.stream = _stream(self.device, priority=-1)
+        self._graphs: dict[int, object] = {}  # chunk frames -> captured decode of the work state
+        self._work = None
+        if graphs_on(settings, self.device):
+            self._capture_all(settings.chunk_sizes())
         # one exact streaming state per session slot, allocated once
-        self._streams = [Code2WavStream(self.code2wav) for _ in range(settings.max_sessions)]
+        self._streams = [Code2WavStream(self.code2wav, step=self._step) for _ in range(settings.max_sessions)]
+
+    @torch.no_grad()
+    def _capture_all(self, chunk_sizes: list[int]) -> None:
+        pool = GraphPool()
+        self._work = self.code2wav.new_state(1)
+        q = self.code2wav.cfg.num_quantizers
+        for n in chunk_sizes:
+            codes = torch.zeros(1, q, n, dtype=torch.long, device=self.device)  # [1, Q, n]
+            self._graphs[n] = _capture(lambda c: self.code2wav.step(c, self._work), (codes,), pool)
+
+    def _step(self, codes: torch.Tensor, state) -> torch.Tensor:
+        """`Code2Wav.step` for one stream: codes [1, Q, n] -> wav [1, 1, spf n]; graphed sizes replay."""
+        graph = self._graphs.get(codes.shape[-1])
+        if graph is None:  # the last chunk of a response can have any size: eager
+            return self.code2wav.step(codes, state)
+        _copy_state(self._work, state)
+        wav = graph(codes)
+        _copy_state(state, self._work)
+        return wav
 
     def open(self, req: Request) -> None:
         self._streams[req.slot].reset()
@@ -372,7 +404,8 @@ class Code2WavRunner:
     @stage_call
     def push(self, req: Request, frames: list[list[int]]) -> np.ndarray:
         codes = torch.tensor(frames, device=self.device).T  # [16, n]
-        return self._streams[req.slot].push(codes).float().cpu().numpy()
+        # the Talker's codes are in range by construction: skip the check (a host sync on the GPU)
+        return self._streams[req.slot].push(codes, check=False).float().cpu().numpy()
 
     @stage_call
     def flush(self, req: Request) -> np.ndarray:
@@ -380,6 +413,16 @@ class Code2WavRunner:
 
     def close(self, req: Request) -> None:
         self._streams[req.slot].reset()
+
+
+def _copy_state(dst, src) -> None:
+    """Copy one Code2Wav stream state into another of the same shapes (in place, on the device)."""
+    dst.pos.copy_(src.pos)
+    dst.k.copy_(src.k)
+    dst.v.copy_(src.v)
+    dst.key_pos.copy_(src.key_pos)
+    for module, buf in dst.conv.items():
+        buf.copy_(src.conv[module])
 
 
 def build_runners(model, settings: EngineSettings) -> tuple[ThinkerRunner, TalkerRunner, Code2WavRunner]:

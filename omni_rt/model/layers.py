@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni_rt.errors import ConfigError
+from omni_rt.errors import ConfigError, InvalidRequestError
 from omni_rt.model.config import DecoderConfig
 
 # ---------------------------------------------------------------------------------------------------------
@@ -188,6 +188,44 @@ class KVCache:
     @property
     def device(self) -> torch.device:
         return self.k.device
+
+    def check_access(
+        self,
+        cfg: DecoderConfig,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        kv_len: int | None,
+        who: str,
+    ) -> None:
+        """Check one forward's inputs [B, T, H], positions [B, T] and slots [B] against this cache.
+
+        Shapes always; values only on the CPU (reading GPU values would sync with the host).
+        `who` names the decoder in the error ("Thinker", "Talker").
+        """
+        if x.dim() != 3 or x.shape[1] == 0 or x.shape[2] != cfg.hidden_size:
+            raise InvalidRequestError(
+                f"inputs_embeds must be [B, T, {cfg.hidden_size}] with T > 0, got {tuple(x.shape)}"
+            )
+        b, t = x.shape[:2]
+        if tuple(positions.shape) != (b, t):
+            raise InvalidRequestError(f"positions must be [B, T] = {[b, t]}, got {tuple(positions.shape)}")
+        if tuple(slots.shape) != (b,):
+            raise InvalidRequestError(f"slots must be [B] = [{b}], got {tuple(slots.shape)}")
+        want = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        if (self.k.shape[0], self.k.shape[2], self.k.shape[4]) != want:
+            raise InvalidRequestError(f"cache shape {tuple(self.k.shape)} does not fit this {who}")
+        if t > self.max_len:
+            raise InvalidRequestError(f"{t} new tokens exceed the cache length {self.max_len}")
+        limit = self.max_len
+        if kv_len is not None:
+            if not 0 < kv_len <= self.max_len:
+                raise InvalidRequestError(f"kv_len {kv_len} outside 1..{self.max_len} (the cache length)")
+            limit = kv_len
+        if positions.device.type == "cpu" and (positions.min() < 0 or positions.max() >= limit):
+            raise InvalidRequestError(f"positions must be in [0, {limit}) (the cache length or kv_len)")
+        if slots.device.type == "cpu" and (slots.min() < 0 or slots.max() >= self.n_slots):
+            raise InvalidRequestError(f"slots must be in [0, {self.n_slots})")
 
     def reset(self, slot: int) -> None:
         """Zero one slot. Not needed for correctness (see the module docstring); useful for debugging."""

@@ -245,7 +245,7 @@ class Talker(nn.Module):
         kv_len (a Python int, static per CUDA graph): attend over cache rows [0, kv_len) only; it must
         exceed every position. Defaults to the whole cache.
         """
-        self._check(inputs_embeds, positions, cache, slots, kv_len)
+        cache.check_access(self.cfg.talker, inputs_embeds, positions, slots, kv_len, "Talker")
         if rope_positions is not None and tuple(rope_positions.shape) != (3, *positions.shape):
             raise InvalidRequestError(
                 f"rope_positions must be [3, B, T] = {[3, *positions.shape]}, got {tuple(rope_positions.shape)}"
@@ -260,39 +260,6 @@ class Talker(nn.Module):
             h = layer(h, cos, sin, cache, slots, positions, kv_len, mask)  # [B, T, Ht]
         h = self.model.norm(h)
         return self.codec_head(h), h
-
-    def _check(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache,
-        slots: torch.Tensor,
-        kv_len: int | None,
-    ) -> None:
-        """Shapes always; values only on the CPU (reading GPU values would sync with the host)."""
-        tk = self.cfg.talker
-        if x.dim() != 3 or x.shape[1] == 0 or x.shape[2] != tk.hidden_size:
-            raise InvalidRequestError(
-                f"inputs_embeds must be [B, T, {tk.hidden_size}] with T > 0, got {tuple(x.shape)}"
-            )
-        b, t = x.shape[:2]
-        if tuple(positions.shape) != (b, t):
-            raise InvalidRequestError(f"positions must be [B, T] = {[b, t]}, got {tuple(positions.shape)}")
-        if tuple(slots.shape) != (b,):
-            raise InvalidRequestError(f"slots must be [B] = [{b}], got {tuple(slots.shape)}")
-        want = (tk.num_hidden_layers, tk.num_key_value_heads, tk.head_dim)
-        got = (cache.k.shape[0], cache.k.shape[2], cache.k.shape[4])
-        if got != want:
-            raise InvalidRequestError(f"cache shape {tuple(cache.k.shape)} does not fit this Talker")
-        limit = cache.max_len
-        if kv_len is not None:
-            if not 0 < kv_len <= cache.max_len:
-                raise InvalidRequestError(f"kv_len {kv_len} outside 1..{cache.max_len} (the cache length)")
-            limit = kv_len
-        if positions.device.type == "cpu" and (positions.min() < 0 or positions.max() >= limit):
-            raise InvalidRequestError(f"positions must be in [0, {limit}) (the cache length or kv_len)")
-        if slots.device.type == "cpu" and (slots.min() < 0 or slots.max() >= cache.n_slots):
-            raise InvalidRequestError(f"slots must be in [0, {cache.n_slots})")
 
     def project_text(self, thinker_embeds: torch.Tensor) -> torch.Tensor:
         """[..., thinker_hidden] -> [..., Ht]."""

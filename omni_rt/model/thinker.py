@@ -139,32 +139,7 @@ class Thinker(nn.Module):
             x = self.embed(input_ids)
         else:
             x = inputs_embeds
-            if x.dim() != 3 or x.shape[1] == 0 or x.shape[2] != self.cfg.hidden_size:
-                raise InvalidRequestError(
-                    f"inputs_embeds must be [B, T, {self.cfg.hidden_size}] with T > 0, got {tuple(x.shape)}"
-                )
-        b, t = x.shape[:2]
-        if tuple(positions.shape) != (b, t):
-            raise InvalidRequestError(f"positions must be [B, T] = {[b, t]}, got {tuple(positions.shape)}")
-        if tuple(slots.shape) != (b,):
-            raise InvalidRequestError(f"slots must be [B] = [{b}], got {tuple(slots.shape)}")
-        if cache.k.shape[0] != self.cfg.num_hidden_layers or cache.k.shape[2:] != (
-            self.cfg.num_key_value_heads,
-            cache.max_len,
-            self.cfg.head_dim,
-        ):
-            raise InvalidRequestError(f"cache shape {tuple(cache.k.shape)} does not fit this Thinker")
-        if t > cache.max_len:
-            raise InvalidRequestError(f"{t} new tokens exceed the cache length {cache.max_len}")
-        limit = cache.max_len
-        if kv_len is not None:
-            if not 0 < kv_len <= cache.max_len:
-                raise InvalidRequestError(f"kv_len {kv_len} outside 1..{cache.max_len} (the cache length)")
-            limit = kv_len
-        if positions.device.type == "cpu" and (positions.min() < 0 or positions.max() >= limit):
-            raise InvalidRequestError(f"positions must be in [0, {limit}) (the cache length or kv_len)")
-        if slots.device.type == "cpu" and (slots.min() < 0 or slots.max() >= cache.n_slots):
-            raise InvalidRequestError(f"slots must be in [0, {cache.n_slots})")
+        cache.check_access(self.cfg, x, positions, slots, kv_len, "Thinker")
         if hidden_layer is not None and not 0 <= hidden_layer <= self.cfg.num_hidden_layers:
             raise InvalidRequestError(
                 f"hidden_layer {hidden_layer} outside 0..{self.cfg.num_hidden_layers} (hidden_states index)"

@@ -114,6 +114,7 @@ class Session:
         *,
         input_ids: Sequence[int] | None = None,
         audio: Any = None,
+        audio_sample_rate: int = 16000,
         voice: str | None = None,
         sampling: Sampling | None = None,
         max_output_tokens: int | None = None,
@@ -124,15 +125,18 @@ class Session:
         """Stream one response: response.created, text and audio deltas, ..., response.done (always last).
 
         `text` goes through the chat template; `input_ids` are appended to the conversation verbatim (a
-        whole chat-formatted prompt on the first turn, ending with `<|im_start|> assistant \\n`). A bad
+        whole chat-formatted prompt on the first turn, ending with `<|im_start|> assistant \\n`). `audio`
+        (mono float or int16 PCM at `audio_sample_rate`; 24 and 48 kHz are resampled) is a spoken user
+        turn, followed by `text` in the same turn if both are given. A bad
         request yields an `error` event and `response.done(status="failed")`. One response at a time:
         breaking out of the loop cancels the response once the dropped iterator is closed (the next
         `respond()` sees to that); `await cancel()` stops it at once. `on_event(ev)` (a function or a
         coroutine function) sees every event just before it is yielded: callbacks on the same stream.
         """
         stream = self._respond(
-            text, input_ids, audio, voice, sampling, max_output_tokens, max_audio_frames, ignore_eos
-        )
+            text, input_ids, (audio, audio_sample_rate), voice, sampling, max_output_tokens,
+            max_audio_frames, ignore_eos,
+        )  # fmt: skip
         async with contextlib.aclosing(stream):  # closing this iterator closes (cancels) the inner one now
             async for ev in stream:
                 if on_event is not None:
@@ -166,6 +170,8 @@ class Session:
             await asyncio.wait_for(last.done.wait(), timeout=60.0)
         yield ResponseCreated(response_id=rid)
         try:
+            # features of a spoken turn: signal processing, off the event loop
+            audio = await asyncio.to_thread(_speech_features, *audio) if audio[0] is not None else None
             req, rate = self._build(rid, t0, text, input_ids, audio, voice, sampling, max_output_tokens,
                                     max_audio_frames, ignore_eos)  # fmt: skip
         except OmniRtError as e:
@@ -247,19 +253,22 @@ class Session:
             raise EngineClosedError("the engine is not running: use `async with engine:`")
         if self._current is not None and not self._current.done.is_set():
             raise InvalidRequestError("a response is already in progress in this session: cancel() it first")
-        if audio is not None:
-            raise InvalidRequestError("audio input is not supported yet: send text or input_ids")
-        if (text is None) == (input_ids is None):
-            raise InvalidRequestError("give exactly one of text or input_ids")
+        if (text is None and audio is None) == (input_ids is None):
+            raise InvalidRequestError("give text and/or audio, or input_ids")
         cfg = self.engine.cfg
-        if text is not None:
+        history = [] if self.conversation else self._system_turn()
+        if audio is not None:
+            # the spoken turn: the clip's placeholders, then any text, then the assistant header
+            from omni_rt.model.speech_input import speech_prompt
+
+            n_window = int(cfg.audio_config.get("n_window", 50))
+            count = _audio_token_count(audio.shape[1], n_window)
+            text_ids = self.engine.tokenizer.encode(text) if text else []
+            new = speech_prompt(self.ids, [count], text_ids=text_ids, history=history)
+        elif text is not None:
             if not isinstance(text, str) or not text.strip():
                 raise InvalidRequestError("empty input: text must contain something to respond to")
-            turns: list[tuple[str, str]] = []
-            if not self.conversation and self.settings.instructions:
-                turns.append(("system", self.settings.instructions))
-            turns.append(("user", text))
-            new = self.engine.tokenizer.chat_prompt(turns)
+            new = history + self.engine.tokenizer.chat_prompt([("user", text)])
         else:
             new = list(input_ids)
             if not new:
@@ -306,8 +315,17 @@ class Session:
             sink=lambda msg: None,
             t0=t0,
             ignore_eos=ignore_eos,
+            audio_features=None if audio is None else [audio],
         )
         return req, rate
+
+    def _system_turn(self) -> list[int]:
+        """The instructions as a system turn (first turn only), chat-formatted."""
+        if not self.settings.instructions:
+            return []
+        return self.engine.tokenizer.chat_prompt(
+            [("system", self.settings.instructions)], add_generation_prompt=False
+        )
 
     def _close_turn(self) -> list[int]:
         """Tokens that end the previous assistant turn: `<|im_end|>` (unless the reply had it) and `\\n`."""
@@ -393,6 +411,28 @@ class Session:
                     error=None if error is None else error.error,
                 )
                 return
+
+
+def _speech_features(audio: Any, rate: int):
+    """Log-mel features [128, F] of a spoken turn (16 kHz; 24 and 48 kHz are resampled first)."""
+    from omni_rt.audio.features import SAMPLE_RATE, log_mel
+
+    if rate != SAMPLE_RATE:
+        if rate not in OUTPUT_SAMPLE_RATES:
+            raise InvalidRequestError(f"unsupported audio sample rate {rate}; send 16, 24 or 48 kHz PCM")
+        pcm = np.asarray(audio)
+        if pcm.dtype == np.int16:
+            pcm = pcm.astype(np.float32) / 32768.0
+        if pcm.ndim != 1:
+            raise InvalidRequestError(f"audio must be mono [samples], got shape {pcm.shape}")
+        audio = StreamingResampler(rate, SAMPLE_RATE).push(pcm)
+    return log_mel(audio, SAMPLE_RATE)
+
+
+def _audio_token_count(n_frames: int, n_window: int) -> int:
+    from omni_rt.audio.features import audio_token_count
+
+    return int(audio_token_count(n_frames, n_window))
 
 
 def _to_int16(pcm: np.ndarray) -> np.ndarray:

@@ -154,8 +154,12 @@ async def test_bad_requests_fail_cleanly_and_nothing_else_breaks():
             assert "assistant header" in _failed(await collect(s, input_ids=[151644, 872, 198, 5]))
             assert "unknown voice" in _failed(await collect(s, "hi", voice="nobody"))
             assert "longer than the context" in _failed(await collect(s, "word " * 200))
-            assert "audio input" in _failed(await collect(s, audio=np.zeros(1600, np.float32)))
-            assert "exactly one" in _failed(await collect(s, "a", input_ids=[1]))
+            assert "mono" in _failed(await collect(s, audio=np.zeros((2, 1600), np.float32)))
+            assert "samples" in _failed(await collect(s, audio=np.zeros(100, np.float32)))
+            assert "16, 24 or 48 kHz" in _failed(
+                await collect(s, audio=np.zeros(4000, np.int16), audio_sample_rate=8000)
+            )
+            assert "text and/or audio, or input_ids" in _failed(await collect(s, "a", input_ids=[1]))
             # the same session still works, with its conversation untouched
             ok = await collect(s, "Now a good one", max_output_tokens=4)
             assert ok[-1].status == "completed" and audio(ok).size > 0
@@ -246,3 +250,20 @@ async def test_callbacks_see_the_same_stream():
     assert seen_sync == types(events)
     assert seen_async[-1] == "response.done" and done.status == "completed"
     assert seen_async.count("response.output_audio.done") == 1
+
+
+@pytest.mark.parametrize("rate", [16000, 48000])
+async def test_a_spoken_turn_becomes_audio_placeholders_in_the_conversation(rate):
+    clip = (0.3 * np.sin(2 * np.pi * 220 * np.arange(int(rate * 1.0)) / rate)).astype(np.float32)
+    async with fake_engine(reply_len=4) as engine, engine.session(instructions="Be brief.") as s:
+        done = (await collect(s, "and this?", audio=clip, audio_sample_rate=rate))[-1]
+        assert done.status == "completed"
+        ids = CFG.ids
+        conv = s.conversation
+        assert conv[:3] == [ids.im_start, ids.system, ids.newline]  # the instructions come first
+        n = conv.count(ids.audio)
+        assert n == 13  # one second of speech: 100 mel frames -> 13 encoder tokens
+        start = conv.index(ids.audio_start)
+        assert conv[start - 3 : start] == [ids.im_start, ids.user, ids.newline]
+        assert conv[start + n + 1] == ids.audio_end
+        assert TOK.decode(conv[start + n + 2 : conv.index(ids.im_end, start)]) == "and this?"

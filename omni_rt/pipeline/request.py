@@ -76,6 +76,11 @@ class Request:
     sink: Callable[[Message], None]  # thread-safe post to the session
     t0: float  # respond() time on the pipeline's clock
     ignore_eos: bool = False  # benchmark: run to the length limits
+    # speech input of this turn: the clips' log-mel features, opaque to the scheduler (the Thinker
+    # runner encodes them). The Talker then reads the Thinker's hidden states at the audio positions,
+    # so its prompt prefix waits for the Thinker's prefill instead of overlapping it.
+    audio_features: list[Any] | None = None
+    thinker_hidden: Any = None  # [len(prompt_ids), H] set by the Thinker runner for the Talker runner
 
     # state written by the stages
     tokens: list[int] = field(default_factory=list)  # generated text tokens, in order (Thinker)
@@ -110,6 +115,10 @@ class Request:
         if self.error is not None:
             return "failed"
         return "cancelled" if self.cancelled else "completed"
+
+    @property
+    def needs_thinker_hidden(self) -> bool:
+        return self.audio_features is not None
 
     @property
     def new_prompt_ids(self) -> list[int]:

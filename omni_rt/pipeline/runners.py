@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any
 
 import numpy as np
 import torch
 
 from omni_rt.config import EngineSettings, StageSampling
+from omni_rt.errors import InvalidRequestError
 from omni_rt.model.code2wav import Code2WavStream
 from omni_rt.model.offline import StageSampler, codec_suppressed_ids, stage_generator
 from omni_rt.model.sampling import greedy
+from omni_rt.model.speech_input import build_speech_input
 from omni_rt.model.talker import talker_prompt_last, talker_prompt_prefix, talker_step_input
 from omni_rt.pipeline.graphs import GraphPool, capture
 from omni_rt.pipeline.request import Request
@@ -92,8 +96,15 @@ def _rows(n: int, deterministic: bool) -> list[slice]:
 
 
 class ThinkerRunner:
-    def __init__(self, model, settings: EngineSettings) -> None:
+    def __init__(
+        self, model, settings: EngineSettings, audio_encoder: Callable[[], Any] | None = None
+    ) -> None:
+        """`audio_encoder()` gives the model's audio encoder; called once, at the first speech input."""
         self.thinker = model.thinker
+        self.ids = model.cfg.ids
+        self.accept_hidden_layer = model.cfg.accept_hidden_layer
+        self._audio_encoder_factory = audio_encoder
+        self._audio_encoder = None
         self.settings = settings
         self.device = model.device
         self.stream = _stream(self.device, priority=0)
@@ -131,7 +142,11 @@ class ThinkerRunner:
 
     @stage_call
     def prefill(self, reqs: list[Request]) -> list[int]:
-        if len(reqs) == 1:
+        if any(r.audio_features is not None for r in reqs):  # speech: one at a time, from embeddings
+            logits = torch.cat(
+                [self._prefill_speech(r) if r.audio_features else self._prefill_one(r) for r in reqs]
+            )
+        elif len(reqs) == 1:
             logits = self._prefill_one(reqs[0])  # [1, V]
         else:
             logits = self._prefill_padded(reqs)  # [B, V]
@@ -156,6 +171,35 @@ class ThinkerRunner:
         slots = torch.tensor([req.slot], device=self.device)
         kv_len = kv_bucket(req.thinker_start + t, self.cache.max_len)
         logits, _ = self.thinker(new, positions, self.cache, slots, last_only=True, kv_len=kv_len)
+        return logits[:, -1]  # [1, V]
+
+    def _encoder(self):
+        if self._audio_encoder is None:
+            if self._audio_encoder_factory is None:
+                raise InvalidRequestError("this engine has no audio encoder: send text or input_ids")
+            self._audio_encoder = self._audio_encoder_factory()
+        return self._audio_encoder
+
+    def _prefill_speech(self, req: Request) -> torch.Tensor:
+        """The turn's new tokens with its clips encoded and scattered into their placeholders: [1, V].
+
+        Text and audio prompts have plain sequential M-RoPE positions (see model/speech_input.py), so
+        the positions are the cache rows. Keeps the Thinker's hidden states (`accept_hidden_layer`) of
+        the whole prompt for the Talker, which reads them at the audio positions; rows of earlier turns
+        stay zero (the Talker has those positions in its cache already and does not feed them again)."""
+        new = req.new_prompt_ids
+        x = build_speech_input(self.thinker, self._encoder(), new, req.audio_features, self.ids)
+        t = len(new)
+        positions = torch.arange(req.thinker_start, req.thinker_start + t, device=self.device)[None]  # [1, T]
+        slots = torch.tensor([req.slot], device=self.device)
+        kv_len = kv_bucket(req.thinker_start + t, self.cache.max_len)
+        logits, hidden = self.thinker(
+            None, positions, self.cache, slots, self.accept_hidden_layer, last_only=True,
+            inputs_embeds=x.inputs_embeds, kv_len=kv_len,
+        )  # fmt: skip
+        full = hidden.new_zeros(len(req.prompt_ids), hidden.shape[-1])  # [P, H]
+        full[req.thinker_start :] = hidden[0]
+        req.thinker_hidden = full
         return logits[:, -1]  # [1, V]
 
     def _prefill_padded(self, reqs: list[Request]) -> torch.Tensor:
@@ -224,6 +268,7 @@ class TalkerRunner:
         self._cp_gen: dict[int, torch.Generator] = {}
         self._graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> captured step
         self._greedy_frame: dict[int, object] = {}  # batch -> captured greedy code-predictor frame
+        self._mm_ids = {self.cfg.ids.audio, self.cfg.ids.image, self.cfg.ids.video}
         if graphs_on(settings, self.device):
             self._capture_all()
 
@@ -263,8 +308,14 @@ class TalkerRunner:
         return self.talker.predict_frame(hidden, code0, greedy)
 
     def prompt_prefix(self, req: Request) -> torch.Tensor:
-        """The Talker prompt but its last position, for the whole conversation: [L - 1, Ht]."""
-        return talker_prompt_prefix(self.talker, self.embed_text, req.prompt_ids, req.speaker_id)
+        """The Talker prompt but its last position, for the whole conversation: [L - 1, Ht].
+
+        Audio positions read the Thinker's hidden states (this turn's, from the Thinker runner); those
+        of earlier turns are already in this slot's cache and are not fed again, so zeros stand in."""
+        hidden = req.thinker_hidden
+        if hidden is None and any(t in self._mm_ids for t in req.prompt_ids):
+            hidden = torch.zeros(len(req.prompt_ids), self.cfg.thinker.hidden_size, device=self.device)
+        return talker_prompt_prefix(self.talker, self.embed_text, req.prompt_ids, req.speaker_id, hidden)
 
     @stage_call
     def prefill_prefix(self, req: Request) -> None:
@@ -425,5 +476,11 @@ def _copy_state(dst, src) -> None:
         buf.copy_(src.conv[module])
 
 
-def build_runners(model, settings: EngineSettings) -> tuple[ThinkerRunner, TalkerRunner, Code2WavRunner]:
-    return ThinkerRunner(model, settings), TalkerRunner(model, settings), Code2WavRunner(model, settings)
+def build_runners(
+    model, settings: EngineSettings, audio_encoder: Callable[[], Any] | None = None
+) -> tuple[ThinkerRunner, TalkerRunner, Code2WavRunner]:
+    return (
+        ThinkerRunner(model, settings, audio_encoder),
+        TalkerRunner(model, settings),
+        Code2WavRunner(model, settings),
+    )

@@ -275,7 +275,7 @@ class Pipeline:
             if req.stopped:
                 self._release(req, "thinker")
                 continue
-            if s.talker_overlap_prefill:
+            if s.talker_overlap_prefill and not req.needs_thinker_hidden:
                 self.talker_inbox.put(("prefix", req))  # the Talker prefills its prefix meanwhile
             else:
                 out.append(("prefix", req))

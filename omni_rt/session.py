@@ -296,8 +296,8 @@ class Session:
             )
         speaker = self.speaker_id if voice is None else self.engine.speaker_id(voice)
         rate = self.settings.output_sample_rate
-        max_tokens = max_output_tokens or self.settings.max_output_tokens
-        max_frames = max_audio_frames or self.settings.max_audio_frames
+        max_tokens = self.settings.max_output_tokens if max_output_tokens is None else max_output_tokens
+        max_frames = self.settings.max_audio_frames if max_audio_frames is None else max_audio_frames
         if max_tokens < 1 or max_frames < 1:
             raise InvalidRequestError("max_output_tokens and max_audio_frames must be >= 1")
         # the Talker's cache must hold its prompt plus one position per frame after the first

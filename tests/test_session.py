@@ -160,6 +160,8 @@ async def test_bad_requests_fail_cleanly_and_nothing_else_breaks():
                 await collect(s, audio=np.zeros(4000, np.int16), audio_sample_rate=8000)
             )
             assert "text and/or audio, or input_ids" in _failed(await collect(s, "a", input_ids=[1]))
+            assert ">= 1" in _failed(await collect(s, "hi", max_output_tokens=0))
+            assert ">= 1" in _failed(await collect(s, "hi", max_audio_frames=0))
             # the same session still works, with its conversation untouched
             ok = await collect(s, "Now a good one", max_output_tokens=4)
             assert ok[-1].status == "completed" and audio(ok).size > 0

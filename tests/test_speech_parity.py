@@ -1,15 +1,13 @@
 """Speech input end to end: prompt layout, M-RoPE positions, Thinker logits and greedy replies equal the
 reference's (transformers' qwen3_omni_moe fed `input_features` + `feature_attention_mask`).
 
-The reply test runs omni_rt's `generate_offline` with a Thinker adapter whose prefill reads the input
-embeddings with the audio scattered in (`AudioPrefill`): `generate_offline` takes only token ids today.
-Off-by-ones of the reference as in tests/test_parity.py: it gets one more Thinker token and one more
-Talker step than we do, and then speaks exactly what we speak.
+The reply test runs omni_rt's `generate_offline(..., audio=[clip])` against the reference's
+`generate(..., input_features=..., feature_attention_mask=..., return_audio=True)`. Off-by-ones of the
+reference as in tests/test_parity.py: it gets one more Thinker token and one more Talker step than we
+do, and then speaks exactly what we speak.
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,20 +17,20 @@ from hf_fixtures import SMALL_CONFIGS
 from omni_rt.audio.features import audio_token_count, log_mel
 from omni_rt.config import Sampling
 from omni_rt.errors import InvalidRequestError
-from omni_rt.model.audio_encoder import load_audio_encoder
 from omni_rt.model.config import TokenIds
 from omni_rt.model.offline import generate_offline
 from omni_rt.model.omni import OmniModel
 from omni_rt.model.speech_input import (
-    SpeechInput,
     audio_spans,
     build_speech_input,
     expand_audio_placeholders,
     mrope_positions,
     multimodal_mask,
+    place_audio,
     scatter_audio,
     speech_prompt,
     speech_turn_input,
+    thinker_input,
 )
 
 IDS = TokenIds()
@@ -85,6 +83,28 @@ def test_speech_prompt_layout():
     assert expand_audio_placeholders(template, [3, 2], IDS) == speech_prompt(IDS, [3, 2], text_ids=[7, 8])
 
 
+def test_place_audio_puts_clips_in_the_last_user_turn():
+    history = [IDS.im_start, IDS.user, IDS.newline, 5, IDS.im_end, IDS.newline]
+    history += [IDS.im_start, IDS.assistant, IDS.newline, 6, IDS.im_end, IDS.newline]
+    want = speech_prompt(IDS, [3, 2], text_ids=[7, 8], history=history)
+    text_only = speech_prompt(IDS, [1], text_ids=[7, 8], history=history)
+    text_only = [t for t in text_only if t not in (IDS.audio_start, IDS.audio, IDS.audio_end)]
+    template = speech_prompt(IDS, [1, 1], text_ids=[7, 8], history=history)
+    # no segments: inserted before the turn's text; template form: expanded; model form: kept
+    for prompt in (text_only, template, want):
+        assert place_audio(prompt, [3, 2], IDS) == want
+    with pytest.raises(InvalidRequestError, match="already has 3"):
+        place_audio(want, [4, 2], IDS)
+    with pytest.raises(InvalidRequestError, match="2 audio segments, 1 clips"):
+        place_audio(want, [3], IDS)
+    # a segment in an earlier turn has no clip to fill it
+    earlier = speech_prompt(IDS, [2], text_ids=[5])[:-3] + history[6:] + text_only[len(history) :]
+    with pytest.raises(InvalidRequestError, match="outside the last user turn"):
+        place_audio(earlier, [2], IDS)
+    with pytest.raises(InvalidRequestError, match="no user turn"):
+        place_audio([IDS.im_start, IDS.assistant, IDS.newline], [2], IDS)
+
+
 @pytest.mark.parametrize(
     "bad",
     [
@@ -105,8 +125,9 @@ def test_counts_must_match_features():
         mrope_positions(p, IDS, [151 + 100])
     with pytest.raises(InvalidRequestError, match="1 audio segments"):
         mrope_positions(p, IDS, [150, 150])
-    with pytest.raises(InvalidRequestError, match="already has"):
-        expand_audio_placeholders(p, [20], IDS)
+    assert expand_audio_placeholders(p, [20], IDS) == p  # already expanded: kept
+    with pytest.raises(InvalidRequestError, match="already has 20"):
+        expand_audio_placeholders(p, [21], IDS)
     with pytest.raises(InvalidRequestError):
         scatter_audio(torch.zeros(len(p), 4), p, torch.zeros(19, 4), IDS)
 
@@ -138,14 +159,15 @@ def test_positions_equal_reference_get_rope_index(reference, lens):
 
 @pytest.fixture(scope="module")
 def built(checkpoint):
-    """name -> (OmniModel, AudioEncoder) loaded from the saved reference checkpoint."""
+    """name -> OmniModel (its audio encoder at `thinker.audio_tower`) loaded from the saved reference checkpoint."""
     cache = {}
 
     def get(name: str):
         if name not in cache:
             ckpt = checkpoint(name)
-            model = OmniModel.build(SMALL_CONFIGS[name], device="cpu", dtype=torch.float32, weights=ckpt)
-            cache[name] = (model, load_audio_encoder(ckpt))
+            cache[name] = OmniModel.build(
+                SMALL_CONFIGS[name], device="cpu", dtype=torch.float32, weights=ckpt
+            )
         return cache[name]
 
     return get
@@ -156,7 +178,8 @@ def built(checkpoint):
 def test_thinker_logits_with_two_clips_equal_reference(reference, built, name):
     cfg = SMALL_CONFIGS[name]
     ref = reference(name)
-    model, enc = built(name)
+    model = built(name)
+    enc = model.thinker.audio_tower
     clips = [speech(1.3, 1), speech(0.45, 2)]  # 130 and 45 mel frames: 13 + 2 and 6 tokens
     feats, fmask = reference_features(clips)
     lens = fmask.sum(-1).tolist()
@@ -190,26 +213,6 @@ def test_single_clip_features_from_log_mel_match_processor():
     feats, mask = reference_features([clip])
     torch.testing.assert_close(log_mel(clip), feats[0], atol=1e-4, rtol=0)
     assert int(mask.sum()) == log_mel(clip).shape[1]
-
-
-class AudioPrefill:
-    """Our Thinker, except that a forward over exactly the speech prompt reads the input embeddings with
-    the audio scattered in (generate_offline passes token ids only); every other call goes straight through."""
-
-    def __init__(self, thinker, x: SpeechInput) -> None:
-        self._thinker, self._x = thinker, x
-
-    def __getattr__(self, name):
-        return getattr(self._thinker, name)
-
-    def __call__(self, input_ids, positions, cache, slots, hidden_layer=None, last_only=False, **kw):
-        if input_ids is not None and torch.equal(input_ids, self._x.input_ids):
-            x = self._x
-            return self._thinker(
-                None, positions, cache, slots, hidden_layer, last_only,
-                inputs_embeds=x.inputs_embeds, rope_positions=x.rope_positions, **kw,
-            )  # fmt: skip
-        return self._thinker(input_ids, positions, cache, slots, hidden_layer, last_only, **kw)
 
 
 @torch.no_grad()
@@ -247,7 +250,8 @@ def reference_generate(ref, prompt, feats, fmask, max_tokens, max_frames):
 def test_greedy_reply_to_speech_equals_reference(reference, built, name):
     cfg = SMALL_CONFIGS[name]
     ref = reference(name)
-    model, enc = built(name)
+    model = built(name)
+    enc = model.thinker.audio_tower
     clip = speech(1.6, 4)
     feats, fmask = reference_features([clip])
     n_frames = int(fmask.sum())
@@ -266,12 +270,9 @@ def test_greedy_reply_to_speech_equals_reference(reference, built, name):
         same.inputs_embeds,
     )
 
-    ours = SimpleNamespace(
-        thinker=AudioPrefill(model.thinker, x), talker=model.talker, code2wav=model.code2wav
-    )
     greedy = Sampling.greedy()
     text, codes, wav = generate_offline(
-        ours, prompt, "ethan", greedy.thinker, greedy.talker, max_new_tokens=MAX_TOKENS, max_frames=MAX_FRAMES
+        model, prompt, "ethan", greedy.thinker, greedy.talker, MAX_TOKENS, MAX_FRAMES, audio=[clip]
     )
     ref_text, ref_codes, ref_wav = reference_generate(
         ref, prompt, feats, fmask, MAX_TOKENS + 1, MAX_FRAMES + 1
@@ -287,17 +288,57 @@ def test_greedy_reply_to_speech_equals_reference(reference, built, name):
     torch.testing.assert_close(wav, ref_wav.float(), atol=1e-4, rtol=0)
 
     # the Talker heard the audio through hidden_projection: different audio, different frames or text
-    other = build_speech_input(model.thinker, enc, prompt, [log_mel(speech(1.6, 99) * 0.2)], cfg.ids)
-    ours2 = SimpleNamespace(
-        thinker=AudioPrefill(model.thinker, other), talker=model.talker, code2wav=model.code2wav
-    )
     text2, codes2, _ = generate_offline(
-        ours2,
-        prompt,
-        "ethan",
-        greedy.thinker,
-        greedy.talker,
-        max_new_tokens=MAX_TOKENS,
-        max_frames=MAX_FRAMES,
-    )
+        model, prompt, "ethan", greedy.thinker, greedy.talker, MAX_TOKENS, MAX_FRAMES,
+        audio=[speech(1.6, 99) * 0.2],
+    )  # fmt: skip
     assert text2 != text or not torch.equal(codes2, codes)
+
+
+@torch.no_grad()
+def test_every_way_to_give_the_audio_makes_the_same_reply(built):
+    """audio= with the prompt in model form, template form or without segments, and inputs_embeds=."""
+    cfg = SMALL_CONFIGS["tiny"]
+    model = built("tiny")
+    clip = speech(0.9, 5)
+    n = int(audio_token_count(log_mel(clip).shape[1]))
+    greedy = Sampling.greedy()
+
+    def reply(prompt, **kw):
+        return generate_offline(model, prompt, "ethan", greedy.thinker, greedy.talker, 4, 4, **kw)
+
+    want_text, want_codes, want_wav = reply(speech_prompt(cfg.ids, [n], text_ids=QUESTION), audio=[clip])
+    template = speech_prompt(cfg.ids, [1], text_ids=QUESTION)
+    no_segment = [t for t in template if t not in (cfg.ids.audio_start, cfg.ids.audio, cfg.ids.audio_end)]
+    x = thinker_input(model.thinker, model.thinker.audio_tower, no_segment, cfg.ids, audio=[clip])
+    for prompt, kw in (
+        (template, {"audio": [clip]}),
+        (no_segment, {"audio": [torch.from_numpy(clip)]}),
+        (x.input_ids[0], {"inputs_embeds": x.inputs_embeds[0]}),
+    ):
+        text, codes, wav = reply(prompt, **kw)
+        assert text == want_text and torch.equal(codes, want_codes) and torch.equal(wav, want_wav)
+
+
+def test_placeholders_need_their_audio(built):
+    cfg = SMALL_CONFIGS["tiny"]
+    model = built("tiny")
+    greedy = Sampling.greedy()
+    prompt = speech_prompt(cfg.ids, [5], text_ids=QUESTION)
+
+    def reply(prompt, **kw):
+        return generate_offline(model, prompt, "ethan", greedy.thinker, greedy.talker, 2, 2, **kw)
+
+    with pytest.raises(InvalidRequestError, match="5 <\\|audio_pad\\|> placeholders but no audio"):
+        reply(prompt)
+    with pytest.raises(InvalidRequestError, match="not both"):
+        reply(prompt, audio=[speech(0.3, 1)], inputs_embeds=torch.zeros(len(prompt), 64))
+    with pytest.raises(InvalidRequestError, match="makes 4 encoder tokens"):
+        reply(prompt, audio=[speech(0.3, 1)])  # 30 frames: 4 tokens, not 5
+    with pytest.raises(InvalidRequestError, match="a list of clips"):
+        reply(prompt, audio=speech(0.3, 1))
+    with pytest.raises(InvalidRequestError, match=r"inputs_embeds must be \[T, H\]"):
+        reply(prompt, inputs_embeds=torch.zeros(len(prompt) - 1, 64))
+    image = [cfg.ids.im_start, cfg.ids.user, cfg.ids.newline, cfg.ids.image, *prompt[-6:]]
+    with pytest.raises(InvalidRequestError, match="image/video"):
+        reply(image)

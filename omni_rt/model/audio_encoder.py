@@ -1,5 +1,6 @@
 """The Thinker's audio encoder (`thinker.audio_tower.*`): 128-bin log-mel frames -> Thinker-width tokens.
 
+    enc = OmniModel.build(cfg, ...).thinker.audio_tower            # the whole model holds it, or alone:
     enc = load_audio_encoder("/models/Qwen3-Omni", device="cuda", dtype=torch.bfloat16)
     tokens = enc.encode(log_mel(audio))                       # [128, T] -> [audio_token_count(T), 2048]
     tokens = enc(features, feature_lens)                      # several clips: [128, sum(T)], [N] -> [sum, 2048]
@@ -30,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from omni_rt.audio.features import audio_token_count
-from omni_rt.errors import ConfigError, InvalidRequestError, WeightError
+from omni_rt.errors import ConfigError, InvalidRequestError
 
 CHECKPOINT_PREFIX = "thinker.audio_tower."
 
@@ -238,21 +239,32 @@ class AudioEncoder(nn.Module):
         return lens
 
 
+def _config(config: AudioEncoderConfig | Mapping[str, Any]) -> AudioEncoderConfig:
+    return config if isinstance(config, AudioEncoderConfig) else AudioEncoderConfig.from_hf(config)
+
+
+def _on_meta(cfg: AudioEncoderConfig) -> AudioEncoder:
+    from omni_rt.model.omni import params_on_meta  # omni imports weights, which imports this module
+
+    with params_on_meta():  # no init work at real shapes: the loader or init_random gives storage
+        enc = AudioEncoder(cfg)
+    return enc.eval().requires_grad_(False)
+
+
 def load_audio_encoder(
     source: str | Path | Mapping[str, torch.Tensor],
     config: AudioEncoderConfig | Mapping[str, Any] | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | str = torch.float32,
 ) -> AudioEncoder:
-    """The audio encoder of a checkpoint: only its `thinker.audio_tower.*` tensors are read.
+    """The audio encoder of a checkpoint on its own: only its `thinker.audio_tower.*` tensors are read.
 
+    `OmniModel` holds the same encoder as `thinker.audio_tower`; this is for using it without the rest.
     source: a Hugging Face checkpoint directory (config from its config.json unless `config` is given)
-    or a mapping with checkpoint names (then `config` is required). Other tensors are never read.
-    Missing, unknown or mis-shaped encoder tensors raise one `WeightError` naming them.
+    or a mapping with checkpoint names (then `config` is required). Missing, unknown or mis-shaped
+    encoder tensors raise one `WeightError` naming them (`weights.load_weights`).
     """
-    # weights.py owns checkpoint reading (shards, index, headers); only the name filter is new here
-    from omni_rt.model.omni import params_on_meta
-    from omni_rt.model.weights import _open_source, load_weights
+    from omni_rt.model.weights import load_weights
 
     if config is None:
         if isinstance(source, Mapping):
@@ -262,67 +274,21 @@ def load_audio_encoder(
         config = load_hf_config(source).audio_config
         if not config:
             raise ConfigError(f"{source}: config.json has no thinker_config.audio_config")
-    cfg = config if isinstance(config, AudioEncoderConfig) else AudioEncoderConfig.from_hf(config)
-    src = _open_source(source)
-    names = [n for n in src.shapes if n.startswith(CHECKPOINT_PREFIX)]
-    if not names:
-        raise WeightError(
-            f"no {CHECKPOINT_PREFIX}* tensors in {'mapping' if isinstance(source, Mapping) else source}"
-        )
-    wanted = set(names)
-    tensors: dict[str, torch.Tensor] = {}  # the encoder's tensors only (0.65B parameters at real shapes)
-    for open_group, group in src.groups:
-        mine = [n for n in group if n in wanted]
-        if mine:
-            with open_group() as reader:
-                for n in mine:
-                    tensors[n[len(CHECKPOINT_PREFIX) :]] = reader.get(n)
-    with params_on_meta():  # no init work at real shapes: load_weights gives storage and fills it
-        enc = AudioEncoder(cfg)
-    enc.eval().requires_grad_(False)
-    try:
-        load_weights(enc, tensors, device=device, dtype=dtype, strict=True)
-    except WeightError as e:  # names in the message are relative to the prefix: say so
-        where = "mapping" if isinstance(source, Mapping) else str(source)
-        raise WeightError(f"audio encoder ({CHECKPOINT_PREFIX}*) of {where}: {e}") from None
+    enc = _on_meta(_config(config))
+    load_weights(enc, source, device=device, dtype=dtype, strict=True, prefix=CHECKPOINT_PREFIX)
     return enc
 
 
-@torch.no_grad()
 def random_audio_encoder(
     config: AudioEncoderConfig | Mapping[str, Any],
     seed: int = 0,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | str = torch.float32,
 ) -> AudioEncoder:
-    """An encoder with seeded random weights (presets without a checkpoint, benchmarks at real shapes).
+    """An encoder with seeded random weights: the values `OmniModel.build(..., weights="random", seed=seed)`
+    gives its `thinker.audio_tower` (`weights.init_random`'s rules, by checkpoint name)."""
+    from omni_rt.model.weights import init_random
 
-    Every matrix and conv kernel N(0, 1/sqrt(fan_in)), biases 0, LayerNorm weights 1: each layer keeps its
-    input's scale, so the output tokens are O(1) like the Thinker's random text embeddings (weights.py,
-    EMBED_STD) and depend on the audio. (`weights.init_random`'s N(0, 0.02) would shrink them ~100x at
-    small widths and drown the audio in the positional table.) Each tensor is drawn on the target device
-    from a stream seeded by (seed, name), so values do not depend on parameter order.
-    """
-    import zlib
-
-    from omni_rt.model.omni import params_on_meta
-    from omni_rt.model.weights import materialize_
-
-    cfg = config if isinstance(config, AudioEncoderConfig) else AudioEncoderConfig.from_hf(config)
-    if isinstance(dtype, str):
-        resolved = getattr(torch, dtype, None)
-        if not isinstance(resolved, torch.dtype):
-            raise ConfigError(f"unknown dtype {dtype!r}")
-        dtype = resolved
-    with params_on_meta():
-        enc = AudioEncoder(cfg)
-    enc.eval().requires_grad_(False)
-    materialize_(enc, device, dtype)
-    gen = torch.Generator(device=torch.device(device))
-    for name, p in enc.named_parameters():
-        if p.dim() == 1:  # the only 1-D weights are LayerNorm gains; every bias starts at 0
-            p.fill_(1.0 if name.endswith("weight") else 0.0)
-            continue
-        gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-        p.normal_(0.0, 1.0 / math.sqrt(p[0].numel()), generator=gen)  # fan-in: in_features or in·kh·kw
+    enc = _on_meta(_config(config))
+    init_random(enc, seed, device=device, dtype=dtype, prefix=CHECKPOINT_PREFIX)
     return enc

@@ -2,6 +2,7 @@
 
     text_ids, codes, wav = generate_offline(model, input_ids, "ethan", thinker_sampling, talker_sampling,
                                             max_new_tokens=64, max_frames=256)
+    ... = generate_offline(model, input_ids, ..., audio=[pcm_16k])    # a spoken last user turn
 
 One sequence, no batching, no overlap between stages: the whole Thinker reply, then every Talker frame,
 then one Code2Wav decode. Each stage runs the same module functions the pipeline runs.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from omni_rt.config import StageSampling
@@ -37,6 +39,7 @@ from omni_rt.model.sampling import (
     sample_next,
     suppress_mask,
 )
+from omni_rt.model.speech_input import thinker_input
 from omni_rt.model.talker import (
     check_prompt,
     talker_prompt,
@@ -128,6 +131,8 @@ def generate_offline(
     max_frames: int,
     ignore_eos: bool = False,
     *,
+    audio: Sequence[np.ndarray | torch.Tensor] | None = None,
+    inputs_embeds: torch.Tensor | None = None,
     code_predictor_sampling: StageSampling | None = None,
     seed: int | None = None,
 ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
@@ -135,6 +140,11 @@ def generate_offline(
 
     `model` has `.thinker`, `.talker`, `.code2wav` (an `OmniModel`). `input_ids` is a chat prompt ending
     with `<|im_start|> assistant \\n`. Text ids include the final `<|im_end|>` when the Thinker emits it.
+    Speech input (`speech_input.thinker_input`): `audio` holds the 16 kHz mono clips of the LAST user
+    turn, encoded by `model.thinker.audio_tower`; the prompt either has no audio segments (the clips go
+    at the start of that turn) or one per clip there, in template form (one `<|audio_pad|>`) or expanded.
+    Or `inputs_embeds` [T, H] holds precomputed Thinker input embeddings of exactly `input_ids`.
+    Placeholders with neither are an `InvalidRequestError`.
     The code predictor samples with `code_predictor_sampling` (default: top-k 50, top-p 0.8, as the
     reference) when the Talker samples, and is greedy when the Talker is greedy. `seed` seeds each stage's
     generator (`stage_generator`, as the streaming pipeline does; None: fresh ones).
@@ -143,7 +153,7 @@ def generate_offline(
     cfg = talker.cfg
     ids = cfg.ids
     device = talker.codec_head.weight.device
-    prompt = _prompt_tensor(input_ids).to(device)  # [P]
+    prompt = _prompt_tensor(input_ids)  # [P]
     check_prompt(prompt, ids)
     if max_new_tokens < 1 or max_frames < 1:
         raise InvalidRequestError(
@@ -153,16 +163,18 @@ def generate_offline(
         speaker = cfg.speaker_id(voice)
     except KeyError as e:
         raise InvalidRequestError(str(e.args[0])) from None
+    encoder = getattr(thinker, "audio_tower", None)
+    x = thinker_input(thinker, encoder, prompt, ids, audio=audio, inputs_embeds=inputs_embeds)
+    prompt = x.input_ids[0]  # [P]: with the clips' placeholders when audio was given
     vocab_text = thinker.cfg.vocab_size
-    if int(prompt.min()) < 0 or int(prompt.max()) >= vocab_text:
-        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_text}) (the Thinker's vocabulary)")
     slot = torch.zeros(1, dtype=torch.long, device=device)  # one sequence: cache row 0
 
     # 1. Thinker: prefill the prompt, then one token per step.
     p = prompt.shape[0]
     cache = thinker.allocate_cache(1, p + max_new_tokens)
-    mm = (prompt == ids.audio) | (prompt == ids.image) | (prompt == ids.video)
-    hidden_layer = cfg.accept_hidden_layer if bool(mm.any()) else None  # the Talker reads it at placeholders
+    # the Talker reads hidden_states[accept_hidden_layer] at the placeholders; positions of text and
+    # audio prompts are 0..P-1 in all three M-RoPE components, so no rope_positions (speech_input.py)
+    hidden_layer = cfg.accept_hidden_layer if bool(x.mm_mask.any()) else None
     pick_text = StageSampler(
         thinker_sampling,
         vocab_text,
@@ -170,8 +182,9 @@ def generate_offline(
         generator=stage_generator(seed, "thinker", device),
     )
     pick_text.observe(prompt[None])  # the reference's repetition penalty covers the prompt too
-    positions = torch.arange(p, device=device)[None]  # [1, P]
-    logits, prompt_hidden = thinker(prompt[None], positions, cache, slot, hidden_layer, last_only=True)
+    logits, prompt_hidden = thinker(
+        None, x.positions, cache, slot, hidden_layer, last_only=True, inputs_embeds=x.inputs_embeds
+    )
     text: list[int] = []
     while True:
         tok = pick_text(logits[:, -1])  # [1]

@@ -1,7 +1,8 @@
 """OmniModel: the three stages of Qwen3-Omni's speech pipeline under the checkpoint's top-level names.
 
     model = OmniModel.build(cfg, device="cuda", dtype=torch.bfloat16, weights="/models/Qwen3-Omni")
-    model.thinker   # Thinker(cfg.thinker)   checkpoint names thinker.*  (audio/vision encoders skipped)
+    model.thinker   # Thinker(cfg.thinker)   checkpoint names thinker.*  (vision encoder skipped)
+    model.thinker.audio_tower  # AudioEncoder(cfg.audio_config)   thinker.audio_tower.*  (when configured)
     model.talker    # Talker(cfg)            talker.*  (incl. talker.code_predictor.*)
     model.code2wav  # Code2Wav(cfg.code2wav) code2wav.*
 
@@ -62,6 +63,7 @@ class OmniModel(nn.Module):
     def __init__(self, cfg: OmniConfig, moe_impl: str = "auto") -> None:
         super().__init__()
         # imported here so that omni_rt.model.weights and the config stay importable without the stages
+        from omni_rt.model.audio_encoder import AudioEncoder
         from omni_rt.model.code2wav import Code2Wav
         from omni_rt.model.talker import Talker
         from omni_rt.model.thinker import Thinker
@@ -69,6 +71,11 @@ class OmniModel(nn.Module):
         self.cfg = cfg
         self.load_report: LoadReport | None = None  # set by build() when weights come from a checkpoint
         self.thinker = _construct(Thinker, cfg.thinker, moe_impl=moe_impl)
+        if cfg.audio_config:
+            # Where the checkpoint keeps it, so its parameter names are the checkpoint's. The Thinker's
+            # forward never calls it: speech input is encoded into `inputs_embeds` before the prefill
+            # (model/speech_input.py).
+            self.thinker.audio_tower = AudioEncoder(cfg.audio_config)
         self.talker = _construct(Talker, cfg, moe_impl=moe_impl)
         self.code2wav = Code2Wav(cfg.code2wav)
 

@@ -2,7 +2,8 @@
 
 Pure functions between the audio encoder (`audio_encoder.py`) and the Thinker; no scheduling.
 
-    x = speech_turn_input(thinker, encoder, [audio], cfg.ids, text_ids=question_ids)  # all of the below
+    x = thinker_input(thinker, encoder, prompt_ids, cfg.ids, audio=[audio])  # any chat prompt: all below
+    x = speech_turn_input(thinker, encoder, [audio], cfg.ids, text_ids=question_ids)  # a new spoken turn
     feats = log_mel(audio)                                             # [128, F] (omni_rt.audio.features)
     n = audio_token_count(feats.shape[1])                              # Thinker placeholders for the clip
     prompt = speech_prompt(cfg.ids, [n], text_ids=question_ids)        # chat prompt ids [T]
@@ -28,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from omni_rt.audio.features import SAMPLE_RATE, audio_token_count, log_mel
@@ -42,9 +44,11 @@ __all__ = [
     "expand_audio_placeholders",
     "mrope_positions",
     "multimodal_mask",
+    "place_audio",
     "scatter_audio",
     "speech_prompt",
     "speech_turn_input",
+    "thinker_input",
 ]
 
 
@@ -53,6 +57,12 @@ def audio_segment(n_tokens: int, ids: TokenIds) -> list[int]:
     if n_tokens < 1:
         raise InvalidRequestError(f"an audio clip needs at least one token, got {n_tokens}")
     return [ids.audio_start, *([ids.audio] * n_tokens), ids.audio_end]
+
+
+def _chat_turn(ids: TokenIds, text_ids: Sequence[int]) -> list[int]:
+    """A user turn of text then the assistant header: `[im_start, user, \\n, *text, im_end, \\n, im_start, assistant, \\n]`."""
+    head = [ids.im_start, ids.user, ids.newline]
+    return [*head, *text_ids, ids.im_end, ids.newline, ids.im_start, ids.assistant, ids.newline]
 
 
 def speech_prompt(
@@ -68,22 +78,7 @@ def speech_prompt(
     `clip_tokens`: each clip's `audio_token_count`; `history`: earlier turns (a system turn, previous
     exchanges) as chat-formatted ids, verbatim.
     """
-    if len(clip_tokens) == 0:
-        raise InvalidRequestError("a speech prompt needs at least one audio clip")
-    audio = [t for n in clip_tokens for t in audio_segment(int(n), ids)]
-    return [
-        *history,
-        ids.im_start,
-        ids.user,
-        ids.newline,
-        *audio,
-        *text_ids,
-        ids.im_end,
-        ids.newline,
-        ids.im_start,
-        ids.assistant,
-        ids.newline,
-    ]
+    return [*history, *place_audio(_chat_turn(ids, text_ids), clip_tokens, ids)]
 
 
 def _ids_list(prompt_ids: Sequence[int] | torch.Tensor) -> list[int]:
@@ -131,7 +126,7 @@ def expand_audio_placeholders(
     """Template form -> model form: each clip's single `<|audio_pad|>` becomes `clip_tokens[i]` of them.
 
     What the processor does to the chat template's text (one placeholder per audio item) once the
-    feature lengths are known.
+    feature lengths are known. A segment that already holds its clip's count is left as it is.
     """
     p = _ids_list(prompt_ids)
     spans = audio_spans(p, ids)
@@ -140,16 +135,51 @@ def expand_audio_placeholders(
             f"the prompt has {len(spans)} audio segments, {len(clip_tokens)} clips were given"
         )
     out, last = [], 0
-    for (a, b), n in zip(spans, clip_tokens, strict=True):
+    for k, ((a, b), n) in enumerate(zip(spans, clip_tokens, strict=True)):
         if n < 1:
             raise InvalidRequestError(f"an audio clip needs at least one token, got {n}")
-        if b - a != 1:
+        if b - a not in (1, n):
             raise InvalidRequestError(
-                f"audio segment at {a - 1} already has {b - a} placeholders; expand a template-form prompt"
+                f"audio clip {k} makes {n} encoder tokens, but its segment (at {a - 1}) already has {b - a} "
+                "<|audio_pad|> placeholders: give one per clip (template form) or exactly its count"
             )
         out += p[last:a] + [ids.audio] * int(n)
         last = b
     return out + p[last:]
+
+
+def place_audio(
+    prompt_ids: Sequence[int] | torch.Tensor, clip_tokens: Sequence[int], ids: TokenIds
+) -> list[int]:
+    """A chat prompt with the clips of its LAST user turn in model form (`clip_tokens[i]` placeholders each).
+
+    If the prompt has no audio segments, the clips go at the start of the last user turn (right after
+    `<|im_start|> user \\n`), before its text, as the chat template orders a message's audio and text.
+    Otherwise its segments (template form or already expanded) must all lie in the last user turn, one
+    per clip: placeholders elsewhere would have no audio to fill them.
+    """
+    p = _ids_list(prompt_ids)
+    if len(clip_tokens) == 0:
+        raise InvalidRequestError("speech input needs at least one audio clip")
+    heads = [i for i in range(len(p) - 1) if p[i] == ids.im_start and p[i + 1] == ids.user]
+    if not heads:
+        raise InvalidRequestError("the prompt has no user turn (<|im_start|> user) to hold the audio")
+    start = heads[-1]
+    end = next((i for i in range(start + 1, len(p)) if p[i] == ids.im_start), len(p))
+    spans = audio_spans(p, ids)
+    outside = [a - 1 for a, b in spans if not start < a < end]
+    if outside:
+        raise InvalidRequestError(
+            f"audio segments at positions {outside} lie outside the last user turn ({start}..{end - 1}); "
+            "only that turn's clips are given"
+        )
+    if spans:
+        return expand_audio_placeholders(p, clip_tokens, ids)
+    at = start + 2
+    if at >= len(p) or p[at] != ids.newline:
+        raise InvalidRequestError(f"the user turn at {start} must open with <|im_start|> user \\n")
+    audio = [t for n in clip_tokens for t in audio_segment(int(n), ids)]
+    return p[: at + 1] + audio + p[at + 1 :]
 
 
 def multimodal_mask(prompt_ids: Sequence[int] | torch.Tensor, ids: TokenIds) -> torch.Tensor:
@@ -228,10 +258,10 @@ def scatter_audio(
 
 @dataclass(frozen=True)
 class SpeechInput:
-    """Thinker prefill inputs of one prompt with audio (batch of one)."""
+    """Thinker prefill inputs of one prompt (batch of one): text, or text with audio."""
 
     input_ids: torch.Tensor  # [1, T] the prompt, placeholders included (repetition history, Talker prompt)
-    inputs_embeds: torch.Tensor  # [1, T, H] token embeddings with the audio tokens scattered in
+    inputs_embeds: torch.Tensor  # [1, T, H] token embeddings with the audio tokens (if any) scattered in
     positions: torch.Tensor  # [1, T] cache rows 0..T-1
     rope_positions: torch.Tensor  # [3, 1, T] M-RoPE positions (equal to `positions` for text + audio)
     mm_mask: torch.Tensor  # [T] bool: where the Talker reads the Thinker's hidden states
@@ -263,14 +293,86 @@ def build_speech_input(
     audio = encoder(torch.cat([f.to(enc_w.device, enc_w.dtype) for f in features], dim=1), torch.tensor(lens))
     prompt = torch.tensor(p, device=w.device)  # [T]
     x = scatter_audio(thinker.embed(prompt), prompt, audio.to(w.device), ids)  # [T, H]
-    t = len(p)
+    return _speech_input(prompt, x, ids, rope)
+
+
+def _speech_input(
+    prompt: torch.Tensor, embeds: torch.Tensor, ids: TokenIds, rope: torch.Tensor | None = None
+) -> SpeechInput:
+    """prompt [T], embeds [T, H] -> SpeechInput; rope [3, 1, T] defaults to 0..T-1 (text and audio)."""
+    t = prompt.shape[0]
+    positions = torch.arange(t, device=prompt.device)[None]  # [1, T]
     return SpeechInput(
         input_ids=prompt[None],
-        inputs_embeds=x[None],
-        positions=torch.arange(t, device=w.device)[None],
-        rope_positions=rope.to(w.device),
+        inputs_embeds=embeds[None],
+        positions=positions,
+        rope_positions=(positions[None].expand(3, 1, t) if rope is None else rope).to(prompt.device),
         mm_mask=multimodal_mask(prompt, ids),
     )
+
+
+@torch.no_grad()
+def thinker_input(
+    thinker,
+    encoder,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    ids: TokenIds,
+    audio: Sequence | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    sample_rate: int = SAMPLE_RATE,
+) -> SpeechInput:
+    """The Thinker's prefill inputs for a chat prompt and what fills its placeholders, checked.
+
+    - audio: raw clips (mono float or int16 PCM at 16 kHz) of the prompt's LAST user turn: features
+      (`log_mel`), the prompt in model form (`place_audio`: the clips' segments are added to that turn,
+      or its template-form segments expanded) and the encoded clips scattered in (`build_speech_input`).
+      `encoder` (an `AudioEncoder`, `OmniModel.thinker.audio_tower`) may be None only without audio.
+    - inputs_embeds [T, H] or [1, T, H]: precomputed embeddings of exactly `prompt_ids` (placeholders
+      already filled, e.g. by `build_speech_input`); used as they are.
+    - neither: a text prompt. Audio placeholders are then an error: nothing would fill them, and the
+      Thinker would answer from the placeholder tokens' own embeddings.
+    Image/video placeholders are always an error: omni_rt has no vision encoder, and their M-RoPE
+    positions (a 3-D grid) are not the sequential ones every caller of this uses.
+    The result's `input_ids` is the prompt the Thinker sees (the Talker's prompt, too).
+    """
+    p = _ids_list(prompt_ids)
+    w = thinker.model.embed_tokens.weight
+    vocab = w.shape[0]
+    if min(p) < 0 or max(p) >= vocab:
+        raise InvalidRequestError(f"prompt token ids must be in [0, {vocab}) (the Thinker's vocabulary)")
+    if audio is not None and inputs_embeds is not None:
+        raise InvalidRequestError("give audio or inputs_embeds, not both")
+    if any(t in (ids.image, ids.video) for t in p):
+        raise InvalidRequestError(
+            "the prompt has image/video placeholders: omni_rt takes text and speech only"
+        )
+    if audio is not None:
+        if isinstance(audio, (np.ndarray, torch.Tensor)):
+            raise InvalidRequestError("audio is a list of clips (one array each): pass [clip]")
+        if len(audio) == 0:
+            raise InvalidRequestError("audio must hold at least one clip")
+        if encoder is None:
+            raise InvalidRequestError("this model has no audio encoder (its config has no audio_config)")
+        feats = [log_mel(c, sample_rate) for c in audio]
+        counts = [int(audio_token_count(f.shape[1], encoder.cfg.n_window)) for f in feats]
+        return build_speech_input(thinker, encoder, place_audio(p, counts, ids), feats, ids)
+    audio_spans(p, ids)  # the layout of any audio segments is checked either way
+    prompt = torch.tensor(p, device=w.device)  # [T]
+    if inputs_embeds is not None:
+        e = inputs_embeds[0] if inputs_embeds.dim() == 3 and inputs_embeds.shape[0] == 1 else inputs_embeds
+        if tuple(e.shape) != (len(p), w.shape[1]):
+            raise InvalidRequestError(
+                f"inputs_embeds must be [T, H] = [{len(p)}, {w.shape[1]}] (one row per prompt token), "
+                f"got {tuple(inputs_embeds.shape)}"
+            )
+        return _speech_input(prompt, e.to(w.device, w.dtype), ids)
+    n_audio = p.count(ids.audio)
+    if n_audio:
+        raise InvalidRequestError(
+            f"the prompt has {n_audio} <|audio_pad|> placeholders but no audio: pass the last user "
+            "turn's clips (audio=[...]) or inputs_embeds that fill them"
+        )
+    return _speech_input(prompt, thinker.embed(prompt), ids)
 
 
 def speech_turn_input(
@@ -284,15 +386,10 @@ def speech_turn_input(
 ) -> SpeechInput:
     """Raw 16 kHz clips (float or int16 PCM) of one user turn -> the Thinker's inputs, in one call.
 
-    Features per clip (`log_mel`), placeholders per clip (`audio_token_count`), the prompt
-    (`speech_prompt`: history, the user turn with the clips then `text_ids`, the assistant header) and
-    `build_speech_input`. The prompt is `SpeechInput.input_ids`. Each clip's features are its own; the
+    The prompt is `speech_prompt`'s (history, the user turn with the clips then `text_ids`, the assistant
+    header), in `SpeechInput.input_ids`; see `thinker_input`. Each clip's features are its own; the
     reference's processor, given several clips at once, zero-pads the shorter ones to the longest before
     the STFT, which changes their last frame (one clip per turn, the usual case, is identical).
     """
-    if len(clips) == 0:
-        raise InvalidRequestError("a speech turn needs at least one audio clip")
-    feats = [log_mel(c, sample_rate) for c in clips]
-    counts = [int(audio_token_count(f.shape[1], encoder.cfg.n_window)) for f in feats]
-    prompt = speech_prompt(ids, counts, text_ids=text_ids, history=history)
-    return build_speech_input(thinker, encoder, prompt, feats, ids)
+    prompt = [*history, *_chat_turn(ids, text_ids)]
+    return thinker_input(thinker, encoder, prompt, ids, audio=clips, sample_rate=sample_rate)

@@ -1,7 +1,7 @@
 """Weight loading from Hugging Face checkpoints, and seeded random weights at any shape.
 
-    load_weights(model, source, device=None, dtype=None, strict=True) -> LoadReport
-    init_random(model, seed=0, std=0.02, device=None, dtype=None) -> None
+    load_weights(model, source, device=None, dtype=None, strict=True, prefix="") -> LoadReport
+    init_random(model, seed=0, std=0.02, device=None, dtype=None, prefix="") -> None
     materialize_(model, device, dtype) -> None      # meta parameters -> empty tensors on `device`
 
 `source` is a checkpoint directory (`model.safetensors`, or sharded `model-0000x-of-0000y.safetensors`
@@ -15,8 +15,11 @@ parameter names equal them except packed experts (docs/internals.md):
 
 transformers 5.17 holds experts packed in memory but `save_pretrained` converts them back to these
 per-expert names, so a saved test checkpoint has the published layout. Already-packed names
-(`{p}.mlp.experts.gate_up_proj`) are accepted as well. Tensors of the encoders omni_rt does not implement
-(`SKIPPED_PREFIXES`) are skipped by name and counted in the report.
+(`{p}.mlp.experts.gate_up_proj`) are accepted as well. Tensors of the vision encoder, which omni_rt does
+not implement (`SKIPPED_PREFIXES`), are skipped by name and counted in the report. `prefix` loads (or
+initialises) one part of the checkpoint into a module of its own, e.g. the audio encoder alone:
+`load_weights(encoder, ckpt, prefix="thinker.audio_tower.")` reads only the tensors under the prefix and
+matches them to the encoder's parameter names with the prefix in front.
 
 Loading is validated first (names and shapes from the safetensors headers, nothing read), so a bad
 checkpoint raises one `WeightError` listing every unknown, mis-shaped and missing tensor before any
@@ -39,9 +42,11 @@ import torch
 from torch import nn
 
 from omni_rt.errors import ConfigError, WeightError
+from omni_rt.model.audio_encoder import CHECKPOINT_PREFIX as AUDIO_ENCODER_PREFIX
 
-# Checkpoint tensors of parts omni_rt deliberately does not implement: skipped, never "unknown".
-SKIPPED_PREFIXES = ("thinker.audio_tower.", "thinker.visual.")
+# Checkpoint tensors of parts omni_rt deliberately does not implement: skipped, never "unknown". The vision
+# encoder: omni_rt answers text and speech; image and video input is out of its scope.
+SKIPPED_PREFIXES = ("thinker.visual.",)
 
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _MAX_LISTED = 12
@@ -295,23 +300,30 @@ def load_weights(
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
     strict: bool = True,
+    prefix: str = "",
 ) -> LoadReport:
     """Load `source` into `model` (names as in the module docstring); parameters end on device/dtype.
 
     strict=True: any unknown or missing tensor is a `WeightError`. strict=False: they are returned in
     the report instead (missing parameters keep their current values: uninitialised memory when the
     model was built on meta). A mis-shaped tensor is always an
-    error. Errors are raised before anything is written.
+    error. Errors are raised before anything is written. prefix: `model` is the part of the checkpoint
+    under this name prefix; other tensors are neither read nor reported. Errors use checkpoint names.
     """
     dev, dt = _resolve(model, device, dtype)
     src = _open_source(source)
-    params = dict(model.named_parameters())
+    where = "mapping" if isinstance(source, Mapping) else str(source)
+    if prefix and not any(n.startswith(prefix) for n in src.shapes):
+        raise WeightError(f"no {prefix}* tensors in {where}")
+    params = {prefix + n: p for n, p in model.named_parameters()}
     report = LoadReport()
 
     plan: dict[str, _Target] = {}
     unknown, misshaped = [], []
     covered: dict[str, set] = defaultdict(set)
     for name, shape in src.shapes.items():
+        if not name.startswith(prefix):
+            continue
         if name.startswith(SKIPPED_PREFIXES):
             report.skipped.append(name)
             continue
@@ -338,12 +350,11 @@ def load_weights(
             f"{len(missing)} parameter(s) missing from the checkpoint:\n" + _group_missing(missing, params)
         )
     if problems:
-        where = "mapping" if isinstance(source, Mapping) else str(source)
         raise WeightError(f"cannot load weights from {where}:\n" + "\n".join(problems))
     report.unknown, report.missing = sorted(unknown), missing
 
     materialize_(model, dev, dt)
-    params = dict(model.named_parameters())
+    params = {prefix + n: p for n, p in model.named_parameters()}
     for open_group, names in src.groups:
         with open_group() as reader:
             for name in names:
@@ -376,18 +387,23 @@ def _fill_rule(name: str, p: torch.Tensor, std: float, layers: dict[str, int]) -
     """("const", value) or ("normal", std) for one parameter; see `init_random`."""
     leaf = name.rsplit(".", 1)[-1]
     if p.dim() == 1:
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "ln_post.weight")):  # RMSNorm / LayerNorm gains
             return "const", 1.0
         if leaf in ("bias", "alpha", "beta"):  # SnakeBeta alpha/beta are log-scale: exp(0) = 1
             return "const", 0.0
         if leaf in ("gamma", "scale"):  # ConvNeXt gamma, Code2Wav layer scale: small residual branches
             return "const", 0.1
         return "normal", std
-    if p.dim() == 3 and not name.endswith("experts.gate_up_proj") and not name.endswith("experts.down_proj"):
-        std_conv = 1.0 / math.sqrt(math.prod(p.shape[1:]))  # conv kernel: fan-in keeps the scale
+    if p.dim() >= 3 and not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        std_conv = 1.0 / math.sqrt(math.prod(p.shape[1:]))  # conv kernel (1-D or 2-D): fan-in keeps the scale
         if name.endswith("conv2.conv.weight"):
             std_conv *= RESIDUAL_CONV_GAIN  # Code2Wav residual units: x + conv2(...) would grow per unit
         return "normal", std_conv
+    if name.startswith(AUDIO_ENCODER_PREFIX):
+        # Fan-in for the audio encoder's matrices too: its tokens then come out O(1), like the Thinker's
+        # EMBED_STD text embeddings they sit among. At N(0, std) every layer would shrink the signal
+        # (~100x at small widths) and the audio would drown in the encoder's positional table.
+        return "normal", 1.0 / math.sqrt(p.shape[1])
     if re.search(r"(embed_tokens|codec_embedding(\.\d+)?|code_embedding)\.weight$", name):
         return "normal", EMBED_STD
     if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
@@ -404,21 +420,30 @@ def init_random(
     std: float = 0.02,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
+    prefix: str = "",
 ) -> None:
     """Seeded random weights, generated on the target device in the target dtype (meta params allowed).
 
-    Norm weights 1; biases and SnakeBeta alpha/beta 0; ConvNeXt gamma and layer scales 0.1; input
-    embeddings N(0, EMBED_STD = 1); projections N(0, std); residual-branch outputs (o_proj, down_proj, experts' down_proj) N(0,
-    std/sqrt(2·layers)) so the residual stream stays O(1) through 48 layers; conv kernels N(0,
-    1/sqrt(fan_in)), the output conv of Code2Wav's residual units 10x smaller, so the waveform keeps a
-    std of ~0.1 instead of growing through the 12 residual units into the [-1, 1] clamp. Each tensor's stream is seeded from (seed, name), so values do not depend on
-    parameter order, and a CUDA generator is used on CUDA.
+    Rules, by checkpoint name (`prefix` + parameter name, so a module that is one part of the model, such
+    as the audio encoder alone under "thinker.audio_tower.", gets the values it has inside the whole model):
+    - norm weights (RMSNorm; LayerNorm incl. the audio encoder's `ln_post`) 1; biases and SnakeBeta
+      alpha/beta 0; ConvNeXt gamma and layer scales 0.1;
+    - input embeddings N(0, EMBED_STD = 1); projections N(0, std); residual-branch outputs (o_proj,
+      down_proj, experts' down_proj) N(0, std/sqrt(2·layers)), so the residual stream stays O(1) through
+      48 layers;
+    - conv kernels (Code2Wav's 1-D, the audio encoder's 2-D) N(0, 1/sqrt(fan_in)); the output conv of
+      Code2Wav's residual units 10x smaller, so the waveform keeps a std of ~0.1 instead of growing
+      through the 12 residual units into the [-1, 1] clamp;
+    - the audio encoder's matrices N(0, 1/sqrt(fan_in)) too (see `_fill_rule`).
+    Each tensor's stream is seeded from (seed, name), so values do not depend on parameter order, and a
+    CUDA generator is used on CUDA.
     """
     dev, dt = _resolve(model, device, dtype)
     materialize_(model, dev, dt)
-    layers = _layers_per_decoder(n for n, _ in model.named_parameters())
+    layers = _layers_per_decoder(prefix + n for n, _ in model.named_parameters())
     gen = torch.Generator(device=dev)
-    for name, p in model.named_parameters():
+    for n, p in model.named_parameters():
+        name = prefix + n
         kind, value = _fill_rule(name, p, std, layers)
         if kind == "const":
             p.fill_(value)

@@ -1,6 +1,7 @@
 """`omni-rt`: say | serve | bench.
 
     omni-rt say "Hello there" --out reply.wav [--model tiny|DIR|preset] [--voice ethan]
+    omni-rt say --audio question.wav --out reply.wav        (a spoken prompt: mono 16-bit WAV)
 
 `say` streams one response into a 24 kHz mono 16-bit WAV (or the rate asked for), printing a progress
 line while it works and the response's metrics at the end. `serve` and `bench` belong to the server and
@@ -21,7 +22,8 @@ USAGE = "omni-rt {say,serve,bench} ...  (omni-rt <command> --help for each)"
 
 def _say_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omni-rt say", description="Speak a reply to TEXT into a WAV file.")
-    p.add_argument("text", help="what to say to the model")
+    p.add_argument("text", nargs="?", default=None, help="what to say to the model (text)")
+    p.add_argument("--audio", default=None, help="a spoken prompt: a mono 16-bit WAV at 16, 24 or 48 kHz")
     p.add_argument("--out", "-o", default="reply.wav", help="output WAV path (default: reply.wav)")
     p.add_argument(
         "--model", "-m", default="tiny", help="preset name or checkpoint directory (default: tiny)"
@@ -60,6 +62,11 @@ async def _say(args: argparse.Namespace) -> int:
     max_tokens = args.max_tokens or (32 if tiny else 1024)
     max_frames = args.max_frames or (48 if tiny else 4096)
     sampling = omni_rt.Sampling.greedy(args.seed) if args.greedy else omni_rt.Sampling(seed=args.seed)
+    spoken = (
+        {}
+        if args.audio is None
+        else dict(zip(("audio", "audio_sample_rate"), _read_wav(args.audio), strict=True))
+    )
     text, samples, done = [], 0, None
     progress = not args.quiet and sys.stderr.isatty()
     with wave.open(args.out, "wb") as wav:
@@ -71,7 +78,11 @@ async def _say(args: argparse.Namespace) -> int:
                 voice=args.voice, instructions=args.instructions, output_sample_rate=args.sample_rate
             ) as s:
                 async for ev in s.respond(
-                    args.text, max_output_tokens=max_tokens, max_audio_frames=max_frames, sampling=sampling
+                    args.text,
+                    max_output_tokens=max_tokens,
+                    max_audio_frames=max_frames,
+                    sampling=sampling,
+                    **spoken,
                 ):
                     if ev.type == "response.output_text.delta":
                         text.append(ev.delta)
@@ -110,10 +121,30 @@ async def _say(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_wav(path: str):
+    """(int16 mono PCM, sample rate) of a 16-bit WAV file."""
+    import numpy as np
+
+    from omni_rt.errors import InvalidRequestError
+
+    try:
+        with wave.open(path, "rb") as w:
+            if w.getsampwidth() != 2 or w.getnchannels() != 1:
+                raise InvalidRequestError(
+                    f"{path}: need mono 16-bit PCM, got {w.getnchannels()} ch, {8 * w.getsampwidth()} bit"
+                )
+            return np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.int16), w.getframerate()
+    except (OSError, wave.Error) as e:
+        raise InvalidRequestError(f"cannot read {path}: {e}") from None
+
+
 def say(argv: Sequence[str]) -> int:
     from omni_rt.errors import OmniRtError
 
-    args = _say_parser().parse_args(list(argv))
+    parser = _say_parser()
+    args = parser.parse_args(list(argv))
+    if args.text is None and args.audio is None:
+        parser.error("give TEXT, --audio WAV, or both")
     try:
         return asyncio.run(_say(args))
     except OmniRtError as e:

@@ -62,3 +62,21 @@ def test_usage_and_unknown_command(capsys):
     assert cli.main(["--help"]) == 0
     assert cli.main(["dance"]) == 2
     assert "unknown command" in capsys.readouterr().err
+
+
+def test_say_answers_a_spoken_prompt(tmp_path):
+    question, out = tmp_path / "q.wav", tmp_path / "a.wav"
+    t = np.arange(48000) / 48000  # one second at 48 kHz (resampled to 16 kHz for the audio encoder)
+    with wave.open(str(question), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(48000)
+        w.writeframes((0.3 * np.sin(2 * np.pi * 200 * t) * 32767).astype("<i2").tobytes())
+    r = subprocess.run(
+        [sys.executable, "-m", "omni_rt.cli", "say", "--audio", str(question), "--out", str(out),
+         "--max-tokens", "3", "--max-frames", "4", "--greedy"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    with wave.open(str(out)) as w:
+        assert w.getnframes() == 4 * 1920 - 555

@@ -1,4 +1,5 @@
-"""The audio encoder equals transformers' Qwen3OmniMoeAudioEncoder, and loads from a checkpoint."""
+"""The audio encoder equals transformers' Qwen3OmniMoeAudioEncoder; it loads from a checkpoint inside
+OmniModel (`thinker.audio_tower`) or alone, and its random init is the model's."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from omni_rt.model.audio_encoder import (
     AudioEncoder,
     AudioEncoderConfig,
     load_audio_encoder,
+    random_audio_encoder,
 )
+from omni_rt.model.omni import OmniModel
 
 # n_window must stay 50: the reference's token count assumes 13 tokens per 100-frame window.
 # n_window_infer 200: attention blocks of 2 windows (26 tokens), so long clips span several blocks.
@@ -120,33 +123,39 @@ def test_real_config_shapes_on_meta():
 
 
 @torch.no_grad()
-def test_load_from_checkpoint_dir_and_mapping(reference, checkpoint):
+def test_omni_model_loads_it_from_checkpoint(reference, checkpoint):
     ref = reference("tiny")
-    enc = load_audio_encoder(checkpoint("tiny"))
+    model = OmniModel.build(SMALL_CONFIGS["tiny"], weights=checkpoint("tiny"))
+    assert not any(n.startswith(CHECKPOINT_PREFIX) for n in model.load_report.skipped)
     x, n = feats(180, 7), torch.tensor([180])
     want = ref.thinker.audio_tower(x, feature_lens=n).last_hidden_state
-    torch.testing.assert_close(enc(x, n), want, atol=1e-5, rtol=1e-4)
-
+    torch.testing.assert_close(model.thinker.audio_tower(x, n), want, atol=1e-5, rtol=1e-4)
+    # alone, from the directory (config from config.json) or from a mapping (config given), in bf16
+    alone = load_audio_encoder(checkpoint("tiny"))
+    torch.testing.assert_close(alone(x, n), want, atol=1e-5, rtol=1e-4)
     sd = {k: v for k, v in ref.state_dict().items() if not k.startswith("talker.")}
-    cfg = SMALL_CONFIGS["tiny"].audio_config
-    enc2 = load_audio_encoder(sd, cfg, dtype="bfloat16")
+    enc2 = load_audio_encoder(sd, SMALL_CONFIGS["tiny"].audio_config, dtype="bfloat16")
     assert enc2.proj2.weight.dtype == torch.bfloat16
     assert torch.equal(enc2.proj2.weight, ref.thinker.audio_tower.proj2.weight.bfloat16())
 
 
-def test_load_errors_are_typed(reference):
-    sd = {k: v for k, v in reference("tiny").state_dict().items() if k.startswith(CHECKPOINT_PREFIX)}
-    cfg = SMALL_CONFIGS["tiny"].audio_config
+def test_load_errors_name_the_encoder_tensor(reference):
+    sd = dict(reference("tiny").state_dict())
+    cfg = SMALL_CONFIGS["tiny"]
+    missing = {k: v for k, v in sd.items() if "audio_tower.proj1" not in k}
+    with pytest.raises(
+        WeightError, match=r"thinker: 2 of \d+ tensors missing: thinker\.audio_tower\.proj1\.bias"
+    ):
+        OmniModel.build(cfg, weights=missing)
+    bad = sd | {f"{CHECKPOINT_PREFIX}proj2.bias": torch.zeros(3)}
+    with pytest.raises(WeightError, match=r"thinker\.audio_tower\.proj2\.bias: expected \[64\]"):
+        OmniModel.build(cfg, weights=bad)
+    with pytest.raises(WeightError, match=r"audio_tower\.proj1\.weight"):
+        load_audio_encoder(missing, cfg.audio_config)
     with pytest.raises(ConfigError):
         load_audio_encoder(sd)  # a mapping carries no config
-    missing = {k: v for k, v in sd.items() if "proj1" not in k}
-    with pytest.raises(WeightError, match="proj1"):
-        load_audio_encoder(missing, cfg)
-    bad = dict(sd) | {f"{CHECKPOINT_PREFIX}proj2.bias": torch.zeros(3)}
-    with pytest.raises(WeightError, match="proj2.bias"):
-        load_audio_encoder(bad, cfg)
     with pytest.raises(WeightError, match="no thinker.audio_tower"):
-        load_audio_encoder({"thinker.lm_head.weight": torch.zeros(2, 2)}, cfg)
+        load_audio_encoder({"thinker.lm_head.weight": torch.zeros(2, 2)}, cfg.audio_config)
 
 
 def test_bad_input_is_a_typed_error(pair):
@@ -162,15 +171,19 @@ def test_bad_input_is_a_typed_error(pair):
 
 
 @torch.no_grad()
-def test_random_encoder_is_seeded_and_alive():
-    from omni_rt.model.audio_encoder import random_audio_encoder
-
-    a, b = random_audio_encoder(SMALL, seed=3), random_audio_encoder(SMALL, seed=3)
-    c = random_audio_encoder(SMALL, seed=4)
-    assert float(a.ln_post.weight.min()) == 1.0
+def test_random_encoder_is_seeded_alive_and_the_models():
+    cfg = SMALL_CONFIGS["tiny"]
+    a = OmniModel.build(cfg, weights="random", seed=3).thinker.audio_tower
+    b = random_audio_encoder(cfg.audio_config, seed=3)  # alone: the same values, one set of rules
+    c = random_audio_encoder(cfg.audio_config, seed=4)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+    assert float(a.ln_post.weight.min()) == 1.0 == float(a.layers[0].final_layer_norm.weight.max())
+    assert float(a.layers[0].fc1.bias.abs().max()) == 0.0
+    w = a.conv2d2.weight  # [ch, ch, 3, 3]: fan-in ch * 9
+    assert abs(float(w.std()) * (w[0].numel() ** 0.5) - 1.0) < 0.1
     x = feats(300, 9)
-    ya, yb, yc = a.encode(x), b.encode(x), c.encode(x)
-    assert torch.equal(ya, yb) and not torch.allclose(ya, yc)
-    assert torch.isfinite(ya).all() and ya.std() > 1e-3
+    ya, yc = a.encode(x), c.encode(x)
+    assert not torch.allclose(ya, yc)
+    assert torch.isfinite(ya).all() and 0.3 < float(ya.std()) < 3  # O(1), like the text embeddings
     # different audio, different tokens: the front end passes the signal through
     assert (a.encode(feats(300, 10)) - ya).abs().mean() > 0.1 * ya.abs().mean()

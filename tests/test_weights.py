@@ -25,6 +25,7 @@ from omni_rt.model.thinker import Thinker
 from omni_rt.model.weights import SKIPPED_PREFIXES, init_random, load_weights
 
 REAL_TOTAL = 35_259_818_545  # the published checkpoint's parameter count (shared/reference/qwen3-omni.md)
+SKIPPED_VISION = "thinker.visual.patch_embed.proj.weight"
 
 
 def _stages_landed() -> bool:
@@ -94,20 +95,21 @@ def _small_thinker_cfg():
 
 @pytest.fixture
 def small_ckpt(tmp_path):
-    """(config, source module, sharded checkpoint dir with per-expert names + a skipped audio tensor)."""
+    """(config, source module, sharded checkpoint dir with per-expert names + a skipped vision tensor)."""
     cfg = _small_thinker_cfg()
     src = _thinker_holder(cfg)
     init_random(src, seed=3)
     state = _unpacked(src.state_dict())
-    state["thinker.audio_tower.conv2d1.weight"] = torch.zeros(4, 1, 3, 3)  # an encoder omni_rt skips
+    state[SKIPPED_VISION] = torch.zeros(4, 3, 2, 16, 16)  # the vision encoder: omni_rt skips it
     return cfg, src, _write_sharded(state, tmp_path / "ckpt")
 
 
-def _edit_shard(ckpt: Path, edit) -> None:
-    """Rewrite the shard holding most tensors with `edit(dict) -> dict`, and its index entries."""
+def _edit_shard(ckpt: Path, edit, holding: str) -> None:
+    """Rewrite the shard that holds the first tensor whose name contains `holding` with
+    `edit(dict) -> dict`, and its index entries."""
     index_path = ckpt / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    fname = "model-00001-of-00003.safetensors"
+    fname = next(f for n, f in sorted(index["weight_map"].items()) if holding in n)
     with safe_open(str(ckpt / fname), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     new = edit(tensors)
@@ -147,8 +149,11 @@ def test_thinker_loads_from_transformers_checkpoint(name, reference, checkpoint)
     cfg, ref = SMALL_CONFIGS[name], reference(name)
     model = _thinker_holder(cfg)
     report = load_weights(model, checkpoint(name), strict=False)
-    # the Thinker-only holder has no talker/code2wav: exactly those are unknown; encoders are skipped
-    assert report.unknown and all(n.startswith(("talker.", "code2wav.")) for n in report.unknown)
+    # the text-decoder-only holder has no talker/code2wav/audio encoder: exactly those are unknown; the
+    # vision encoder is skipped
+    assert report.unknown and all(
+        n.startswith(("talker.", "code2wav.", "thinker.audio_tower.")) for n in report.unknown
+    )
     assert report.skipped and all(n.startswith(SKIPPED_PREFIXES) for n in report.skipped)
     assert report.missing == []
     ref_state = _ref_packed(ref)
@@ -192,7 +197,7 @@ def test_sharded_round_trip_packs_experts(small_ckpt):
     cfg, src, ckpt = small_ckpt
     model = _thinker_holder(cfg)
     report = load_weights(model, ckpt)
-    assert report.skipped == ["thinker.audio_tower.conv2d1.weight"]
+    assert report.skipped == [SKIPPED_VISION]
     for (n, a), b in zip(src.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
 
@@ -206,7 +211,7 @@ def test_renamed_tensor_is_named(small_ckpt):
         t["thinker.model.layers.0.mlp.experts.3.upp_proj.weight"] = t.pop(old["name"])
         return t
 
-    _edit_shard(ckpt, rename)
+    _edit_shard(ckpt, rename, holding=".experts.3.up_proj")
     with pytest.raises(WeightError) as e:
         load_weights(_thinker_holder(cfg), ckpt)
     msg = str(e.value)
@@ -216,7 +221,7 @@ def test_renamed_tensor_is_named(small_ckpt):
 
 def test_missing_tensors_are_grouped(small_ckpt):
     cfg, _, ckpt = small_ckpt
-    _edit_shard(ckpt, lambda t: {k: v for k, v in t.items() if "q_norm" not in k})
+    _edit_shard(ckpt, lambda t: {k: v for k, v in t.items() if "q_norm" not in k}, holding="q_norm")
     with pytest.raises(WeightError) as e:
         load_weights(_thinker_holder(cfg), ckpt)
     assert "thinker.model.layers.*.self_attn.q_norm.weight" in str(e.value)
@@ -231,7 +236,7 @@ def test_misshaped_tensor_names_expected_and_got(small_ckpt):
         t[bad["name"]] = t[bad["name"]][:-1]
         return t
 
-    _edit_shard(ckpt, shrink)
+    _edit_shard(ckpt, shrink, holding=".experts.3.up_proj")
     model = _thinker_holder(cfg)
     init_random(model, seed=9)  # defined values (experts start as torch.empty, possibly NaN)
     before = [p.clone() for p in model.parameters()]
@@ -338,7 +343,7 @@ def test_params_on_meta_keeps_buffers_real():
 
 
 def _reference_meta_count() -> tuple[int, int]:
-    """(total, audio+vision encoder) parameter counts of the real reference, on the meta device.
+    """(total, vision encoder) parameter counts of the real reference, on the meta device.
 
     Built from the preset's full config.json (not `to_hf()`, which stubs the vision encoder small).
     """
@@ -350,8 +355,8 @@ def _reference_meta_count() -> tuple[int, int]:
     with torch.device("meta"):
         ref = Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeConfig(**d))
     total = sum(p.numel() for p in ref.parameters())
-    enc = sum(p.numel() for n, p in ref.named_parameters() if n.startswith(SKIPPED_PREFIXES))
-    return total, enc
+    vision = sum(p.numel() for n, p in ref.named_parameters() if n.startswith("thinker.visual."))
+    return total, vision
 
 
 @needs_stages
@@ -359,10 +364,12 @@ def test_real_preset_parameter_count_on_meta():
     from omni_rt.model.omni import OmniModel
 
     cfg = preset("qwen3-omni-30b-a3b")
-    total, enc = _reference_meta_count()
-    assert total == REAL_TOTAL
+    total, vision = _reference_meta_count()
+    assert total == REAL_TOTAL and 0.5e9 < vision < 0.6e9  # "+0.54B vision encoder"
     model = OmniModel.build(cfg, device="meta")
-    assert sum(p.numel() for p in model.parameters()) == REAL_TOTAL - enc
+    # everything but the vision encoder, the audio encoder included
+    assert sum(p.numel() for p in model.parameters()) == REAL_TOTAL - vision
+    assert 0.6e9 < sum(p.numel() for p in model.thinker.audio_tower.parameters()) < 0.7e9
 
 
 @needs_stages
@@ -376,9 +383,11 @@ def test_omni_model_loads_transformers_checkpoint(reference, checkpoint):
     assert names and all(n in ref_state for n in names)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p, ref_state[n], rtol=0, atol=0, msg=n)
-    # every reference parameter outside the skipped encoders is in OmniModel
+    # every reference parameter outside the skipped vision encoder is in OmniModel, the audio encoder's too
     assert {n for n, _ in ref.named_parameters() if not n.startswith(SKIPPED_PREFIXES)} == set(names)
+    assert any(n.startswith("thinker.audio_tower.") for n in names)
     assert model.load_report.skipped and not model.load_report.unknown
+    assert all(n.startswith("thinker.visual.") for n in model.load_report.skipped)
 
 
 @needs_stages

@@ -50,7 +50,6 @@ class Engine:
         settings: EngineSettings | None = None,
         model: Any = None,
         name: str = "custom",
-        audio_encoder: Callable[[], Any] | None = None,
     ) -> None:
         """Prefer `Engine.load(...)`. `stages` builds the runners at start (tests pass fake ones)."""
         self.cfg = cfg
@@ -59,7 +58,6 @@ class Engine:
         self.model = model
         self.name = name
         self._stages = stages
-        self.audio_encoder = audio_encoder  # () -> the model's audio encoder (built on first use)
         self._pipeline: Pipeline | None = None
         self._free_slots = list(range(self.settings.max_sessions))
 
@@ -112,24 +110,12 @@ class Engine:
             cfg, device=device, dtype=dtype, weights=weights, seed=seed, moe_impl=settings.moe_backend
         )
 
-        encoder: list = []  # built at the first speech input (0.65B parameters at real shapes), then kept
-
-        def audio_encoder():
-            from omni_rt.model.audio_encoder import load_audio_encoder, random_audio_encoder
-
-            if not encoder:
-                if weights == "random":
-                    encoder.append(random_audio_encoder(cfg.audio_config, seed, device=device, dtype=dtype))
-                else:
-                    encoder.append(load_audio_encoder(weights, device=device, dtype=dtype))
-            return encoder[0]
-
         def stages(s: EngineSettings):
             from omni_rt.pipeline.runners import build_runners
 
-            return build_runners(omni, s, audio_encoder)
+            return build_runners(omni, s)
 
-        return cls(cfg, tokenizer, stages, settings, model=omni, name=name, audio_encoder=audio_encoder)
+        return cls(cfg, tokenizer, stages, settings, model=omni, name=name)
 
     # -- lifecycle -------------------------------------------------------------------------------------
 

@@ -348,39 +348,9 @@ async def test_graph_replays_give_the_eager_output(tiny, monkeypatch, determinis
         np.testing.assert_array_equal(pcm1, pcm0)
 
 
-class SpeechPrefill:
-    """The Thinker for `generate_offline`, except that its forward over exactly the speech prompt reads
-    the embeddings with the audio scattered in (generate_offline passes token ids only)."""
-
-    def __init__(self, thinker, x) -> None:
-        self._thinker, self._x = thinker, x
-
-    def __getattr__(self, name):
-        return getattr(self._thinker, name)
-
-    def __call__(self, input_ids, positions, cache, slots, hidden_layer=None, last_only=False, **kw):
-        if input_ids is not None and torch.equal(input_ids, self._x.input_ids):
-            return self._thinker(
-                None,
-                positions,
-                cache,
-                slots,
-                hidden_layer,
-                last_only,
-                inputs_embeds=self._x.inputs_embeds,
-                **kw,
-            )
-        return self._thinker(input_ids, positions, cache, slots, hidden_layer, last_only, **kw)
-
-
 async def test_speech_turn_streams_what_offline_makes(checkpoint):
     """A spoken turn on a saved reference checkpoint (its audio tower loaded from the same directory;
     well-conditioned weights, so the Talker's frames depend on the audio it reads from the Thinker)."""
-    from types import SimpleNamespace
-
-    from omni_rt.audio.features import log_mel
-    from omni_rt.model.speech_input import build_speech_input
-
     rng = np.random.default_rng(3)
     t = np.arange(int(16000 * 1.3)) / 16000
     clip = 0.3 * np.sin(2 * np.pi * 180 * t) * (1 + np.sin(2 * np.pi * 3 * t)) + 0.02 * rng.standard_normal(
@@ -398,13 +368,10 @@ async def test_speech_turn_streams_what_offline_makes(checkpoint):
     assert events[-1].status == "completed" and follow_up[-1].status == "completed"
     assert follow_up[-1].usage.cached_tokens == len(prompt) + events[-1].usage.output_tokens - 1
 
-    # the truth: the offline loop with the same clip scattered into the same prompt
-    model = engine.model
-    x = build_speech_input(model.thinker, engine.audio_encoder(), prompt, [log_mel(clip)], ids)
-    ours = SimpleNamespace(
-        thinker=SpeechPrefill(model.thinker, x), talker=model.talker, code2wav=model.code2wav
+    # the truth: the offline loop, given the same prompt and clip
+    text, codes, wav = generate_offline(
+        engine.model, prompt, "ethan", GREEDY.thinker, GREEDY.talker, 6, 8, audio=[clip]
     )
-    text, codes, wav = generate_offline(ours, prompt, "ethan", GREEDY.thinker, GREEDY.talker, 6, 8)
     tokens = [t for e in of(events, "response.output_text.delta") for t in e.token_ids]
     assert tokens == [t for t in text if t != ids.im_end]
     assert events[-1].usage.audio_frames == codes.shape[1]

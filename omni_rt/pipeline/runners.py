@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any
 
 import numpy as np
 import torch
@@ -96,15 +94,11 @@ def _rows(n: int, deterministic: bool) -> list[slice]:
 
 
 class ThinkerRunner:
-    def __init__(
-        self, model, settings: EngineSettings, audio_encoder: Callable[[], Any] | None = None
-    ) -> None:
-        """`audio_encoder()` gives the model's audio encoder; called once, at the first speech input."""
+    def __init__(self, model, settings: EngineSettings) -> None:
         self.thinker = model.thinker
         self.ids = model.cfg.ids
         self.accept_hidden_layer = model.cfg.accept_hidden_layer
-        self._audio_encoder_factory = audio_encoder
-        self._audio_encoder = None
+        self.audio_encoder = getattr(model.thinker, "audio_tower", None)  # None: no speech input
         self.settings = settings
         self.device = model.device
         self.stream = _stream(self.device, priority=0)
@@ -174,11 +168,9 @@ class ThinkerRunner:
         return logits[:, -1]  # [1, V]
 
     def _encoder(self):
-        if self._audio_encoder is None:
-            if self._audio_encoder_factory is None:
-                raise InvalidRequestError("this engine has no audio encoder: send text or input_ids")
-            self._audio_encoder = self._audio_encoder_factory()
-        return self._audio_encoder
+        if self.audio_encoder is None:
+            raise InvalidRequestError("this model has no audio encoder (no audio_config): send text")
+        return self.audio_encoder
 
     def _prefill_speech(self, req: Request) -> torch.Tensor:
         """The turn's new tokens with its clips encoded and scattered into their placeholders: [1, V].
@@ -268,6 +260,7 @@ class TalkerRunner:
         self._cp_gen: dict[int, torch.Generator] = {}
         self._graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> captured step
         self._greedy_frame: dict[int, object] = {}  # batch -> captured greedy code-predictor frame
+        self._last_graphs: dict[int, object] = {}  # kv_len -> captured last prompt position (batch 1)
         self._mm_ids = {self.cfg.ids.audio, self.cfg.ids.image, self.cfg.ids.video}
         if graphs_on(settings, self.device):
             self._capture_all()
@@ -302,6 +295,25 @@ class TalkerRunner:
             hidden = torch.zeros(b, self.cfg.talker.hidden_size, dtype=self.cache.dtype, device=self.device)
             code0 = torch.zeros(b, dtype=torch.long, device=self.device)
             self._greedy_frame[b] = _capture(self._greedy_frame_fn, (hidden, code0), pool)
+        # the last prompt position (first text token + codec bos): on the path to the first audio
+        for kv_len in kv_buckets(self.cache.max_len):
+            static = (
+                torch.zeros(1, dtype=torch.long, device=self.device),  # first token [1]
+                torch.zeros(1, 1, dtype=torch.long, device=self.device),  # positions [1, 1]
+                torch.full((1,), self.scratch, dtype=torch.long, device=self.device),  # slots [1]
+            )
+            self._last_graphs[kv_len] = _capture(self._last_fn(kv_len), static, pool)
+
+    def _last_fn(self, kv_len: int):
+        def last(first: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
+            """first token [1], positions [1, 1], slots [1] -> (logits [1, V], hidden [1, Ht])."""
+            x = talker_prompt_last(self.talker, self.embed_text, first)  # [1, Ht]
+            logits, hidden = self.talker(
+                x[:, None], positions, self.cache, slots, kv_len
+            )  # [1, 1, V], [1, 1, Ht]
+            return logits[:, -1], hidden[:, -1]
+
+        return last
 
     def _greedy_frame_fn(self, hidden: torch.Tensor, code0: torch.Tensor) -> torch.Tensor:
         """hidden [B, Ht], code 0 [B] -> the frame's 16 codes [B, 16], codes 1..15 by argmax."""
@@ -341,15 +353,13 @@ class TalkerRunner:
     @stage_call
     def prefill_last(self, req: Request, first_token: int) -> int:
         first = torch.tensor([first_token], device=self.device)
-        x = talker_prompt_last(self.talker, self.embed_text, first)  # [1, Ht]
         positions = torch.tensor([[self._prompt_len[req.slot] - 1]], device=self.device)
         slots = torch.tensor([req.slot], device=self.device)
         kv_len = kv_bucket(self._prompt_len[req.slot], self.cache.max_len)
-        logits, hidden = self.talker(
-            x[:, None], positions, self.cache, slots, kv_len
-        )  # [1, 1, V], [1, 1, Ht]
-        self._hidden[req.slot] = hidden[0, -1].clone()
-        return int(self._code0[req.slot](logits[:, -1]))
+        last = self._last_graphs.get(kv_len) or self._last_fn(kv_len)
+        logits, hidden = last(first, positions, slots)  # [1, V], [1, Ht]
+        self._hidden[req.slot] = hidden[0].clone()  # a graph's output buffer is reused by its next replay
+        return int(self._code0[req.slot](logits))
 
     @stage_call
     def predict(self, reqs: list[Request], code0: list[int]) -> list[list[int]]:
@@ -476,11 +486,5 @@ def _copy_state(dst, src) -> None:
         buf.copy_(src.conv[module])
 
 
-def build_runners(
-    model, settings: EngineSettings, audio_encoder: Callable[[], Any] | None = None
-) -> tuple[ThinkerRunner, TalkerRunner, Code2WavRunner]:
-    return (
-        ThinkerRunner(model, settings, audio_encoder),
-        TalkerRunner(model, settings),
-        Code2WavRunner(model, settings),
-    )
+def build_runners(model, settings: EngineSettings) -> tuple[ThinkerRunner, TalkerRunner, Code2WavRunner]:
+    return ThinkerRunner(model, settings), TalkerRunner(model, settings), Code2WavRunner(model, settings)

@@ -1,5 +1,5 @@
-"""The audio encoder equals transformers' Qwen3OmniMoeAudioEncoder; it loads from a checkpoint inside
-OmniModel (`thinker.audio_tower`) or alone, and its random init is the model's."""
+"""The audio encoder equals transformers' Qwen3OmniMoeAudioEncoder; OmniModel holds it as
+`thinker.audio_tower`, loads it strictly from a checkpoint and fills it with usable random weights."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ from omni_rt.model.audio_encoder import (
     CHECKPOINT_PREFIX,
     AudioEncoder,
     AudioEncoderConfig,
-    load_audio_encoder,
-    random_audio_encoder,
 )
 from omni_rt.model.omni import OmniModel
 
@@ -130,13 +128,10 @@ def test_omni_model_loads_it_from_checkpoint(reference, checkpoint):
     x, n = feats(180, 7), torch.tensor([180])
     want = ref.thinker.audio_tower(x, feature_lens=n).last_hidden_state
     torch.testing.assert_close(model.thinker.audio_tower(x, n), want, atol=1e-5, rtol=1e-4)
-    # alone, from the directory (config from config.json) or from a mapping (config given), in bf16
-    alone = load_audio_encoder(checkpoint("tiny"))
-    torch.testing.assert_close(alone(x, n), want, atol=1e-5, rtol=1e-4)
-    sd = {k: v for k, v in ref.state_dict().items() if not k.startswith("talker.")}
-    enc2 = load_audio_encoder(sd, SMALL_CONFIGS["tiny"].audio_config, dtype="bfloat16")
-    assert enc2.proj2.weight.dtype == torch.bfloat16
-    assert torch.equal(enc2.proj2.weight, ref.thinker.audio_tower.proj2.weight.bfloat16())
+    # from a mapping, in bf16
+    bf16 = OmniModel.build(SMALL_CONFIGS["tiny"], dtype="bfloat16", weights=ref.state_dict())
+    w = bf16.thinker.audio_tower.proj2.weight
+    assert w.dtype == torch.bfloat16 and torch.equal(w, ref.thinker.audio_tower.proj2.weight.bfloat16())
 
 
 def test_load_errors_name_the_encoder_tensor(reference):
@@ -150,12 +145,12 @@ def test_load_errors_name_the_encoder_tensor(reference):
     bad = sd | {f"{CHECKPOINT_PREFIX}proj2.bias": torch.zeros(3)}
     with pytest.raises(WeightError, match=r"thinker\.audio_tower\.proj2\.bias: expected \[64\]"):
         OmniModel.build(cfg, weights=bad)
-    with pytest.raises(WeightError, match=r"audio_tower\.proj1\.weight"):
-        load_audio_encoder(missing, cfg.audio_config)
-    with pytest.raises(ConfigError):
-        load_audio_encoder(sd)  # a mapping carries no config
-    with pytest.raises(WeightError, match="no thinker.audio_tower"):
-        load_audio_encoder({"thinker.lm_head.weight": torch.zeros(2, 2)}, cfg.audio_config)
+    # a checkpoint without the encoder (a text-only conversion) does not load into a model that has one
+    no_audio = {k: v for k, v in sd.items() if not k.startswith(CHECKPOINT_PREFIX)}
+    with pytest.raises(
+        WeightError, match=r"thinker: \d+ of \d+ tensors missing: thinker\.audio_tower\.conv2d1"
+    ):
+        OmniModel.build(cfg, weights=no_audio)
 
 
 def test_bad_input_is_a_typed_error(pair):
@@ -171,11 +166,11 @@ def test_bad_input_is_a_typed_error(pair):
 
 
 @torch.no_grad()
-def test_random_encoder_is_seeded_alive_and_the_models():
+def test_random_encoder_is_seeded_and_alive():
     cfg = SMALL_CONFIGS["tiny"]
     a = OmniModel.build(cfg, weights="random", seed=3).thinker.audio_tower
-    b = random_audio_encoder(cfg.audio_config, seed=3)  # alone: the same values, one set of rules
-    c = random_audio_encoder(cfg.audio_config, seed=4)
+    b = OmniModel.build(cfg, weights="random", seed=3).thinker.audio_tower
+    c = OmniModel.build(cfg, weights="random", seed=4).thinker.audio_tower
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
     assert float(a.ln_post.weight.min()) == 1.0 == float(a.layers[0].final_layer_norm.weight.max())
     assert float(a.layers[0].fc1.bias.abs().max()) == 0.0

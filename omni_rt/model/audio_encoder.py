@@ -1,7 +1,6 @@
 """The Thinker's audio encoder (`thinker.audio_tower.*`): 128-bin log-mel frames -> Thinker-width tokens.
 
-    enc = OmniModel.build(cfg, ...).thinker.audio_tower            # the whole model holds it, or alone:
-    enc = load_audio_encoder("/models/Qwen3-Omni", device="cuda", dtype=torch.bfloat16)
+    enc = OmniModel.build(cfg, ...).thinker.audio_tower       # loaded and initialised with the model
     tokens = enc.encode(log_mel(audio))                       # [128, T] -> [audio_token_count(T), 2048]
     tokens = enc(features, feature_lens)                      # several clips: [128, sum(T)], [N] -> [sum, 2048]
 
@@ -23,7 +22,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -237,58 +235,3 @@ class AudioEncoder(nn.Module):
                 f"feature_lens sum to {sum(lens)}, features have {features.shape[1]} frames"
             )
         return lens
-
-
-def _config(config: AudioEncoderConfig | Mapping[str, Any]) -> AudioEncoderConfig:
-    return config if isinstance(config, AudioEncoderConfig) else AudioEncoderConfig.from_hf(config)
-
-
-def _on_meta(cfg: AudioEncoderConfig) -> AudioEncoder:
-    from omni_rt.model.omni import params_on_meta  # omni imports weights, which imports this module
-
-    with params_on_meta():  # no init work at real shapes: the loader or init_random gives storage
-        enc = AudioEncoder(cfg)
-    return enc.eval().requires_grad_(False)
-
-
-def load_audio_encoder(
-    source: str | Path | Mapping[str, torch.Tensor],
-    config: AudioEncoderConfig | Mapping[str, Any] | None = None,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype | str = torch.float32,
-) -> AudioEncoder:
-    """The audio encoder of a checkpoint on its own: only its `thinker.audio_tower.*` tensors are read.
-
-    `OmniModel` holds the same encoder as `thinker.audio_tower`; this is for using it without the rest.
-    source: a Hugging Face checkpoint directory (config from its config.json unless `config` is given)
-    or a mapping with checkpoint names (then `config` is required). Missing, unknown or mis-shaped
-    encoder tensors raise one `WeightError` naming them (`weights.load_weights`).
-    """
-    from omni_rt.model.weights import load_weights
-
-    if config is None:
-        if isinstance(source, Mapping):
-            raise ConfigError("load_audio_encoder from a mapping needs the audio config (config=...)")
-        from omni_rt.model.config import load_hf_config
-
-        config = load_hf_config(source).audio_config
-        if not config:
-            raise ConfigError(f"{source}: config.json has no thinker_config.audio_config")
-    enc = _on_meta(_config(config))
-    load_weights(enc, source, device=device, dtype=dtype, strict=True, prefix=CHECKPOINT_PREFIX)
-    return enc
-
-
-def random_audio_encoder(
-    config: AudioEncoderConfig | Mapping[str, Any],
-    seed: int = 0,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype | str = torch.float32,
-) -> AudioEncoder:
-    """An encoder with seeded random weights: the values `OmniModel.build(..., weights="random", seed=seed)`
-    gives its `thinker.audio_tower` (`weights.init_random`'s rules, by checkpoint name)."""
-    from omni_rt.model.weights import init_random
-
-    enc = _on_meta(_config(config))
-    init_random(enc, seed, device=device, dtype=dtype, prefix=CHECKPOINT_PREFIX)
-    return enc

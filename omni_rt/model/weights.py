@@ -1,7 +1,7 @@
 """Weight loading from Hugging Face checkpoints, and seeded random weights at any shape.
 
-    load_weights(model, source, device=None, dtype=None, strict=True, prefix="") -> LoadReport
-    init_random(model, seed=0, std=0.02, device=None, dtype=None, prefix="") -> None
+    load_weights(model, source, device=None, dtype=None, strict=True) -> LoadReport
+    init_random(model, seed=0, std=0.02, device=None, dtype=None) -> None
     materialize_(model, device, dtype) -> None      # meta parameters -> empty tensors on `device`
 
 `source` is a checkpoint directory (`model.safetensors`, or sharded `model-0000x-of-0000y.safetensors`
@@ -16,10 +16,7 @@ parameter names equal them except packed experts (docs/internals.md):
 transformers 5.17 holds experts packed in memory but `save_pretrained` converts them back to these
 per-expert names, so a saved test checkpoint has the published layout. Already-packed names
 (`{p}.mlp.experts.gate_up_proj`) are accepted as well. Tensors of the vision encoder, which omni_rt does
-not implement (`SKIPPED_PREFIXES`), are skipped by name and counted in the report. `prefix` loads (or
-initialises) one part of the checkpoint into a module of its own, e.g. the audio encoder alone:
-`load_weights(encoder, ckpt, prefix="thinker.audio_tower.")` reads only the tensors under the prefix and
-matches them to the encoder's parameter names with the prefix in front.
+not implement (`SKIPPED_PREFIXES`), are skipped by name and counted in the report.
 
 Loading is validated first (names and shapes from the safetensors headers, nothing read), so a bad
 checkpoint raises one `WeightError` listing every unknown, mis-shaped and missing tensor before any
@@ -300,30 +297,23 @@ def load_weights(
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
     strict: bool = True,
-    prefix: str = "",
 ) -> LoadReport:
     """Load `source` into `model` (names as in the module docstring); parameters end on device/dtype.
 
     strict=True: any unknown or missing tensor is a `WeightError`. strict=False: they are returned in
     the report instead (missing parameters keep their current values: uninitialised memory when the
     model was built on meta). A mis-shaped tensor is always an
-    error. Errors are raised before anything is written. prefix: `model` is the part of the checkpoint
-    under this name prefix; other tensors are neither read nor reported. Errors use checkpoint names.
+    error. Errors are raised before anything is written.
     """
     dev, dt = _resolve(model, device, dtype)
     src = _open_source(source)
-    where = "mapping" if isinstance(source, Mapping) else str(source)
-    if prefix and not any(n.startswith(prefix) for n in src.shapes):
-        raise WeightError(f"no {prefix}* tensors in {where}")
-    params = {prefix + n: p for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
     report = LoadReport()
 
     plan: dict[str, _Target] = {}
     unknown, misshaped = [], []
     covered: dict[str, set] = defaultdict(set)
     for name, shape in src.shapes.items():
-        if not name.startswith(prefix):
-            continue
         if name.startswith(SKIPPED_PREFIXES):
             report.skipped.append(name)
             continue
@@ -350,11 +340,12 @@ def load_weights(
             f"{len(missing)} parameter(s) missing from the checkpoint:\n" + _group_missing(missing, params)
         )
     if problems:
+        where = "mapping" if isinstance(source, Mapping) else str(source)
         raise WeightError(f"cannot load weights from {where}:\n" + "\n".join(problems))
     report.unknown, report.missing = sorted(unknown), missing
 
     materialize_(model, dev, dt)
-    params = {prefix + n: p for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
     for open_group, names in src.groups:
         with open_group() as reader:
             for name in names:
@@ -420,12 +411,10 @@ def init_random(
     std: float = 0.02,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
-    prefix: str = "",
 ) -> None:
     """Seeded random weights, generated on the target device in the target dtype (meta params allowed).
 
-    Rules, by checkpoint name (`prefix` + parameter name, so a module that is one part of the model, such
-    as the audio encoder alone under "thinker.audio_tower.", gets the values it has inside the whole model):
+    Rules, by checkpoint name:
     - norm weights (RMSNorm; LayerNorm incl. the audio encoder's `ln_post`) 1; biases and SnakeBeta
       alpha/beta 0; ConvNeXt gamma and layer scales 0.1;
     - input embeddings N(0, EMBED_STD = 1); projections N(0, std); residual-branch outputs (o_proj,
@@ -440,10 +429,9 @@ def init_random(
     """
     dev, dt = _resolve(model, device, dtype)
     materialize_(model, dev, dt)
-    layers = _layers_per_decoder(prefix + n for n, _ in model.named_parameters())
+    layers = _layers_per_decoder(n for n, _ in model.named_parameters())
     gen = torch.Generator(device=dev)
-    for n, p in model.named_parameters():
-        name = prefix + n
+    for name, p in model.named_parameters():
         kind, value = _fill_rule(name, p, std, layers)
         if kind == "const":
             p.fill_(value)

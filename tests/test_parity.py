@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from hf_fixtures import SMALL_CONFIGS, text_prompt
@@ -233,6 +234,14 @@ def test_sampling_is_seeded_and_valid(checkpoint):
         (dict(input_ids=[]), "non-empty"),
         (dict(max_frames=0), "max_frames"),
         (dict(input_ids=[10**7, 151644, 77091, 198]), "token ids"),
+        # an audio placeholder with nothing to fill it, a clip too short for one mel frame, embeddings
+        # that do not fit the prompt
+        (
+            dict(input_ids=[151644, 872, 198, 151669, 151675, 151670, 151645, 198, 151644, 77091, 198]),
+            "no audio",
+        ),
+        (dict(audio=[np.zeros(100, dtype=np.float32)]), "at least 400"),
+        (dict(inputs_embeds=torch.zeros(3, 4)), "inputs_embeds must be"),
     ],
 )
 def test_bad_input_is_a_typed_error(checkpoint, change, match):

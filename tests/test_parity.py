@@ -59,8 +59,11 @@ def reference_generate(
     eos: int,
     codec_eos: int | None = None,
     talker_penalty: float = 1.05,
+    **inputs,
 ):
-    """The reference's greedy generate with audio: (new text ids, codes [16, frames], wav [S])."""
+    """The reference's greedy generate with audio: (new text ids, codes [16, frames], wav [S]).
+
+    `inputs`: more model inputs for `generate` (speech: input_features, feature_attention_mask)."""
     talker_out = {}
     orig = ref.talker.generate
 
@@ -81,6 +84,7 @@ def reference_generate(
             talker_max_new_tokens=max_frames,
             talker_repetition_penalty=talker_penalty,
             **({} if codec_eos is None else {"talker_eos_token_id": codec_eos}),
+            **inputs,
         )
     finally:
         del ref.talker.generate

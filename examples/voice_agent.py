@@ -1,0 +1,88 @@
+"""A voice agent loop without a browser: microphone frames in, spoken replies out, barge-in included.
+
+    python examples/voice_agent.py
+
+The shape voice-agent frameworks expect (fastrtc's `receive`/`emit`, livekit's `push_audio`/`interrupt`,
+pipecat's input audio and interruption frames): push 16 kHz mic audio as it arrives; server-side VAD
+(OpenAI Realtime semantics: 300 ms prefix, 500 ms of silence ends a turn) cuts turns; each turn is
+answered with `Session.respond(audio=...)`; speech that starts while a reply plays cancels the reply.
+Here the "microphone" is synthetic: two short voiced bursts, the second one interrupting the first reply.
+"""
+
+import asyncio
+
+import numpy as np
+
+import omni_rt
+from omni_rt.audio.vad import SpeechStarted, Turn, TurnSegmenter
+
+RATE = 16000
+FRAME = RATE // 50  # 20 ms of mic audio per push, as a WebRTC or sound-card callback delivers it
+
+
+class VoiceAgent:
+    def __init__(self, session: omni_rt.Session) -> None:
+        self.session = session
+        self.vad = TurnSegmenter()
+        self.speaker: asyncio.Queue[np.ndarray] = asyncio.Queue(maxsize=64)  # PCM for your audio output
+        self._reply: asyncio.Task | None = None
+
+    async def push_audio(self, pcm: np.ndarray) -> None:
+        for ev in self.vad.push(pcm):
+            if isinstance(ev, SpeechStarted) and self._reply and not self._reply.done():
+                await self.session.cancel()  # barge-in: generation stops within one codec frame
+                while not self.speaker.empty():  # and what is queued for the speaker is dropped
+                    self.speaker.get_nowait()
+                    self.speaker.task_done()
+                print(f"[barge-in at {ev.audio_start_ms} ms]")
+            elif isinstance(ev, Turn):
+                print(f"[turn {ev.audio_start_ms}-{ev.audio_end_ms} ms]")
+                self._reply = asyncio.create_task(self._answer(ev.audio))
+
+    async def _answer(self, audio: np.ndarray) -> None:
+        async for ev in self.session.respond(audio=audio, audio_sample_rate=RATE, max_audio_frames=40):
+            if ev.type == "response.output_audio.delta":
+                await self.speaker.put(ev.pcm)
+            elif ev.type == "response.done":
+                print(f"[reply {ev.status}: {ev.metrics.audio_seconds:.2f} s of audio]")
+        await self.speaker.join()  # the reply lasts until it has been heard (or interrupted)
+
+    async def wait(self) -> None:
+        if self._reply:
+            await self._reply
+
+
+async def play(speaker: asyncio.Queue[np.ndarray]) -> None:
+    """Stands in for the sound card: consumes the reply's 24 kHz PCM in real time."""
+    while True:
+        pcm = await speaker.get()
+        await asyncio.sleep(pcm.size / 24000)
+        speaker.task_done()
+
+
+def voiced(seconds: float, seed: int) -> np.ndarray:
+    """A speech-like burst: a 140 Hz harmonic tone with a syllable envelope and a little noise."""
+    t = np.arange(int(seconds * RATE)) / RATE
+    tone = sum(np.sin(2 * np.pi * 140 * k * t) / k for k in range(1, 6))
+    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 4 * t) ** 2
+    noise = np.random.default_rng(seed).normal(0, 0.01, t.size)
+    return (0.2 * tone * envelope + noise).astype(np.float32)
+
+
+async def main() -> None:
+    engine = omni_rt.Engine.load("tiny")
+    async with engine, engine.session(voice="ethan") as session:
+        agent = VoiceAgent(session)
+        speaker = asyncio.create_task(play(agent.speaker))
+        silence = np.zeros(int(0.7 * RATE), np.float32)
+        # the user speaks, listens to the reply for a while, then talks over it
+        mic = np.concatenate([silence, voiced(0.8, 0), silence, silence, voiced(0.6, 1), silence])
+        for i in range(0, mic.size, FRAME):  # paced like a real microphone
+            await agent.push_audio(mic[i : i + FRAME])
+            await asyncio.sleep(FRAME / RATE)
+        await agent.wait()
+        speaker.cancel()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

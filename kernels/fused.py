@@ -1,0 +1,78 @@
+"""Install the fused decode kernels on a model from outside: the one call the engine makes.
+
+    from omni_rt.kernels import fused
+    fused.install_all(model)                        # every kernel; {"rmsnorm": n, "attention": n, ...}
+    fused.install_all(model, enabled={"router"})    # a subset (the GPU script measures each one's share)
+    fused.uninstall_all(model)                      # back to the plain path
+
+Intended behind `EngineSettings.fused_kernels: bool` (install after the weights are loaded and before any
+CUDA graph is captured: graphs keep whatever launches they recorded). Each hook replaces a module
+instance's method (`forward`, or `SparseMoe.route`) and falls back to the plain code for inputs it does
+not cover, so prefill keeps the plain path when `max_rows` is set.
+
+| kernel      | patches                                  | launches per call, plain -> fused                   |
+|-------------|------------------------------------------|------------------------------------------------------|
+| "rmsnorm"   | `layers.RMSNorm.forward`                 | ~6 -> 1                                              |
+| "attention" | `layers.Attention.forward`               | q/k norm, RoPE, 2 cache writes: ~30 -> 1             |
+| "router"    | `layers.SparseMoe.route`                 | ~7 -> 1 (2 with fuse_gate=False)                     |
+| "snake"     | `code2wav.SnakeBeta.forward`             | ~9 -> 1                                              |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+from omni_rt.kernels._common import FUSED_ATTR, require_triton
+from omni_rt.kernels.norm_rope import install_attention, install_rmsnorm
+from omni_rt.kernels.router import install_router
+from omni_rt.kernels.snake import install_snake
+
+KERNELS = ("rmsnorm", "attention", "router", "snake")
+_PATCHED = ("forward", "route")  # the instance attributes the hooks set
+
+
+def install_all(
+    model: torch.nn.Module,
+    enabled: bool | Collection[str] = True,
+    *,
+    max_rows: int | None = 16,
+    fuse_gate: bool = True,
+) -> dict[str, int]:
+    """Install the `enabled` kernels (True: all of KERNELS, False: none) on `model`; modules patched per kernel.
+
+    max_rows: the decode kernels (rmsnorm, attention, router) run for calls of at most this many token
+    rows (B*T) and leave larger ones (prefill) to the plain code; None: every call. fuse_gate: the router
+    computes the gate logits itself (one launch) instead of taking them from the module's gate (two;
+    ids then bit-equal to `SparseMoe.route`). Installing twice replaces the earlier hooks.
+    """
+    names = list(KERNELS) if enabled is True else [] if enabled is False else list(enabled)
+    unknown = sorted(set(names) - set(KERNELS))
+    if unknown:
+        raise ValueError(f"unknown fused kernels {unknown}; choose from {KERNELS}")
+    if names:
+        require_triton()
+    done: dict[str, int] = {}
+    for name in KERNELS:
+        if name not in names:
+            continue
+        if name == "rmsnorm":
+            done[name] = install_rmsnorm(model, max_rows)
+        elif name == "attention":
+            done[name] = install_attention(model, max_rows)
+        elif name == "router":
+            done[name] = install_router(model, fuse_gate=fuse_gate, max_rows=max_rows)
+        else:
+            done[name] = install_snake(model)
+    return done
+
+
+def uninstall_all(model: torch.nn.Module) -> int:
+    """Remove every hook installed by this package from `model`; returns how many were removed."""
+    removed = 0
+    for m in model.modules():
+        for attr in _PATCHED:
+            if hasattr(m.__dict__.get(attr), FUSED_ATTR):
+                delattr(m, attr)
+                removed += 1
+    return removed

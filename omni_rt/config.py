@@ -58,6 +58,22 @@ class EngineSettings(_Settings):
         12.0, ge=0.0, le=1000.0, description="longest the Thinker's next step waits for a pending frame 0"
     )
     cuda_graphs: bool = Field(True, description="capture per-token/per-frame steps in CUDA graphs (GPU only)")
+    prefill_graphs: bool = Field(
+        True,
+        description="with cuda_graphs: also capture the Thinker prefill and the Talker prompt-prefix prefill, "
+        "right-padded to `prefill_buckets` tokens (eager above the largest bucket)",
+    )
+    prefill_buckets: tuple[int, ...] = Field(
+        (16, 32, 64, 128, 256, 512), description="padded prefill lengths captured (one graph each)"
+    )
+    prefill_graph_batches: int = Field(
+        1, ge=1, le=256, description="batched Thinker prefills of up to this many requests are graphed too"
+    )
+    prefill_launch_order: bool = Field(
+        True,
+        description="the Talker's overlapped prefix prefill is enqueued only after the Thinker's prefill is "
+        "(the Thinker's launches, on the path to the first token, never wait behind the Talker's)",
+    )
     moe_backend: Literal["auto", "loop", "gather", "grouped_mm"] = Field(
         "auto", description="expert FFN backend (omni_rt.model.layers.SparseMoe impl)"
     )
@@ -65,6 +81,14 @@ class EngineSettings(_Settings):
         False,
         description="run every sequence's step on its own (batch-invariant results) instead of batching",
     )
+
+    @model_validator(mode="after")
+    def _buckets(self) -> EngineSettings:
+        if not self.prefill_buckets or self.prefill_buckets[0] < 1:
+            raise ValueError(f"prefill_buckets must be positive lengths, got {self.prefill_buckets}")
+        if list(self.prefill_buckets) != sorted(set(self.prefill_buckets)):
+            raise ValueError(f"prefill_buckets must be strictly increasing, got {self.prefill_buckets}")
+        return self
 
     @model_validator(mode="after")
     def _chunks(self) -> EngineSettings:
@@ -87,6 +111,8 @@ class EngineSettings(_Settings):
             max_chunk_frames=4,
             yield_to_talker_ms=0.0,
             cuda_graphs=False,
+            prefill_graphs=False,
+            prefill_launch_order=False,
         )
         return cls(**(base | overrides))
 

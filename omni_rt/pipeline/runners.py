@@ -8,14 +8,25 @@ shapes that depend only on the batch size (and, for the Thinker, a power-of-two 
 cache length): with `cuda_graphs` on a CUDA device they are captured at engine start, one graph per
 shape, and replayed; on the CPU (or with the switch off) the same functions run eagerly.
 
+With `prefill_graphs` on as well, the Thinker's prefill and the Talker's prompt-prefix prefill are
+graphed too: the new tokens are right-padded to a length bucket (`EngineSettings.prefill_buckets`) and
+`logits_index` picks each row's last real token. Padding tokens write k/v at positions at and after the
+row's real length, in the row's own slot only; each of those rows is written again by the token that
+really lands there before any query reads it (a query at position p reads rows <= p of its slot), so
+padding never changes a result. A prefill that would pad past the cache's end runs eagerly, unpadded.
+
 Sampling is the offline loop's (`omni_rt.model.offline.StageSampler`), one sampler per sequence and
-stage, so a request gets the same decisions from the same logits however it is batched.
+stage, so a request gets the same decisions from the same logits however it is batched. A step's
+choices for all its rows are launched first and read back to the host together (`_pick`): one host
+sync per step, not one per row.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
+import weakref
 from contextlib import nullcontext
 
 import numpy as np
@@ -53,6 +64,20 @@ def kv_buckets(max_len: int) -> list[int]:
     while lens[-1] < max_len:
         lens.append(kv_bucket(lens[-1] + 1, max_len))
     return lens
+
+
+def prefill_bucket(t: int, buckets: tuple[int, ...], max_len: int) -> int | None:
+    """Padded length of a t-token prefill: the smallest bucket >= t, capped at the cache length; None
+    above the largest bucket (that prefill runs eagerly, unpadded)."""
+    for b in buckets:
+        if b >= t:
+            return min(b, max_len)
+    return None
+
+
+def prefill_lengths(buckets: tuple[int, ...], max_len: int) -> list[int]:
+    """Every value `prefill_bucket` takes for a cache of `max_len` rows (one graph each)."""
+    return sorted({min(b, max_len) for b in buckets})
 
 
 def graphs_on(settings: EngineSettings, device: torch.device) -> bool:
@@ -93,20 +118,62 @@ def _rows(n: int, deterministic: bool) -> list[slice]:
     return [slice(i, i + 1) for i in range(n)] if deterministic else [slice(0, n)]
 
 
+def _pick(choices: list[torch.Tensor]) -> list[int]:
+    """Ids chosen on the device ([1] or [b] each), read back in one host sync.
+
+    Every row's sampling kernels are enqueued before the host waits, so a step of B rows pays one
+    device round trip instead of B (each `int()` would wait for the GPU before the next row's sampling
+    is even launched). The samplers have read their logits by then in stream order, so a graph's
+    output buffer may already be replayed over."""
+    return torch.cat(choices).tolist()
+
+
+class LaunchGate:
+    """Which requests have their Thinker prefill enqueued on the GPU; the Talker's prefix waits for it.
+
+    With `talker_overlap_prefill` the scheduler hands the Talker its prefix at admission, so both stage
+    threads prepare and launch their prefills at the same moment and contend for the GIL and the launch
+    queue: in eager mode the Thinker's 57-token prefill went from 70 ms alone to 180 ms with the Talker's
+    prefix launching beside it (docs/performance.md). The Thinker prefill is on the path to the first
+    token and the prefix is not (it is needed only at the first token), so the Talker waits here until
+    the Thinker's prefill is enqueued: its prefix then runs on its own high-priority stream, in the
+    GPU's idle gaps of the launch-bound Thinker prefill (one graph each when graphed), and is finished
+    long before the first token. The wait is bounded (`timeout_s`) because the Talker thread also serves
+    other sessions' frames.
+    """
+
+    def __init__(self, timeout_s: float = 0.05) -> None:
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._launched: weakref.WeakSet[Request] = weakref.WeakSet()  # a done request needs no cleanup
+
+    def open(self, reqs: list[Request]) -> None:
+        with self._cond:
+            self._launched.update(reqs)
+            self._cond.notify_all()
+
+    def wait(self, req: Request) -> bool:
+        """Block until `req`'s Thinker prefill is enqueued (True) or the timeout passes (False)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: req in self._launched, self.timeout_s)
+
+
 class ThinkerRunner:
-    def __init__(self, model, settings: EngineSettings) -> None:
+    def __init__(self, model, settings: EngineSettings, gate: LaunchGate | None = None) -> None:
         self.thinker = model.thinker
         self.ids = model.cfg.ids
         self.accept_hidden_layer = model.cfg.accept_hidden_layer
         self.audio_encoder = getattr(model.thinker, "audio_tower", None)  # None: no speech input
         self.settings = settings
         self.device = model.device
+        self.gate = gate  # told when a prefill is enqueued (the Talker's prefix waits for it)
         self.stream = _stream(self.device, priority=0)
         self.scratch = settings.max_sessions  # the extra cache row graph capture writes into
         self.cache = self.thinker.allocate_cache(settings.max_sessions + 1, settings.max_context)
         self.vocab = self.thinker.cfg.vocab_size
         self._samplers: dict[int, StageSampler] = {}  # slot -> the running request's sampler
         self._graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> captured decode step
+        self._prefill_graphs: dict[tuple[int, int, int], object] = {}  # (batch, padded T, kv_len) -> prefill
         if graphs_on(settings, self.device):
             self._capture_all()
 
@@ -117,18 +184,45 @@ class ThinkerRunner:
 
         return step
 
+    def _prefill_fn(self, kv_len: int):
+        def prefill(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, index: torch.Tensor):
+            """ids, positions [B, T] (right-padded), slots [B], index [B] (last real token) -> [B, V]."""
+            logits, _ = self.thinker(ids, positions, self.cache, slots, logits_index=index, kv_len=kv_len)
+            return logits[:, -1]
+
+        return prefill
+
     @torch.no_grad()
     def _capture_all(self) -> None:
         pool = GraphPool()
-        batches = [1] if self.settings.deterministic else range(1, self.settings.max_sessions + 1)
+        s = self.settings
+        batches = [1] if s.deterministic else range(1, s.max_sessions + 1)
+        max_len = self.cache.max_len
         for b in batches:
-            for kv_len in kv_buckets(self.cache.max_len):
+            for kv_len in kv_buckets(max_len):
                 static = (
                     torch.zeros(b, 1, dtype=torch.long, device=self.device),  # ids [B, 1]
                     torch.zeros(b, 1, dtype=torch.long, device=self.device),  # positions [B, 1]
                     torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
                 )
                 self._graphs[(b, kv_len)] = _capture(self._decode_fn(kv_len), static, pool)
+        if not s.prefill_graphs:
+            return
+        # a prefill at start position p of T padded tokens attends over kv_bucket(p + T) >= kv_bucket(T)
+        # rows: one graph per (batch, T, kv_len) that can occur
+        prefill_batches = (
+            [1] if s.deterministic else range(1, min(s.prefill_graph_batches, s.max_sessions) + 1)
+        )
+        for b in prefill_batches:
+            for t in prefill_lengths(s.prefill_buckets, max_len):
+                for kv_len in [k for k in kv_buckets(max_len) if k >= kv_bucket(t, max_len)]:
+                    static = (
+                        torch.zeros(b, t, dtype=torch.long, device=self.device),  # ids [B, T]
+                        torch.arange(t, device=self.device).expand(b, t).contiguous(),  # positions [B, T]
+                        torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
+                        torch.full((b,), t - 1, dtype=torch.long, device=self.device),  # index [B]
+                    )
+                    self._prefill_graphs[(b, t, kv_len)] = _capture(self._prefill_fn(kv_len), static, pool)
 
     def _decode_step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int):
         step = self._graphs.get((ids.shape[0], kv_len)) or self._decode_fn(kv_len)
@@ -136,15 +230,12 @@ class ThinkerRunner:
 
     @stage_call
     def prefill(self, reqs: list[Request]) -> list[int]:
-        if any(r.audio_features is not None for r in reqs):  # speech: one at a time, from embeddings
-            logits = torch.cat(
-                [self._prefill_speech(r) if r.audio_features else self._prefill_one(r) for r in reqs]
-            )
-        elif len(reqs) == 1:
-            logits = self._prefill_one(reqs[0])  # [1, V]
-        else:
-            logits = self._prefill_padded(reqs)  # [B, V]
-        out = []
+        try:
+            logits = self._prefill_logits(reqs)  # [B, V]
+        finally:
+            if self.gate is not None:  # enqueued (or failed): the Talker's prefixes may launch now
+                self.gate.open(reqs)
+        choices = []
         for i, req in enumerate(reqs):
             sampler = StageSampler(
                 req.sampling.thinker,
@@ -155,17 +246,62 @@ class ThinkerRunner:
             # the repetition penalty covers the whole conversation, as the reference's covers its prompt
             sampler.observe(torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)[None])
             self._samplers[req.slot] = sampler
-            out.append(int(sampler(logits[i : i + 1])))
-        return out
+            choices.append(sampler(logits[i : i + 1]))
+        return _pick(choices)
 
-    def _prefill_one(self, req: Request) -> torch.Tensor:
-        new = torch.tensor(req.new_prompt_ids, dtype=torch.long, device=self.device)[None]  # [1, T]
-        t = new.shape[1]
-        positions = torch.arange(req.thinker_start, req.thinker_start + t, device=self.device)[None]  # [1, T]
-        slots = torch.tensor([req.slot], device=self.device)
-        kv_len = kv_bucket(req.thinker_start + t, self.cache.max_len)
-        logits, _ = self.thinker(new, positions, self.cache, slots, last_only=True, kv_len=kv_len)
-        return logits[:, -1]  # [1, V]
+    def _prefill_logits(self, reqs: list[Request]) -> torch.Tensor:
+        """Each request's logits after its new prompt tokens: [B, V], in order. Text prompts that arrive
+        together run as one right-padded batch; speech prompts (from embeddings) one at a time."""
+        out: list[torch.Tensor | None] = [None] * len(reqs)
+        text = [i for i, r in enumerate(reqs) if not r.audio_features]
+        for i, r in enumerate(reqs):
+            if r.audio_features:
+                out[i] = self._prefill_speech(r)
+        groups = [text] if self._prefill_shape([reqs[i] for i in text]) else [[i] for i in text]
+        for group in groups:
+            if group:
+                logits = self._prefill_text([reqs[i] for i in group])  # [b, V]
+                for j, i in enumerate(group):
+                    out[i] = logits[j : j + 1]
+        return torch.cat(out)
+
+    def _prefill_shape(self, reqs: list[Request]) -> tuple[int, int, object] | None:
+        """(padded length T, kv_len, captured graph or None) of one right-padded prefill of `reqs`, or
+        None when the padding of some row would run past the cache's end (prefill them one at a time).
+
+        Padded positions must stay inside the cache: clamped to its last row instead, they could
+        overwrite a real token's row in the same call."""
+        if not reqs:
+            return None
+        max_len = self.cache.max_len
+        t = max(len(r.new_prompt_ids) for r in reqs)
+        start = max(r.thinker_start for r in reqs)
+        padded = prefill_bucket(t, self.settings.prefill_buckets, max_len) if self._prefill_graphs else None
+        if padded is not None and start + padded <= max_len:
+            kv_len = kv_bucket(start + padded, max_len)
+            graph = self._prefill_graphs.get((len(reqs), padded, kv_len))
+            if graph is not None:
+                return padded, kv_len, graph
+        if len(reqs) == 1 or start + t <= max_len:  # one request: out of range is its own error
+            return t, kv_bucket(start + t, max_len), None
+        return None
+
+    def _prefill_text(self, reqs: list[Request]) -> torch.Tensor:
+        """Several text prompts in one call, right-padded to a common length T: [B, V] logits of each
+        row's last real token (`logits_index`). T is a captured bucket when a graph fits, else the
+        longest prompt. See the module doc for why the padding rows never change a result."""
+        t, kv_len, graph = self._prefill_shape(reqs)
+        ids = torch.zeros(len(reqs), t, dtype=torch.long)  # [B, T]
+        positions = torch.zeros(len(reqs), t, dtype=torch.long)  # [B, T]
+        for i, r in enumerate(reqs):
+            new = r.new_prompt_ids
+            ids[i, : len(new)] = torch.tensor(new)
+            positions[i] = torch.arange(r.thinker_start, r.thinker_start + t)
+        index = torch.tensor([len(r.new_prompt_ids) - 1 for r in reqs])  # [B]
+        slots = torch.tensor([r.slot for r in reqs])  # [B]
+        step = graph or self._prefill_fn(kv_len)
+        dev = self.device
+        return step(ids.to(dev), positions.to(dev), slots.to(dev), index.to(dev))  # [B, V]
 
     def _encoder(self):
         if self.audio_encoder is None:
@@ -194,34 +330,6 @@ class ThinkerRunner:
         req.thinker_hidden = full
         return logits[:, -1]  # [1, V]
 
-    def _prefill_padded(self, reqs: list[Request]) -> torch.Tensor:
-        """Several prompts in one call, right-padded to the longest: [B, V] logits of each last token.
-
-        Padding tokens sit after their row's prompt, at positions no real query of this call attends to;
-        the junk they write there is overwritten by that row's next tokens before anything reads it.
-        Past the cache's end they are clamped to its last row, which no prompt reaches (prompts are
-        shorter than the context)."""
-        news = [r.new_prompt_ids for r in reqs]
-        t = max(len(n) for n in news)
-        last = self.cache.max_len - 1
-        ids = torch.zeros(len(reqs), t, dtype=torch.long)  # [B, T]
-        positions = torch.zeros(len(reqs), t, dtype=torch.long)  # [B, T]
-        for i, (r, n) in enumerate(zip(reqs, news, strict=True)):
-            ids[i, : len(n)] = torch.tensor(n)
-            positions[i] = torch.arange(r.thinker_start, r.thinker_start + t).clamp_max(last)
-        slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
-        index = torch.tensor([len(n) - 1 for n in news], device=self.device)  # [B]
-        kv_len = kv_bucket(int(positions.max()) + 1, self.cache.max_len)  # host tensor: no device sync
-        logits, _ = self.thinker(
-            ids.to(self.device),
-            positions.to(self.device),
-            self.cache,
-            slots,
-            logits_index=index,
-            kv_len=kv_len,
-        )  # [B, 1, V]
-        return logits[:, -1]
-
     @stage_call
     def decode(self, reqs: list[Request]) -> list[int]:
         last = torch.tensor([[r.tokens[-1]] for r in reqs], device=self.device)  # [B, 1]
@@ -229,17 +337,17 @@ class ThinkerRunner:
         positions = torch.tensor([[len(r.prompt_ids) + len(r.tokens) - 1] for r in reqs], device=self.device)
         slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
         kv_len = kv_bucket(max(len(r.prompt_ids) + len(r.tokens) for r in reqs), self.cache.max_len)
-        out: list[int] = []
+        choices = []
         for rows in _rows(len(reqs), self.settings.deterministic):
             logits = self._decode_step(last[rows], positions[rows], slots[rows], kv_len)  # [b, V]
-            for i, r in enumerate(reqs[rows]):
-                out.append(int(self._samplers[r.slot](logits[i : i + 1])))  # [1, V] -> id
-        return out
+            choices += [self._samplers[r.slot](logits[i : i + 1]) for i, r in enumerate(reqs[rows])]
+        return _pick(choices)
 
 
 class TalkerRunner:
-    def __init__(self, model, settings: EngineSettings) -> None:
+    def __init__(self, model, settings: EngineSettings, gate: LaunchGate | None = None) -> None:
         self.talker = model.talker
+        self.gate = gate  # the prefix prefill waits for the request's Thinker prefill to be enqueued
         self.embed_text = model.thinker.embed  # the Talker reads the Thinker's input embeddings
         self.settings = settings
         self.device = model.device
@@ -261,6 +369,7 @@ class TalkerRunner:
         self._graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> captured step
         self._greedy_frame: dict[int, object] = {}  # batch -> captured greedy code-predictor frame
         self._last_graphs: dict[int, object] = {}  # kv_len -> captured last prompt position (batch 1)
+        self._prefix_graphs: dict[tuple[int, int], object] = {}  # (padded T, kv_len) -> prefix prefill
         self._mm_ids = {self.cfg.ids.audio, self.cfg.ids.image, self.cfg.ids.video}
         if graphs_on(settings, self.device):
             self._capture_all()
@@ -303,6 +412,25 @@ class TalkerRunner:
                 torch.full((1,), self.scratch, dtype=torch.long, device=self.device),  # slots [1]
             )
             self._last_graphs[kv_len] = _capture(self._last_fn(kv_len), static, pool)
+        if not self.settings.prefill_graphs:
+            return
+        # the prompt prefix (batch 1), right-padded as the Thinker's prefill is (see the module doc)
+        max_len, width = self.cache.max_len, self.cfg.talker.hidden_size
+        for t in prefill_lengths(self.settings.prefill_buckets, max_len):
+            for kv_len in [k for k in kv_buckets(max_len) if k >= kv_bucket(t, max_len)]:
+                static = (
+                    torch.zeros(1, t, width, dtype=self.cache.dtype, device=self.device),  # embeds [1, T, Ht]
+                    torch.arange(t, device=self.device)[None],  # positions [1, T]
+                    torch.full((1,), self.scratch, dtype=torch.long, device=self.device),  # slots [1]
+                )
+                self._prefix_graphs[(t, kv_len)] = _capture(self._prefix_fn(kv_len), static, pool)
+
+    def _prefix_fn(self, kv_len: int):
+        def prefix(embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+            """embeds [1, T, Ht], positions [1, T], slots [1]: writes the cache; -> hidden [1, T, Ht]."""
+            return self.talker(embeds, positions, self.cache, slots, kv_len)[1]
+
+        return prefix
 
     def _last_fn(self, kv_len: int):
         def last(first: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
@@ -331,12 +459,24 @@ class TalkerRunner:
 
     @stage_call
     def prefill_prefix(self, req: Request) -> None:
+        if self.gate is not None:
+            self.gate.wait(req)  # let the Thinker's prefill go first (see LaunchGate)
         prefix = self.prompt_prefix(req)  # [L - 1, Ht]
         start = req.talker_start  # earlier turns' user tokens are already in this slot's cache
-        positions = torch.arange(start, prefix.shape[0], device=self.device)[None]  # [1, L - 1 - start]
+        new = prefix[start:]  # [n, Ht]
+        n, max_len = new.shape[0], self.cache.max_len
+        t = prefill_bucket(n, self.settings.prefill_buckets, max_len) if self._prefix_graphs else None
+        graph = None
+        if t is not None and start + t <= max_len:  # padding stays inside the cache (see ThinkerRunner)
+            graph = self._prefix_graphs.get((t, kv_bucket(start + t, max_len)))
+        if graph is None:
+            t = n
+        embeds = new.new_zeros(1, t, new.shape[1])  # [1, T, Ht], right-padded with zeros
+        embeds[0, :n] = new
+        positions = torch.arange(start, start + t, device=self.device)[None]  # [1, T]
         slots = torch.tensor([req.slot], device=self.device)
-        kv_len = kv_bucket(prefix.shape[0], self.cache.max_len)
-        self.talker(prefix[start:][None], positions, self.cache, slots, kv_len)
+        step = graph or self._prefix_fn(kv_bucket(start + t, max_len))
+        step(embeds, positions, slots)
         self._prompt_len[req.slot] = prefix.shape[0] + 1
         self._steps[req.slot] = 0
         vocab = self.cfg.talker.vocab_size
@@ -407,15 +547,15 @@ class TalkerRunner:
         positions = torch.tensor(pos, device=self.device)[:, None]  # [B, 1]
         slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
         kv_len = kv_bucket(max(pos) + 1, self.cache.max_len)
-        out: list[int] = []
+        choices = []
         for rows in _rows(len(reqs), self.settings.deterministic):
             step = self._graphs.get((rows.stop - rows.start, kv_len)) or self._step_fn(kv_len)
             logits, hidden = step(codes[rows], text[rows], positions[rows], slots[rows])  # [b, V], [b, Ht]
             for i, r in enumerate(reqs[rows]):
                 # a copy: a graph's output buffer is overwritten by its next replay
                 self._hidden[r.slot] = hidden[i].clone()
-                out.append(int(self._code0[r.slot](logits[i : i + 1])))
-        return out
+                choices.append(self._code0[r.slot](logits[i : i + 1]))
+        return _pick(choices)
 
 
 def _cp_sampling(s: StageSampling) -> StageSampling:
@@ -487,4 +627,9 @@ def _copy_state(dst, src) -> None:
 
 
 def build_runners(model, settings: EngineSettings) -> tuple[ThinkerRunner, TalkerRunner, Code2WavRunner]:
-    return ThinkerRunner(model, settings), TalkerRunner(model, settings), Code2WavRunner(model, settings)
+    gate = LaunchGate() if settings.prefill_launch_order and settings.talker_overlap_prefill else None
+    return (
+        ThinkerRunner(model, settings, gate),
+        TalkerRunner(model, settings, gate),
+        Code2WavRunner(model, settings),
+    )

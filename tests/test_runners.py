@@ -1,0 +1,290 @@
+"""The stage runners on the tiny preset (CPU), CUDA graphs emulated (`FakeGraph`: static inputs copied
+in, output buffers overwritten by every replay): right-padded prefill graphs give what the unpadded
+eager prefill gives, alone and beside a slot mid-generation; padding never leaks into later steps or
+other slots; the Talker's prefix waits for the Thinker's launch; every new switch off is today's path."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from test_engine import FakeGraph
+
+import omni_rt
+import omni_rt.pipeline.runners as runners
+from omni_rt.config import EngineSettings
+from omni_rt.pipeline.request import Request
+from omni_rt.pipeline.runners import (
+    LaunchGate,
+    TalkerRunner,
+    ThinkerRunner,
+    build_runners,
+    prefill_bucket,
+    prefill_lengths,
+)
+from omni_rt.tokenizer import Tokenizer
+
+GREEDY = omni_rt.Sampling.greedy()
+# small buckets, so that the tiny prompts (~20 ids) pad, and short caches: few graphs to capture
+SETTINGS = dict(max_sessions=2, max_context=96, max_talker_context=96, prefill_buckets=(8, 32, 48))
+
+
+class CountingGraph(FakeGraph):
+    replays = 0  # per instance once called
+
+    def __call__(self, *inputs):
+        self.replays += 1
+        return super().__call__(*inputs)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return omni_rt.Engine.load("tiny").model
+
+
+@pytest.fixture
+def graphed(monkeypatch):
+    """Runners built here capture (emulated) graphs as on a GPU when `cuda_graphs`; listed in order."""
+    captured: list[CountingGraph] = []
+    monkeypatch.setattr(runners, "graphs_on", lambda settings, device: settings.cuda_graphs)
+    monkeypatch.setattr(
+        runners, "capture", lambda fn, static, **k: captured.append(CountingGraph(fn, static)) or captured[-1]
+    )
+    return captured
+
+
+def request(model, text: str, slot: int, history: list[int] | None = None) -> Request:
+    """A greedy request for `text` in `slot`. `history`: the conversation so far, in the slot's caches
+    but for its last token (a reply's last sampled token is never fed: the next turn feeds it)."""
+    history = history or []
+    prompt = history + Tokenizer.tiny(model.cfg.ids).chat_prompt([("user", text)])
+    return Request(
+        id=f"r{slot}-{len(prompt)}",
+        slot=slot,
+        prompt_ids=prompt,
+        thinker_start=max(len(history) - 1, 0),
+        talker_start=0,
+        speaker_id=model.cfg.speaker_id("ethan"),
+        sampling=GREEDY,
+        max_output_tokens=8,
+        max_audio_frames=8,
+        sink=lambda m: None,
+        t0=0.0,
+    )
+
+
+def thinker_trace(runner: ThinkerRunner, reqs: list[Request], steps: int) -> tuple[list, list]:
+    """Prefill `reqs` together, then `steps` decode steps: (prefill logits [B, V], tokens per step)."""
+    with torch.no_grad():
+        logits = runner._prefill_logits(reqs).clone()
+    for r, t in zip(reqs, runner.prefill(reqs), strict=True):  # again: same rows, same cache writes
+        r.tokens = [t]
+    tokens = [[r.tokens[0] for r in reqs]]
+    for _ in range(steps):
+        out = runner.decode(reqs)
+        for r, t in zip(reqs, out, strict=True):
+            r.tokens.append(t)
+        tokens.append(out)
+    return logits, tokens
+
+
+def test_buckets():
+    assert prefill_bucket(1, (16, 32), 4096) == 16
+    assert prefill_bucket(17, (16, 32), 4096) == 32
+    assert prefill_bucket(33, (16, 32), 4096) is None  # above the largest: eager
+    assert prefill_bucket(20, (16, 32), 24) == 24  # capped at the cache length
+    assert prefill_lengths((16, 32, 64), 40) == [16, 32, 40]
+    with pytest.raises(ValueError):
+        EngineSettings(prefill_buckets=(32, 16))
+    with pytest.raises(ValueError):
+        EngineSettings(prefill_buckets=())
+
+
+def test_thinker_padded_graph_prefill_equals_eager(model, graphed):
+    s = EngineSettings(**SETTINGS)
+    g = ThinkerRunner(model, s)
+    assert {k[1] for k in g._prefill_graphs} == {8, 32, 48}
+    eager_graphs = len(graphed)
+    e = ThinkerRunner(model, s.model_copy(update={"cuda_graphs": False}))
+    assert len(graphed) == eager_graphs and not e._prefill_graphs
+    req_g, req_e = request(model, "Hello there.", 0), request(model, "Hello there.", 0)
+    n = len(req_g.new_prompt_ids)
+    assert 8 < n < 32  # padded to 32
+    logits_g, tokens_g = thinker_trace(g, [req_g], steps=4)
+    logits_e, tokens_e = thinker_trace(e, [req_e], steps=4)
+    assert [c.replays for c in graphed if c.static[0].shape == (1, 32)][0] >= 1  # the graph ran
+    torch.testing.assert_close(logits_g, logits_e, rtol=1e-4, atol=1e-5)
+    assert tokens_g == tokens_e  # decode after padded prefill: the padding rows were overwritten first
+
+
+def test_thinker_padded_prefill_beside_a_slot_mid_generation(model, graphed):
+    """Slot 1 is decoding when slot 0 prefills through a padded graph: slot 1's tokens are those it
+    makes alone (no cross-slot writes) and slot 0's are the eager ones, second turn included."""
+    s = EngineSettings(**SETTINGS)
+    g = ThinkerRunner(model, s)
+    e = ThinkerRunner(model, s.model_copy(update={"cuda_graphs": False}))
+
+    def run(runner: ThinkerRunner, with_slot0: bool) -> list:
+        other = request(model, "A long story, please.", 1)
+        _, first = thinker_trace(runner, [other], steps=2)
+        out = [first]
+        if with_slot0:
+            mine = request(model, "Hi!", 0)
+            out.append(thinker_trace(runner, [mine], steps=1)[1])
+            both = runner.decode([mine, other])  # batched decode over both slots
+            out.append(both)
+            # the next turn of slot 0 starts after everything in its cache: a padded prefill at p > 0
+            history = mine.prompt_ids + mine.tokens + [both[0]]
+            turn2 = request(model, "And then?", 0, history=history)
+            out.append(thinker_trace(runner, [turn2], steps=2))
+        else:
+            out.append(runner.decode([other]))
+        out.append(runner.decode([other]))
+        return out, other.tokens
+
+    graphed_out, other_g = run(g, with_slot0=True)
+    eager_out, other_e = run(e, with_slot0=True)
+    _, other_alone = run(e, with_slot0=False)
+    assert graphed_out[:3] == eager_out[:3]
+    torch.testing.assert_close(graphed_out[3][0], eager_out[3][0], rtol=1e-4, atol=1e-5)
+    assert graphed_out[3][1] == eager_out[3][1]
+    assert other_g == other_e == other_alone
+
+
+def test_batched_padded_prefill_equals_one_at_a_time(model, graphed):
+    s = EngineSettings(**SETTINGS, prefill_graph_batches=2)
+    g = ThinkerRunner(model, s)
+    assert (2, 32, 96) in g._prefill_graphs
+    e = ThinkerRunner(model, s.model_copy(update={"cuda_graphs": False}))
+    texts = ["Hi!", "What a fine day it is today."]
+    logits_g, tokens_g = thinker_trace(g, [request(model, t, i) for i, t in enumerate(texts)], steps=2)
+    alone = [thinker_trace(e, [request(model, t, i)], steps=2) for i, t in enumerate(texts)]
+    torch.testing.assert_close(logits_g, torch.cat([a[0] for a in alone]), rtol=1e-4, atol=1e-5)
+    assert [list(col) for col in zip(*tokens_g, strict=True)] == [[t[0] for t in a[1]] for a in alone]
+
+
+def test_prefill_past_the_cache_end_runs_unpadded(model, graphed):
+    """A second turn whose padding would pass the cache's last row runs eagerly, unpadded: padded
+    positions clamped to the last row could land on a real token's row in the same call."""
+    s = EngineSettings(**SETTINGS)
+    g = ThinkerRunner(model, s)
+    e = ThinkerRunner(model, s.model_copy(update={"cuda_graphs": False}))
+    history = request(model, "Hello there, how are you?", 0).prompt_ids * 2  # ~50 positions
+    reqs = {}
+    for name, runner in (("g", g), ("e", e)):
+        head = request(model, "Hello there, how are you?", 0)
+        head.prompt_ids = history  # the first turn: the whole history as its prompt
+        thinker_trace(runner, [head], steps=0)
+        reqs[name] = request(model, "Ok.", 0, history=history)
+    req = reqs["g"]
+    assert prefill_bucket(len(req.new_prompt_ids), s.prefill_buckets, 96) + req.thinker_start > 96
+    assert g._prefill_shape([req])[2] is None  # no graph: unpadded
+    lg, tg = thinker_trace(g, [reqs["g"]], steps=2)
+    le, te = thinker_trace(e, [reqs["e"]], steps=2)
+    torch.testing.assert_close(lg, le, rtol=1e-4, atol=1e-5)
+    assert tg == te
+
+
+def talker_trace(runner: TalkerRunner, req: Request, first_token: int, steps: int) -> list:
+    """Prefix prefill, the last position (code 0), frames and `steps` Talker steps: codes and hiddens."""
+    runner.prefill_prefix(req)
+    code0 = runner.prefill_last(req, first_token)
+    out = [code0, runner._hidden[req.slot].clone()]
+    frame = runner.predict([req], [code0])[0]
+    for _ in range(steps):
+        code0 = runner.step([req], [frame], [req.prompt_ids[-1]])[0]
+        frame = runner.predict([req], [code0])[0]
+        out += [frame, runner._hidden[req.slot].clone()]
+    return out
+
+
+def assert_same_trace(a: list, b: list) -> None:
+    for x, y in zip(a, b, strict=True):
+        if isinstance(x, torch.Tensor):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+        else:
+            assert x == y
+
+
+def test_talker_padded_prefix_graph_equals_eager(model, graphed):
+    s = EngineSettings(**SETTINGS)
+    g = TalkerRunner(model, s)
+    assert {k[0] for k in g._prefix_graphs} == {8, 32, 48}
+    e = TalkerRunner(model, s.model_copy(update={"cuda_graphs": False}))
+    assert not e._prefix_graphs
+    # slot 1 mid-generation on both runners, then slot 0's prefix through a padded graph
+    other_g, other_e = request(model, "Another voice.", 1), request(model, "Another voice.", 1)
+    before = [talker_trace(g, other_g, 7, steps=1), talker_trace(e, other_e, 7, steps=1)]
+    assert_same_trace(*before)
+    mine = [talker_trace(r, request(model, "Hello there.", 0), 9, steps=3) for r in (g, e)]
+    assert_same_trace(*mine)
+    assert any(c.replays for c in graphed if c.fn.__name__ == "prefix")
+    # slot 1 goes on as it would alone
+    after = [r.step([o], [[1] * 16], [5]) for r, o in ((g, other_g), (e, other_e))]
+    alone = TalkerRunner(model, s.model_copy(update={"cuda_graphs": False}))
+    other = request(model, "Another voice.", 1)
+    talker_trace(alone, other, 7, steps=1)
+    assert after[0] == after[1] == alone.step([other], [[1] * 16], [5])
+
+
+def test_launch_gate():
+    gate = LaunchGate(timeout_s=0.01)
+    a, b = object.__new__(Request), object.__new__(Request)
+    assert gate.wait(a) is False  # never opened: gives up after the timeout
+    gate.open([a])
+    assert gate.wait(a) is True and gate.wait(b) is False
+
+
+def test_talker_prefix_waits_for_the_thinker_launch(model):
+    s = EngineSettings(**SETTINGS)
+    gate = LaunchGate(timeout_s=10.0)
+    thinker, talker = ThinkerRunner(model, s, gate), TalkerRunner(model, s, gate)
+    req = request(model, "Hello.", 0)
+    events: list[str] = []
+    t = threading.Thread(target=lambda: (talker.prefill_prefix(req), events.append("talker")))
+    t.start()
+    time.sleep(0.2)
+    assert events == [] and req.slot not in talker._prompt_len  # still waiting
+    thinker.prefill([req])
+    events.append("thinker")
+    t.join(10)
+    assert "talker" in events and req.slot in talker._prompt_len
+
+
+def test_switches_off_give_todays_runners(model, graphed):
+    off = EngineSettings.all_off(**SETTINGS, cuda_graphs=True)  # graphs, but not the new switches
+    thinker, talker, _ = build_runners(model, off)
+    assert thinker.gate is None and talker.gate is None
+    assert not thinker._prefill_graphs and not talker._prefix_graphs
+    assert thinker._graphs and talker._last_graphs  # the per-token graphs are unchanged
+    on_thinker, on_talker, _ = build_runners(model, EngineSettings(**SETTINGS))
+    assert on_thinker.gate is on_talker.gate is not None
+    no_overlap = EngineSettings(**SETTINGS, talker_overlap_prefill=False)
+    assert build_runners(model, no_overlap)[0].gate is None  # the prefix comes after the prefill anyway
+
+
+async def test_engine_with_prefill_graphs_streams_what_eager_does(model, graphed):
+    """End to end: a greedy response, all graphs emulated, equals the eager engine's, tokens and PCM."""
+    import numpy as np
+
+    async def serve(**kw) -> tuple[list, np.ndarray]:
+        engine = omni_rt.Engine.load("tiny", **SETTINGS, **kw)
+        async with engine, engine.session() as sess:
+            events = [
+                ev
+                async for ev in sess.respond(
+                    "Say it.", sampling=GREEDY, max_output_tokens=5, max_audio_frames=6
+                )
+            ]
+        tokens = [t for e in events if e.type == "response.output_text.delta" for t in e.token_ids]
+        pcm = np.concatenate([e.pcm for e in events if e.type == "response.output_audio.delta"])
+        return tokens, pcm
+
+    graphed_run = await serve()
+    assert any(c.replays for c in graphed if c.fn.__name__ == "prefill")
+    assert any(c.replays for c in graphed if c.fn.__name__ == "prefix")
+    eager_run = await serve(cuda_graphs=False)
+    assert graphed_run[0] == eager_run[0]
+    np.testing.assert_array_equal(graphed_run[1], eager_run[1])

@@ -22,6 +22,10 @@ __all__ = [
     "ResponseOutputAudioDelta",
     "ResponseOutputAudioDone",
     "ResponseDone",
+    "InputAudioBufferSpeechStarted",
+    "InputAudioBufferSpeechStopped",
+    "InputAudioBufferCommitted",
+    "InputAudioBufferCleared",
     "ErrorEvent",
     "ErrorInfo",
     "Usage",
@@ -171,6 +175,38 @@ class ResponseDone(_ResponseEvent):
         return {"type": self.type, "event_id": self.event_id, "response": response}
 
 
+# -- the input audio buffer (speech input with server VAD) ------------------------------------------------
+# Times are milliseconds of audio written to the input buffer since it began, as the Realtime API counts.
+
+
+class InputAudioBufferSpeechStarted(Event):
+    """Speech began at `audio_start_ms` (prefix padding included); it will become user item `item_id`."""
+
+    type: Literal["input_audio_buffer.speech_started"] = "input_audio_buffer.speech_started"
+    audio_start_ms: int
+    item_id: str
+
+
+class InputAudioBufferSpeechStopped(Event):
+    """The silence window after the speech completed at `audio_end_ms`."""
+
+    type: Literal["input_audio_buffer.speech_stopped"] = "input_audio_buffer.speech_stopped"
+    audio_end_ms: int
+    item_id: str
+
+
+class InputAudioBufferCommitted(Event):
+    """The turn's audio became user item `item_id`, after `previous_item_id` in the conversation."""
+
+    type: Literal["input_audio_buffer.committed"] = "input_audio_buffer.committed"
+    item_id: str
+    previous_item_id: str | None = None
+
+
+class InputAudioBufferCleared(Event):
+    type: Literal["input_audio_buffer.cleared"] = "input_audio_buffer.cleared"
+
+
 class ErrorEvent(Event):
     type: Literal["error"] = "error"
     error: ErrorInfo
@@ -196,6 +232,10 @@ AnyEvent = Annotated[
     | ResponseOutputAudioDelta
     | ResponseOutputAudioDone
     | ResponseDone
+    | InputAudioBufferSpeechStarted
+    | InputAudioBufferSpeechStopped
+    | InputAudioBufferCommitted
+    | InputAudioBufferCleared
     | ErrorEvent,
     Field(discriminator="type"),
 ]

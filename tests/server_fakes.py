@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fractions
 import itertools
 import json
 import time
 
+import av
 import numpy as np
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
-from aiortc.mediastreams import MediaStreamError
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from omni_rt.errors import CapacityError, InvalidRequestError, StageError
 from omni_rt.events import (
@@ -47,11 +49,22 @@ class FakeSession:
         self._cancel = asyncio.Event()
         self.pcm_samples: dict[str, int] = {}  # response id → samples yielded
 
-    async def respond(self, text: str, *, max_output_tokens: int = 256, **_: object):
+    async def respond(
+        self,
+        text: str | None = None,
+        *,
+        audio: np.ndarray | None = None,
+        audio_sample_rate: int = 16000,
+        max_output_tokens: int = 256,
+        **_: object,
+    ):
         rid = f"resp_{next(self.engine.ids)}"
         self._cancel.clear()
         self.engine.running += 1
         self.engine.requests.append(text)
+        if audio is not None:
+            self.engine.audio_requests.append((audio, audio_sample_rate))
+            text = f"{len(audio) / audio_sample_rate:.1f} seconds" if text is None else text
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         ttft = ttfa = None
@@ -119,7 +132,8 @@ class FakeEngine:
         self.open_sessions = 0
         self.running = 0  # responses whose generator is still alive
         self.steps = 0  # "model steps" taken, to see work stop
-        self.requests: list[str] = []
+        self.requests: list[str | None] = []  # the text of each response (None: speech only)
+        self.audio_requests: list[tuple[np.ndarray, int]] = []  # (speech, its rate) of spoken turns
         self.sessions: list[FakeSession] = []
 
     def speaker_id(self, voice: str) -> int:
@@ -145,20 +159,76 @@ class FakeEngine:
             self.open_sessions -= 1
 
 
+def speech_like(seconds: float, rate: int, *, seed: int = 0) -> np.ndarray:
+    """A voice-like burst as float32: a gliding 120-180 Hz pitch with harmonics, syllables (4 Hz
+    envelope) and a little breath noise; loud enough for the VAD (about -15 dBFS), not clipped."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    pitch = 150 + 30 * np.sin(2 * np.pi * 1.3 * t)
+    phase = 2 * np.pi * np.cumsum(pitch) / rate
+    voiced = sum(np.sin(k * phase) / k for k in (1, 2, 3, 4))
+    syllables = 0.55 + 0.45 * np.sin(2 * np.pi * 4 * t) ** 2
+    edges = np.minimum(1.0, np.minimum(t, t[-1] - t) / 0.03)  # 30 ms fades: no clicks
+    x = 0.25 * voiced * syllables * edges + 0.003 * rng.standard_normal(len(t))
+    return x.astype(np.float32)
+
+
+class MicTrack(MediaStreamTrack):
+    """A microphone for aiortc clients: `play()` queues 48 kHz float audio; silence in between.
+
+    Paced like a real device (20 ms frames on the monotonic clock), so the server hears real time.
+    """
+
+    kind = "audio"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._queue = np.zeros(0, np.float32)
+        self._pts = 0
+        self._start: float | None = None
+        self.played = asyncio.Event()  # set when the queued audio has all gone out
+
+    def play(self, audio: np.ndarray) -> None:
+        self.played.clear()
+        self._queue = np.concatenate([self._queue, audio.astype(np.float32)])
+
+    async def recv(self):
+        if self.readyState != "live":
+            raise MediaStreamError
+        if self._start is None:
+            self._start = time.monotonic()
+        wait = self._start + self._pts / 48000 - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        chunk, self._queue = self._queue[:960], self._queue[960:]
+        if len(chunk) < 960:
+            chunk = np.concatenate([chunk, np.zeros(960 - len(chunk), np.float32)])
+            self.played.set()
+        frame = av.AudioFrame.from_ndarray(
+            (np.clip(chunk, -1, 1) * 32767).astype(np.int16).reshape(1, -1), format="s16", layout="mono"
+        )
+        frame.sample_rate, frame.time_base, frame.pts = 48000, fractions.Fraction(1, 48000), self._pts
+        self._pts += 960
+        return frame
+
+
 class Client:
     """A realtime client as a browser would be: signaling on the socket, events on a data channel."""
 
-    def __init__(self, ws):
+    def __init__(self, ws, mic: MicTrack | None = None):
         self.ws = ws
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
         self.events: asyncio.Queue = asyncio.Queue()
         self.frames: list[tuple[float, object]] = []
         self._tasks: list[asyncio.Task] = []
         self.direction = "recvonly"  # of the offer's audio
+        self.mic = mic  # sent up the audio transceiver (then sendrecv)
 
     async def connect(self) -> dict:
         created = json.loads(await self.ws.recv())
-        if self.direction == "sendonly":
+        if self.mic is not None:
+            self.pc.addTransceiver(self.mic, direction="sendrecv")
+        elif self.direction == "sendonly":
             from aiortc.mediastreams import AudioStreamTrack
 
             self.pc.addTransceiver(AudioStreamTrack(), direction="sendonly")  # a "microphone" of silence
@@ -212,6 +282,8 @@ class Client:
         return seen
 
     async def close(self):
+        if self.mic is not None:
+            self.mic.stop()
         await self.pc.close()
         for t in self._tasks:
             t.cancel()

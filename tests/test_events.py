@@ -10,6 +10,10 @@ from omni_rt.errors import InvalidRequestError, StageError
 from omni_rt.events import (
     AnyEvent,
     ErrorEvent,
+    InputAudioBufferCleared,
+    InputAudioBufferCommitted,
+    InputAudioBufferSpeechStarted,
+    InputAudioBufferSpeechStopped,
     Metrics,
     ResponseCreated,
     ResponseDone,
@@ -109,3 +113,23 @@ def test_events_are_immutable():
     ev = ResponseCreated(response_id="r")
     with pytest.raises(ValidationError):
         ev.response_id = "other"
+
+
+def test_input_audio_buffer_events_on_the_wire():
+    started = InputAudioBufferSpeechStarted(audio_start_ms=700, item_id="item_1")
+    wire = started.to_wire()
+    assert wire == {
+        "type": "input_audio_buffer.speech_started",
+        "event_id": started.event_id,
+        "audio_start_ms": 700,
+        "item_id": "item_1",
+    }
+    stopped = InputAudioBufferSpeechStopped(audio_end_ms=2500, item_id="item_1").to_wire()
+    assert (stopped["type"], stopped["audio_end_ms"]) == ("input_audio_buffer.speech_stopped", 2500)
+    committed = InputAudioBufferCommitted(item_id="item_1").to_wire()
+    assert committed["type"] == "input_audio_buffer.committed" and committed["previous_item_id"] is None
+    assert InputAudioBufferCleared().to_wire()["type"] == "input_audio_buffer.cleared"
+    adapter = TypeAdapter(AnyEvent)
+    assert adapter.validate_python(started.model_dump()) == started
+    with pytest.raises(ValidationError):
+        InputAudioBufferSpeechStarted(audio_start_ms=700)  # the item id is part of the event

@@ -40,7 +40,7 @@ def test_parses_the_ga_client_events():
                     "instructions": "Be brief.",
                     "output_modalities": ["audio"],
                     "audio": {"output": {"voice": "chelsie", "format": {"type": "audio/pcm"}}},
-                    "turn_detection": None,  # fields omni_rt does not use are tolerated
+                    "tracing": "auto",  # fields omni_rt does not use are tolerated
                 },
             }
         )
@@ -52,6 +52,58 @@ def test_parses_the_ga_client_events():
     assert isinstance(parse_client_event('{"type": "response.create"}'), protocol.ResponseCreate)
     assert isinstance(parse_client_event('{"type": "response.cancel"}'), protocol.ResponseCancel)
     assert parse_client_event(b'{"type": "webrtc.offer", "sdp": "v=0"}').sdp == "v=0"
+
+
+def test_parses_speech_input_events_and_turn_detection():
+    pcm = np.array([0, 1, -1, 32767, -32768], dtype=np.int16)
+    append = parse_client_event(
+        json.dumps(
+            {
+                "type": "input_audio_buffer.append",
+                "audio": base64.b64encode(pcm.astype("<i2").tobytes()).decode(),
+            }
+        )
+    )
+    assert np.array_equal(append.pcm(), pcm)
+    assert isinstance(
+        parse_client_event('{"type": "input_audio_buffer.commit"}'), protocol.InputAudioBufferCommit
+    )
+    assert isinstance(
+        parse_client_event('{"type": "input_audio_buffer.clear"}'), protocol.InputAudioBufferClear
+    )
+    truncate = parse_client_event(
+        '{"type": "conversation.item.truncate", "item_id": "item_1", "content_index": 0, "audio_end_ms": 1500}'
+    )
+    assert (truncate.item_id, truncate.audio_end_ms) == ("item_1", 1500)
+
+    def detection(session: dict):
+        return parse_client_event(json.dumps({"type": "session.update", "session": session})).turn_detection()
+
+    assert detection({"instructions": "x"}) == (False, None)  # not given: unchanged
+    assert detection({"audio": {"input": {"turn_detection": None}}}) == (True, None)  # GA: off
+    assert detection({"turn_detection": None}) == (True, None)  # beta, flat
+    given, fields = detection(
+        {"audio": {"input": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 800}}}}
+    )
+    assert given and fields.silence_duration_ms == 800 and fields.threshold is None
+
+
+@pytest.mark.parametrize(
+    ("audio", "message"),
+    [("not base64!", "base64"), (base64.b64encode(b"\x01\x02\x03").decode(), "even number")],
+)
+def test_malformed_append_audio_is_an_invalid_value(audio, message):
+    event = parse_client_event(
+        json.dumps({"type": "input_audio_buffer.append", "audio": audio, "event_id": "c4"})
+    )
+    with pytest.raises(ProtocolError, match=message) as err:
+        event.pcm()
+    assert (err.value.code, err.value.param, err.value.event_id, err.value.fatal) == (
+        "invalid_value",
+        "audio",
+        "c4",
+        False,
+    )
 
 
 @pytest.mark.parametrize(
@@ -71,6 +123,31 @@ def test_parses_the_ga_client_events():
             False,
         ),
         ('{"type": "webrtc.offer", "sdp": ""}', "invalid_value", False),
+        (
+            '{"type": "session.update", "session": {"turn_detection": {"type": "semantic_vad"}}}',
+            "invalid_value",
+            False,
+        ),
+        (
+            '{"type": "session.update", "session": {"turn_detection": {"threshold": 1.5}}}',
+            "invalid_value",
+            False,
+        ),
+        (
+            '{"type": "session.update", "session": {"audio": {"input": {"format": {"rate": 16000}}}}}',
+            "invalid_value",
+            False,
+        ),
+        (
+            '{"type": "conversation.item.truncate", "item_id": "i", "audio_end_ms": -1}',
+            "invalid_value",
+            False,
+        ),
+        (
+            json.dumps({"type": "input_audio_buffer.append", "audio": "A" * (protocol.MAX_APPEND_CHARS + 4)}),
+            "invalid_value",
+            False,
+        ),
     ],
 )
 def test_bad_client_events_raise_protocol_errors(raw, code, fatal):
@@ -249,18 +326,33 @@ async def test_one_response_at_a_time_and_cancel(served):
     assert engine.requests[-1] == "and another"
 
 
-async def test_input_audio_is_counted_and_refused_once(served):
+async def test_session_reports_and_updates_turn_detection(served):
     _, server, ws = served
-    await recv(ws)
-    chunk = base64.b64encode(np.zeros(480, "<i2").tobytes()).decode()
-    for _ in range(3):
-        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": chunk}))
-    error = await recv(ws)
-    assert error["type"] == "error" and error["error"]["code"] == "unsupported_event"
-    await ws.send(json.dumps(user_message("x")))
-    assert (await recv(ws))["type"] == "conversation.item.added"  # not a second error
+    created = (await recv(ws))["session"]
+    assert created["audio"]["input"] == {
+        "format": {"type": "audio/pcm", "rate": 24000},
+        "turn_detection": {
+            "type": "server_vad",
+            "threshold": 0.5,
+            "prefix_padding_ms": 300,
+            "silence_duration_ms": 500,
+            "create_response": True,
+            "interrupt_response": True,
+        },
+    }
+    update = {
+        "turn_detection": {"type": "server_vad", "silence_duration_ms": 789, "interrupt_response": False}
+    }
+    await ws.send(json.dumps({"type": "session.update", "session": {"audio": {"input": update}}}))
+    detection = (await recv(ws))["session"]["audio"]["input"]["turn_detection"]
+    # missing fields take the defaults; times are rounded to the detector's 20 ms frames
+    assert detection["silence_duration_ms"] == 780 and detection["prefix_padding_ms"] == 300
+    assert detection["interrupt_response"] is False and detection["create_response"] is True
     (peer,) = server.peers
-    assert peer.input_audio_frames == 3
+    assert peer.input.segmenter.vad.cfg.silence_duration_ms == 780
+    await ws.send(json.dumps({"type": "session.update", "session": {"turn_detection": None}}))
+    assert (await recv(ws))["session"]["audio"]["input"]["turn_detection"] is None
+    assert not peer.input.segmenter.detect
 
 
 async def test_a_failing_stage_fails_the_response_not_the_connection(served):

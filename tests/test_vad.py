@@ -156,7 +156,15 @@ def test_turns_carry_exactly_their_audio(chunk):
     )
     out, seg = segment(audio, chunk)
     assert [type(e) for e in out] == [SpeechStarted, SpeechStopped, Turn] * 2
-    assert [e for e in out if not isinstance(e, Turn)] == run(audio)[0]  # the same events as ServerVad
+    vad_events = run(audio)[0]
+    # ServerVad's events, except that the second turn's prefix stops where the first turn ended (the
+    # Realtime API's buffer is empty after a commit): no audio belongs to two turns
+    assert vad_events[2] == SpeechStarted(2000)
+    assert [e for e in out if not isinstance(e, Turn)] == [
+        *vad_events[:2],
+        SpeechStarted(2100),
+        vad_events[3],
+    ]
     for turn in (out[2], out[5]):
         a, b = turn.audio_start_ms * 16, turn.audio_end_ms * 16
         assert np.array_equal(turn.audio, audio[a:b])
@@ -181,3 +189,43 @@ def test_commit_ends_a_turn_early_and_clear_drops_it():
     assert seg.in_speech
     seg.clear()
     assert not seg.in_speech and seg.commit() is None
+
+
+def test_without_detection_a_turn_is_everything_since_the_last_commit_or_clear():
+    audio = np.concatenate([noise(300), voice(500), noise(700, seed=4)])
+    seg = TurnSegmenter(detect=False)
+    assert seg.push(audio) == []  # no detector: no events, however speech-like the audio
+    assert not seg.in_speech and seg.turn_ms == 1500
+    turn = seg.commit()
+    assert turn is not None and (turn.audio_start_ms, turn.audio_end_ms) == (0, 1500)
+    assert np.array_equal(turn.audio, audio)
+    seg.push(noise(200, seed=8))
+    seg.clear()
+    assert seg.turn_ms == 0
+    later = voice(400, seed=9)
+    seg.push(later)
+    turn = seg.commit()
+    assert (turn.audio_start_ms, turn.audio_end_ms) == (1700, 2100)
+    assert np.array_equal(turn.audio, later)
+    assert sum(len(c) for c in seg._chunks) <= len(later)  # nothing older is kept
+
+
+def test_turn_ms_counts_the_open_turn():
+    seg = TurnSegmenter()
+    seg.push(noise(500))
+    assert seg.turn_ms == 0
+    seg.push(voice(1000))  # speech from 500 ms; the turn opened at 200 ms (300 ms prefix)
+    assert seg.in_speech and seg.turn_ms == 1300
+    with pytest.raises(ConfigError):
+        VadConfig(silence_duration_ms=0)  # would end every turn on its first frame
+
+
+def test_a_turn_after_a_commit_does_not_reach_back_into_it():
+    seg = TurnSegmenter()
+    seg.push(noise(500))
+    seg.push(voice(600))
+    first = seg.commit()  # mid-speech: the speaker goes on
+    out = seg.push(np.concatenate([voice(600, seed=2), noise(800, seed=3)]))
+    assert [type(e) for e in out] == [SpeechStarted, SpeechStopped, Turn]
+    assert out[0].audio_start_ms == first.audio_end_ms == 1100  # not 1100 + 60 - 300
+    assert out[2].audio_start_ms == 1100

@@ -42,6 +42,7 @@ __all__ = [
     "TurnSegmenter",
     "VadConfig",
     "frame_features",
+    "pcm_float",
     "speech_probability",
 ]
 
@@ -75,6 +76,9 @@ class VadConfig:
                 raise ConfigError(
                     f"VAD {name} must be a non-negative multiple of {self.frame_ms} ms, got {v}"
                 )
+        if self.silence_duration_ms < self.frame_ms:
+            # a zero window would end every turn on the frame that started it
+            raise ConfigError(f"VAD silence_duration_ms must be at least {self.frame_ms} ms")
         if self.sample_rate * self.frame_ms % 1000:
             raise ConfigError(f"{self.frame_ms} ms is not a whole number of samples at {self.sample_rate} Hz")
 
@@ -115,6 +119,20 @@ def speech_probability(level_db: float, zcr: float, floor_db: float, cfg: VadCon
     return p_energy * (1.0 - (1.0 - cfg.noise_zcr_weight) * noisiness)
 
 
+def pcm_float(audio: np.ndarray) -> np.ndarray:
+    """Mono PCM as float32 in [-1, 1] (int16 is scaled); anything else is an `InvalidRequestError`."""
+    from omni_rt.errors import InvalidRequestError
+
+    a = np.asarray(audio)
+    if a.ndim != 1:
+        raise InvalidRequestError(f"VAD input must be mono [samples], got shape {a.shape}")
+    if a.dtype == np.int16:
+        return a.astype(np.float32) / 32768.0
+    if not np.issubdtype(a.dtype, np.floating):
+        raise InvalidRequestError(f"VAD input must be float or int16 PCM, got dtype {a.dtype}")
+    return a.astype(np.float32, copy=False)
+
+
 class ServerVad:
     """Streaming detector: push 16 kHz mono audio in any chunk sizes, get speech_started/stopped events."""
 
@@ -147,16 +165,7 @@ class ServerVad:
 
     def push(self, audio: np.ndarray) -> list[SpeechStarted | SpeechStopped]:
         """Analyse `audio` (1-D float in [-1, 1], or int16) and return the events it completes, in order."""
-        from omni_rt.errors import InvalidRequestError
-
-        a = np.asarray(audio)
-        if a.ndim != 1:
-            raise InvalidRequestError(f"VAD input must be mono [samples], got shape {a.shape}")
-        if a.dtype == np.int16:
-            a = a.astype(np.float32) / 32768.0
-        elif not np.issubdtype(a.dtype, np.floating):
-            raise InvalidRequestError(f"VAD input must be float or int16 PCM, got dtype {a.dtype}")
-        buf = np.concatenate((self._pending, a.astype(np.float32, copy=False)))
+        buf = np.concatenate((self._pending, pcm_float(audio)))
         n = self.cfg.frame_samples
         whole = len(buf) // n
         events: list[SpeechStarted | SpeechStopped] = []
@@ -215,49 +224,69 @@ class TurnSegmenter:
     """A `ServerVad` that also keeps the audio: each speech_stopped is followed by the `Turn` it closed.
 
     Memory is bounded while idle (the last prefix_padding + min_speech + one frame of audio, what a
-    speech_started can reach back to); during a turn it holds the turn (the caller bounds turn length,
-    as the Realtime API bounds its input buffer). `commit()` ends a turn early (a client's
-    `input_audio_buffer.commit` while the user is still talking), `clear()` drops it.
+    speech_started can reach back to); during a turn it holds the turn (the caller bounds turn length
+    with `turn_ms`, as the Realtime API bounds its input buffer). `commit()` ends a turn early (a
+    client's `input_audio_buffer.commit` while the user is still talking), `clear()` drops it.
+
+    `detect=False` is the Realtime API's `turn_detection: null`: no detector runs, a turn is always
+    open, and it holds everything pushed since the last commit or clear until `commit()` takes it.
     """
 
-    def __init__(self, cfg: VadConfig | None = None) -> None:
+    def __init__(self, cfg: VadConfig | None = None, *, detect: bool = True) -> None:
         self.vad = ServerVad(cfg)
+        self.detect = detect
         self._chunks: list[np.ndarray] = []
         self._start = 0  # sample index of the first buffered sample
         self._pushed = 0  # samples pushed in all
-        self._turn_start_ms: int | None = None
+        self._turn_start_ms: int | None = None if detect else 0
+        self._last_end_ms = 0  # where the previous turn ended: the next one's prefix stops there
 
     @property
     def in_speech(self) -> bool:
         return self.vad.in_speech
 
+    @property
+    def elapsed_ms(self) -> int:
+        """Where the input buffer stands: whole frames analysed, or (no detection) all samples pushed."""
+        return self.vad.elapsed_ms if self.detect else self._pushed * 1000 // self.vad.cfg.sample_rate
+
+    @property
+    def turn_ms(self) -> int:
+        """Milliseconds of audio in the open turn (0 when none is open)."""
+        return 0 if self._turn_start_ms is None else self.elapsed_ms - self._turn_start_ms
+
     def push(self, audio: np.ndarray) -> list[SpeechStarted | SpeechStopped | Turn]:
-        events = self.vad.push(audio)  # validates audio
-        a = np.asarray(audio)
-        a = a.astype(np.float32) / 32768.0 if a.dtype == np.int16 else a.astype(np.float32, copy=False)
+        a = pcm_float(audio)  # validates
+        events = self.vad.push(a) if self.detect else []
         self._chunks.append(a.copy())
         self._pushed += len(a)
         out: list[SpeechStarted | SpeechStopped | Turn] = []
         for ev in events:
-            out.append(ev)
             if isinstance(ev, SpeechStarted):
+                # After a commit mid-speech (or with a prefix longer than the silence window) the
+                # prefix would reach into the previous turn: no audio belongs to two turns.
+                ev = SpeechStarted(audio_start_ms=max(ev.audio_start_ms, self._last_end_ms))
                 self._turn_start_ms = ev.audio_start_ms
-            else:
+            out.append(ev)
+            if not isinstance(ev, SpeechStarted):
                 out.append(self._take(ev.audio_end_ms))
         self._trim()
         return out
 
     def commit(self) -> Turn | None:
-        """End the current turn now (whole frames analysed so far); None when no speech is under way."""
+        """End the current turn now (whole frames analysed so far); None when no turn is open."""
         if self._turn_start_ms is None:
             return None
-        turn = self._take(self.vad.elapsed_ms)
+        end = self.elapsed_ms
+        turn = self._take(end)
         self.vad.reset_speech()
+        if not self.detect:
+            self._turn_start_ms = end  # the next turn starts where this one ended
         return turn
 
     def clear(self) -> None:
         """Drop the current turn's audio and state (`input_audio_buffer.clear`); time keeps running."""
-        self._turn_start_ms = None
+        self._turn_start_ms = None if self.detect else self.elapsed_ms
         self.vad.reset_speech()
         self._trim()
 
@@ -269,6 +298,7 @@ class TurnSegmenter:
         buf = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
         lo, hi = self._samples(start_ms) - self._start, self._samples(end_ms) - self._start
         self._turn_start_ms = None
+        self._last_end_ms = end_ms
         return Turn(audio=buf[max(lo, 0) : hi].copy(), audio_start_ms=start_ms, audio_end_ms=end_ms)
 
     def _trim(self) -> None:

@@ -17,17 +17,27 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
+import numpy as np
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError
 
+from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn
 from omni_rt.errors import OmniRtError
+from omni_rt.events import (
+    InputAudioBufferCleared,
+    InputAudioBufferCommitted,
+    InputAudioBufferSpeechStarted,
+    InputAudioBufferSpeechStopped,
+)
 from omni_rt.server import protocol
 from omni_rt.server.protocol import ProtocolError
+from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, TurnDetection
 from omni_rt.server.track import AudioOutputTrack, Idle
 
 if TYPE_CHECKING:
@@ -40,6 +50,7 @@ OUTBOX_SIZE = 1024  # server events waiting for a slow socket; past that the cli
 AUDIO_QUEUE_SIZE = 256  # PCM chunks between the session and the track (a few seconds to a minute)
 MAX_CHANNEL_BUFFERED = 8 * 1024 * 1024  # bytes a data channel may hold unsent before the peer is dropped
 SESSION_SAMPLE_RATE = 24000  # what socket clients receive (the model's own rate); the track makes 48 kHz
+KEPT_ITEMS = 64  # assistant items remembered for conversation.item.truncate
 _END = object()  # end of one response's audio in the audio queue
 
 
@@ -57,6 +68,9 @@ class PeerSettings:
     # The Talker stops at its end-of-speech code; this caps a reply that never gets there (random
     # weights do not) at 60 s of audio (a codec frame is 80 ms).
     max_audio_frames: int = 750
+    # Server VAD for new connections (a client changes it with session.update; None: off).
+    turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
+    max_turn_ms: int = 30_000  # longest user turn: VAD ends it there; without VAD the buffer is full
 
 
 @dataclass
@@ -67,6 +81,8 @@ class _Response:
     cancelled: bool = False
     transcript: list[str] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    audio_ms: float = 0.0  # audio the session made for it
+    played_ms: float | None = None  # what the client said it played (conversation.item.truncate)
 
 
 class Peer:
@@ -95,9 +111,17 @@ class Peer:
         self._audio: asyncio.Queue[tuple[_Response, Any, int]] = asyncio.Queue(AUDIO_QUEUE_SIZE)
 
         self._pending_input: list[str] = []  # user text since the last response.create
+        self._pending_audio: list[np.ndarray] = []  # committed user speech (16 kHz) since then
         self._last_item_id: str | None = None
         self._response: _Response | None = None
-        self._announced_audio_input = False
+        self._respond_when_idle = False  # a VAD turn ended during a response: answer it after
+        self._items: OrderedDict[str, _Response] = OrderedDict()  # recent assistant items by id
+
+        self.turn_detection = settings.turn_detection
+        self.input = InputAudioBuffer(self.turn_detection, settings.max_turn_ms)
+        self._input_item_id: str | None = None  # the user item the turn being spoken will become
+        self._input_full_reported = False  # the microphone overran a buffer without VAD: said once
+        self._input_failed = False  # speech input hit a bug: the microphone is read and dropped
 
         # Counters: what the client sent us as audio, and what we played to it.
         self.input_audio_frames = 0
@@ -196,6 +220,7 @@ class Peer:
             self.output_modalities,
             SESSION_SAMPLE_RATE,
             self.max_output_tokens,
+            None if self.turn_detection is None else self.turn_detection.to_wire(),
         )
 
     # -- transport --------------------------------------------------------------------------------------
@@ -289,6 +314,14 @@ class Peer:
                 await self._on_audio_clear(event)
             case protocol.InputAudioBufferAppend():
                 self._on_audio_append(event)
+            case protocol.InputAudioBufferCommit():
+                self._on_audio_commit(event)
+            case protocol.InputAudioBufferClear():
+                self.input.clear()
+                self._input_item_id = None
+                self.send(InputAudioBufferCleared().to_wire())
+            case protocol.ConversationItemTruncate():
+                self._on_item_truncate(event)
 
     async def _on_session_update(self, event: protocol.SessionUpdate) -> None:
         s = event.session
@@ -310,7 +343,10 @@ class Peer:
                 raise ProtocolError(
                     "invalid_value", str(exc), param="session.audio.output.voice", event_id=event.event_id
                 ) from None
+        given, detection = event.turn_detection()
         # Valid: apply all of it.
+        if given:
+            self._set_turn_detection(None if detection is None else TurnDetection.from_wire(detection))
         modalities = s.output_modalities or s.modalities
         if modalities is not None:
             self.output_modalities = list(dict.fromkeys(modalities))
@@ -360,27 +396,39 @@ class Peer:
                 "a response is already in progress; cancel it first",
                 event_id=event.event_id,
             )
-        if not self._pending_input:
+        if not self._pending_input and not self._pending_audio:
             raise ProtocolError(
                 "no_input",
-                "nothing to respond to: add a user message with conversation.item.create first",
+                "nothing to respond to: add a user message with conversation.item.create "
+                "or commit the input audio buffer first",
                 event_id=event.event_id,
             )
-        text = "\n".join(self._pending_input)
+        limit = self.settings.max_output_tokens
+        asked = event.response.max_output_tokens or self.max_output_tokens
+        max_tokens = limit if asked in (None, "inf") else max(1, min(int(asked), limit))
+        self._start_response(max_tokens, list(event.response.output_modalities or self.output_modalities))
+
+    def _start_response(self, max_tokens: int, modalities: list[str]) -> None:
+        """Answer everything the user added since the last response: text, speech, or both."""
+        text = "\n".join(self._pending_input) or None
+        audio = np.concatenate(self._pending_audio) if self._pending_audio else None
         self._pending_input.clear()
+        self._pending_audio.clear()
+        self._respond_when_idle = False
         if self.track is not None and self.track.response_id is not None:
             # The previous reply is still playing (playout is real time, generation faster): the
             # conversation has moved on, so its unplayed audio goes rather than delaying the new reply.
             playing = self.track.response_id
             self._drop_queued_audio()
             self.send(protocol.output_audio_buffer("cleared", playing))
-        limit = self.settings.max_output_tokens
-        asked = event.response.max_output_tokens or self.max_output_tokens
-        max_tokens = limit if asked in (None, "inf") else max(1, min(int(asked), limit))
-        modalities = list(event.response.output_modalities or self.output_modalities)
         response = _Response(item_id=protocol.new_id("item"))
         self._response = response
-        response.task = self._spawn(self._run_response(response, text, max_tokens, modalities), "response")
+        self._items[response.item_id] = response
+        while len(self._items) > KEPT_ITEMS:
+            self._items.popitem(last=False)
+        response.task = self._spawn(
+            self._run_response(response, text, audio, max_tokens, modalities), "response"
+        )
 
     async def _on_response_cancel(self, event: protocol.ResponseCancel) -> None:
         response = self._response
@@ -400,38 +448,171 @@ class Peer:
                 "output_audio_buffer.clear needs a WebRTC audio track",
                 event_id=event.event_id,
             )
-        if self._response is not None:
-            await self._cancel_response(self._response)
+        self._interrupt()
+
+    def _interrupt(self) -> None:
+        """Barge-in, at once: the reply in progress is cut and cancelled, or the one still playing cut
+        off. Nothing here waits, so the microphone keeps being read; the model stops in a task."""
+        response = self._response
+        if response is not None:
+            if self._cut(response) and self.session is not None:
+                self._spawn(self._cancel_session(self.session), "barge-in")
             return
-        playing = self.track.response_id
+        playing = self.track.response_id if self.track is not None else None
         self._drop_queued_audio()
         if playing is not None:
             self.send(protocol.output_audio_buffer("cleared", playing))
 
+    async def _cancel_session(self, session: Any) -> None:
+        try:
+            await session.cancel()
+        except OmniRtError as exc:  # the pipeline did not stop in time: the response.done says failed
+            log.warning("peer %s: cancel failed: %s", self.session_id, exc)
+
+    # -- speech input -----------------------------------------------------------------------------------
+
+    def _set_turn_detection(self, detection: TurnDetection | None) -> None:
+        if detection == self.turn_detection:
+            return
+        # A new detector and an empty buffer: a turn half-heard under the old settings is dropped.
+        self.turn_detection = detection
+        self.input = InputAudioBuffer(detection, self.settings.max_turn_ms)
+        self._input_item_id = None
+        self._input_full_reported = False
+
     def _on_audio_append(self, event: protocol.InputAudioBufferAppend) -> None:
         self.input_audio_frames += 1
-        if not self._announced_audio_input:
-            self._announced_audio_input = True
+        try:
+            self._on_input_events(self.input.push(event.pcm(), protocol.INPUT_SAMPLE_RATE))
+        except ProtocolError as exc:
+            exc.event_id = event.event_id
+            raise
+
+    def _on_mic_frame(self, frame: Any) -> None:
+        """One decoded WebRTC frame (48 kHz stereo s16 from aiortc) into the input buffer."""
+        if self._input_failed:
+            return
+        try:
+            samples = frame.to_ndarray()  # packed: [1, samples * channels]; planar: [channels, samples]
+            channels = len(frame.layout.channels)
+            if frame.format.is_planar:
+                samples, channels = samples.mean(axis=0), 1
+            self._on_input_events(self.input.push(samples, frame.sample_rate, channels))
+        except ProtocolError as exc:  # the buffer without VAD is full: say so once, until it is emptied
+            if not self._input_full_reported:
+                self._input_full_reported = True
+                self.send(protocol.error(exc))
+        except Exception:
+            # A bug in speech input costs this client its speech input, never the track reading.
+            log.exception("peer %s: speech input failed", self.session_id)
+            self._input_failed = True
+            self.send(
+                protocol.error(ProtocolError("server_error", "speech input failed", type="server_error"))
+            )
+
+    def _on_input_events(self, events: list[SpeechStarted | SpeechStopped | Turn]) -> None:
+        detection = self.turn_detection
+        for ev in events:
+            if isinstance(ev, SpeechStarted):
+                self._input_item_id = protocol.new_id("item")
+                self.send(
+                    InputAudioBufferSpeechStarted(
+                        audio_start_ms=ev.audio_start_ms, item_id=self._input_item_id
+                    ).to_wire()
+                )
+                if detection is not None and detection.interrupt_response:
+                    self._interrupt()
+            elif isinstance(ev, SpeechStopped):
+                item_id = self._input_item_id or protocol.new_id("item")
+                self._input_item_id = item_id
+                self.send(
+                    InputAudioBufferSpeechStopped(audio_end_ms=ev.audio_end_ms, item_id=item_id).to_wire()
+                )
+            else:
+                self._commit_turn(ev)
+                if detection is not None and detection.create_response:
+                    if self._response is None:
+                        self._start_response(self._max_tokens(), list(self.output_modalities))
+                    else:  # still stopping (or not interrupted): answer when it has ended
+                        self._respond_when_idle = True
+
+    def _on_audio_commit(self, event: protocol.InputAudioBufferCommit) -> None:
+        try:
+            turn = self.input.commit()
+        except ProtocolError as exc:
+            exc.event_id = event.event_id
+            raise
+        self._commit_turn(turn)  # a manual commit adds the turn; response.create answers it
+
+    def _commit_turn(self, turn: Turn) -> None:
+        """The turn's audio becomes a user item, waiting for the next response like user text."""
+        item_id = self._input_item_id or protocol.new_id("item")
+        self._input_item_id = None
+        self._input_full_reported = False
+        previous = self._last_item_id
+        self.send(InputAudioBufferCommitted(item_id=item_id, previous_item_id=previous).to_wire())
+        item = protocol.input_audio_item(item_id)
+        self.send(protocol.conversation_item_added(item, previous))
+        self.send(protocol.conversation_item_done(item, previous))
+        self._last_item_id = item_id
+        self._pending_audio.append(turn.audio)
+
+    def _max_tokens(self) -> int:
+        asked, limit = self.max_output_tokens, self.settings.max_output_tokens
+        return limit if asked == "inf" else max(1, min(int(asked), limit))
+
+    def _on_item_truncate(self, event: protocol.ConversationItemTruncate) -> None:
+        """Record how much of a reply the client played. The session keeps the whole reply in its
+        conversation (the model's context is not rewritten); the client's transcript is its own."""
+        response = self._items.get(event.item_id)
+        if response is None:
             raise ProtocolError(
-                "unsupported_event",
-                "speech input is not supported yet: input audio is counted and dropped",
+                "invalid_value", f"no assistant item {event.item_id!r} with audio", param="item_id",
+                event_id=event.event_id,
+            )  # fmt: skip
+        if event.content_index != 0:
+            raise ProtocolError(
+                "invalid_value", "an assistant item has one content part (index 0)", param="content_index",
+                event_id=event.event_id,
+            )  # fmt: skip
+        if event.audio_end_ms > response.audio_ms + 1:  # + 1: the client's rounding
+            raise ProtocolError(
+                "invalid_value",
+                f"audio_end_ms {event.audio_end_ms} is past the item's audio ({response.audio_ms:.0f} ms)",
+                param="audio_end_ms",
                 event_id=event.event_id,
             )
+        response.played_ms = float(event.audio_end_ms)
+        self.send(
+            protocol.conversation_item_truncated(event.item_id, event.content_index, event.audio_end_ms)
+        )
 
     # -- responses --------------------------------------------------------------------------------------
 
     async def _run_response(
-        self, response: _Response, text: str, max_tokens: int, modalities: list[str]
+        self,
+        response: _Response,
+        text: str | None,
+        audio: np.ndarray | None,
+        max_tokens: int,
+        modalities: list[str],
     ) -> None:
         audio_out = "audio" in modalities
         use_track = self.track is not None
         done_sent = False
         try:
-            replies = self.session.respond(
-                text, max_output_tokens=max_tokens, max_audio_frames=self.settings.max_audio_frames
-            )
+            limits = {"max_output_tokens": max_tokens, "max_audio_frames": self.settings.max_audio_frames}
+            if audio is not None:
+                limits |= {"audio": audio, "audio_sample_rate": SPEECH_RATE}
+            replies = self.session.respond(text, **limits)
+            stopped = False
             async for ev in replies:
                 kind = ev.type
+                if response.cancelled and not stopped and kind not in ("response.created", "response.done"):
+                    # Cut before the session had this response in hand (a barge-in while it was
+                    # starting): its cancel found nothing to stop, so stop it now.
+                    stopped = True
+                    self._spawn(self._cancel_session(self.session), "cancel")
                 if kind == "response.created":
                     response.id = ev.response_id
                     self.responses += 1
@@ -449,6 +630,7 @@ class Peer:
                 elif kind == "response.output_audio.delta":
                     if not audio_out or response.cancelled:
                         continue
+                    response.audio_ms += 1000.0 * len(ev.pcm) / ev.sample_rate
                     if use_track:
                         await self._audio.put((response, ev.pcm, ev.sample_rate))
                     else:
@@ -480,6 +662,8 @@ class Peer:
                 self.send(protocol.response_done(protocol.response_object(response.id, status)))
             if self._response is response:
                 self._response = None
+                if self._respond_when_idle and not self._closing:
+                    self._start_response(self._max_tokens(), list(self.output_modalities))
 
     def _finish_texts(self, response: _Response, modalities: list[str]) -> None:
         if "audio" in modalities and response.transcript:
@@ -507,14 +691,18 @@ class Peer:
 
     async def _cancel_response(self, response: _Response) -> None:
         """Barge-in: stop the model, drop every sample not yet sent, keep the session."""
+        if self._cut(response) and self.session is not None:
+            await self.session.cancel()
+
+    def _cut(self, response: _Response) -> bool:
+        """Silence a response now: no more of its audio goes out. False if it was already cut."""
         if response.cancelled:
-            return
+            return False
         response.cancelled = True
         self._drop_queued_audio()
         if response.id is not None and self.track is not None:
             self.send(protocol.output_audio_buffer("cleared", response.id))
-        if self.session is not None:
-            await self.session.cancel()
+        return True
 
     def _drop_queued_audio(self) -> None:
         while not self._audio.empty():
@@ -621,14 +809,14 @@ class Peer:
             self._spawn(self._consume_remote_audio(track), "remote video")
 
     async def _consume_remote_audio(self, track: Any) -> None:
-        """Always read the client's media: aiortc queues unread frames without bound.
-
-        Speech input is not part of the Session yet: the frames are counted and dropped.
-        """
+        """Always read the client's media: aiortc queues unread frames without bound. Audio goes to
+        the input buffer (server VAD, turns); nothing in this loop waits but `recv()`."""
         try:
             while True:
-                await track.recv()
+                frame = await track.recv()
                 self.input_audio_frames += 1
+                if track.kind == "audio":
+                    self._on_mic_frame(frame)
         except MediaStreamError:
             pass
 

@@ -17,6 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_MESSAGE_BYTES = 256 * 1024  # an SDP offer is a few kB; a text message far less
 MAX_TEXT_CHARS = 16_000  # one user message
+INPUT_SAMPLE_RATE = 24_000  # input_audio_buffer.append carries 24 kHz mono PCM16, as OpenAI's does
+MAX_APPEND_MS = 2_000  # audio in one append; clients send 20-100 ms at a time
+# base64 of MAX_APPEND_MS of PCM16: 4 characters per 3 bytes
+MAX_APPEND_CHARS = -(-INPUT_SAMPLE_RATE * MAX_APPEND_MS // 1000 * 2 // 3) * 4
 
 
 class ProtocolError(Exception):
@@ -65,8 +69,34 @@ class AudioOutputConfig(BaseModel):
     voice: str | None = Field(default=None, min_length=1, max_length=64)
 
 
+class TurnDetectionFields(BaseModel):
+    """`turn_detection`: server VAD only (`semantic_vad` is not offered). Missing fields: defaults."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["server_vad"] = "server_vad"
+    threshold: float | None = Field(default=None, gt=0.0, lt=1.0)
+    prefix_padding_ms: int | None = Field(default=None, ge=0, le=5_000)
+    silence_duration_ms: int | None = Field(default=None, ge=20, le=10_000)
+    create_response: bool | None = None
+    interrupt_response: bool | None = None
+
+
+class AudioFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["audio/pcm"] = "audio/pcm"
+    rate: Literal[24000] = INPUT_SAMPLE_RATE
+
+
+class AudioInputConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    format: AudioFormat | None = None
+    # null turns server VAD off; an absent key leaves it as it is (see `turn_detection_given`)
+    turn_detection: TurnDetectionFields | None = None
+
+
 class AudioConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
+    input: AudioInputConfig | None = None
     output: AudioOutputConfig | None = None
 
 
@@ -81,11 +111,23 @@ class SessionFields(BaseModel):
     # Older (beta) clients send these flat.
     voice: str | None = Field(default=None, min_length=1, max_length=64)
     modalities: list[Literal["audio", "text"]] | None = Field(default=None, min_length=1)
+    turn_detection: TurnDetectionFields | None = None
 
 
 class SessionUpdate(_Event):
     type: Literal["session.update"]
     session: SessionFields
+
+    def turn_detection(self) -> tuple[bool, TurnDetectionFields | None]:
+        """(given, value): whether the update sets `turn_detection` (GA `audio.input.turn_detection`
+        or beta `turn_detection`), and to what; `None` as a value turns server VAD off."""
+        s = self.session
+        audio_input = s.audio.input if s.audio is not None else None
+        if audio_input is not None and "turn_detection" in audio_input.model_fields_set:
+            return True, audio_input.turn_detection
+        if "turn_detection" in s.model_fields_set:
+            return True, s.turn_detection
+        return False, None
 
 
 class ContentPart(BaseModel):
@@ -136,7 +178,40 @@ class WebRtcOffer(_Event):
 
 class InputAudioBufferAppend(_Event):
     type: Literal["input_audio_buffer.append"]
-    audio: str
+    audio: str = Field(max_length=MAX_APPEND_CHARS)  # base64 PCM16, 24 kHz mono, little-endian
+
+    def pcm(self) -> np.ndarray:
+        """The samples, int16; malformed audio is an `invalid_value` error."""
+        try:
+            data = base64.b64decode(self.audio, validate=True)
+        except (ValueError, TypeError):
+            raise ProtocolError(
+                "invalid_value",
+                "audio must be base64 (PCM16 little-endian)",
+                param="audio",
+                event_id=self.event_id,
+            ) from None
+        if len(data) % 2:
+            raise ProtocolError(
+                "invalid_value", "audio must be whole PCM16 samples (an even number of bytes)",
+                param="audio", event_id=self.event_id,
+            )  # fmt: skip
+        return np.frombuffer(data, dtype="<i2").astype(np.int16)
+
+
+class InputAudioBufferCommit(_Event):
+    type: Literal["input_audio_buffer.commit"]
+
+
+class InputAudioBufferClear(_Event):
+    type: Literal["input_audio_buffer.clear"]
+
+
+class ConversationItemTruncate(_Event):
+    type: Literal["conversation.item.truncate"]
+    item_id: str = Field(min_length=1, max_length=64)
+    content_index: int = Field(default=0, ge=0)
+    audio_end_ms: int = Field(ge=0)
 
 
 CLIENT_EVENTS: dict[str, type[_Event]] = {
@@ -147,6 +222,9 @@ CLIENT_EVENTS: dict[str, type[_Event]] = {
     "output_audio_buffer.clear": OutputAudioBufferClear,
     "webrtc.offer": WebRtcOffer,
     "input_audio_buffer.append": InputAudioBufferAppend,
+    "input_audio_buffer.commit": InputAudioBufferCommit,
+    "input_audio_buffer.clear": InputAudioBufferClear,
+    "conversation.item.truncate": ConversationItemTruncate,
 }
 
 
@@ -221,6 +299,7 @@ def session_object(
     output_modalities: list[str],
     sample_rate: int,
     max_output_tokens: int | str = "inf",
+    turn_detection: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "type": "realtime",
@@ -231,6 +310,10 @@ def session_object(
         "instructions": instructions,
         "max_output_tokens": max_output_tokens,
         "audio": {
+            "input": {
+                "format": {"type": "audio/pcm", "rate": INPUT_SAMPLE_RATE},
+                "turn_detection": turn_detection,
+            },
             "output": {"format": {"type": "audio/pcm", "rate": sample_rate}, "voice": voice},
         },
     }
@@ -259,6 +342,24 @@ def item_object(item_id: str, role: str, text: str, status: str = "completed") -
         "role": role,
         "content": [part],
     }
+
+
+def input_audio_item(item_id: str) -> dict[str, Any]:
+    """A user message made of the speech the input audio buffer committed (no transcription here)."""
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "message",
+        "status": "completed",
+        "role": "user",
+        "content": [{"type": "input_audio", "transcript": None}],
+    }
+
+
+def conversation_item_truncated(item_id: str, content_index: int, audio_end_ms: int) -> dict[str, Any]:
+    return _event(
+        "conversation.item.truncated", item_id=item_id, content_index=content_index, audio_end_ms=audio_end_ms
+    )
 
 
 def conversation_item_added(item: dict[str, Any], previous_item_id: str | None) -> dict[str, Any]:

@@ -1,0 +1,397 @@
+"""Speech input over the wire: a microphone track or `input_audio_buffer.append` → server VAD → turns
+answered with a spoken reply; manual commit without VAD; barge-in; bad audio."""
+
+import asyncio
+import base64
+import json
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("aiortc")
+
+import aioice.ice  # noqa: E402
+import websockets  # noqa: E402
+from server_fakes import Client, FakeEngine, MicTrack, speech_like  # noqa: E402
+
+from omni_rt.audio.resample import resample  # noqa: E402
+from omni_rt.server import PeerSettings, Server, ServerSettings  # noqa: E402
+from omni_rt.server.track import AudioOutputTrack  # noqa: E402
+
+RATE_IN = 24000  # input_audio_buffer.append
+
+
+@pytest.fixture(autouse=True)
+def loopback_ice(monkeypatch):
+    # aioice never offers 127.0.0.1; in a loopback-only namespace there would be no candidate at all.
+    original = aioice.ice.get_host_addresses
+    monkeypatch.setattr(aioice.ice, "get_host_addresses", lambda **kw: original(**kw) or ["127.0.0.1"])
+
+
+def pcm16_b64(audio: np.ndarray) -> str:
+    return base64.b64encode((np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()).decode()
+
+
+def spoken_turn(rate: int, lead_s: float = 0.2, speech_s: float = 0.8, tail_s: float = 0.8, seed: int = 0):
+    """Silence, a voice-like burst, silence: one turn for the server VAD."""
+    return np.concatenate(
+        [
+            np.zeros(int(lead_s * rate), np.float32),
+            speech_like(speech_s, rate, seed=seed),
+            np.zeros(int(tail_s * rate), np.float32),
+        ]
+    )
+
+
+async def append(ws, audio: np.ndarray, chunk_ms: int = 100) -> None:
+    n = RATE_IN * chunk_ms // 1000
+    for i in range(0, len(audio), n):
+        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": pcm16_b64(audio[i : i + n])}))
+
+
+async def recv(ws) -> dict:
+    return json.loads(await asyncio.wait_for(ws.recv(), 10))
+
+
+async def until(ws, type_: str, status: str | None = None) -> list[dict]:
+    """Socket events up to the first of `type_` (a response.done with `status`, when given)."""
+    events = []
+    while True:
+        events.append(await recv(ws))
+        ev = events[-1]
+        if ev["type"] == type_ and (status is None or ev["response"]["status"] == status):
+            return events
+
+
+def types(events: list[dict]) -> list[str]:
+    return [e["type"] for e in events]
+
+
+def check_turn_events(events: list[dict]) -> str:
+    """speech_started → speech_stopped → committed → the user item, all for one item id; returns it."""
+    t = types(events)
+    started, stopped, committed = (
+        events[t.index(f"input_audio_buffer.{k}")] for k in ("speech_started", "speech_stopped", "committed")
+    )
+    assert t.index("input_audio_buffer.speech_started") < t.index("input_audio_buffer.speech_stopped")
+    assert t.index("input_audio_buffer.speech_stopped") < t.index("input_audio_buffer.committed")
+    item_id = started["item_id"]
+    assert stopped["item_id"] == item_id and committed["item_id"] == item_id
+    added = next(e for e in events if e["type"] == "conversation.item.added")
+    assert added["item"]["id"] == item_id and added["item"]["content"][0]["type"] == "input_audio"
+    assert t.index("input_audio_buffer.committed") < t.index("conversation.item.added")
+    return item_id
+
+
+# -- the socket: input_audio_buffer.append ----------------------------------------------------------------
+
+
+async def test_appended_speech_with_server_vad_gets_a_spoken_reply():
+    engine = FakeEngine(step_s=0.0, reply="I heard you")
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            await recv(ws)  # session.created
+            audio = spoken_turn(RATE_IN)
+            await append(ws, audio)
+            events = await until(ws, "response.done")
+            check_turn_events(events)
+            t = types(events)
+            started = events[t.index("input_audio_buffer.speech_started")]
+            stopped = events[t.index("input_audio_buffer.speech_stopped")]
+            # speech from 200 ms: the turn starts 300 ms earlier (not before 0) and ends 500 ms after it
+            assert started["audio_start_ms"] == 0
+            assert stopped["audio_end_ms"] == pytest.approx(1500, abs=40)
+            assert t.index("conversation.item.added") < t.index("response.created")
+            assert "response.output_audio.delta" in t and events[-1]["response"]["status"] == "completed"
+
+            # The session got the turn's audio at 16 kHz: what was appended, resampled.
+            ((turn, rate),) = engine.audio_requests
+            assert rate == 16000 and engine.requests == [None]
+            assert len(turn) == stopped["audio_end_ms"] * 16
+            expected = resample(audio, RATE_IN, 16000)[: len(turn)]
+            assert np.abs(turn - expected).max() < 0.01
+
+            # A second turn in the same connection: times keep counting from the buffer's start.
+            await append(ws, spoken_turn(RATE_IN, seed=3))
+            events = await until(ws, "response.done")
+            second = next(e for e in events if e["type"] == "input_audio_buffer.speech_started")
+            assert second["audio_start_ms"] >= stopped["audio_end_ms"]
+            committed = next(e for e in events if e["type"] == "input_audio_buffer.committed")
+            assert committed["previous_item_id"] == started["item_id"]
+            assert len(engine.audio_requests) == 2
+
+
+async def test_without_vad_commit_makes_the_turn_and_response_create_answers_it():
+    engine = FakeEngine(step_s=0.0, reply="ok")
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            await recv(ws)
+            await ws.send(
+                json.dumps(
+                    {"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}}
+                )
+            )
+            assert (await recv(ws))["session"]["audio"]["input"]["turn_detection"] is None
+
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit", "event_id": "c1"}))
+            error = await recv(ws)
+            assert (
+                error["error"]["code"] == "input_audio_buffer_commit_empty"
+                and error["error"]["event_id"] == "c1"
+            )
+
+            await append(ws, speech_like(0.3, RATE_IN, seed=5))
+            await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))
+            assert (await recv(ws))["type"] == "input_audio_buffer.cleared"  # no VAD events before it
+
+            speech = spoken_turn(RATE_IN, lead_s=0.0, tail_s=0.1)
+            await append(ws, speech)
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            events = [await recv(ws) for _ in range(3)]
+            assert types(events) == [
+                "input_audio_buffer.committed",
+                "conversation.item.added",
+                "conversation.item.done",
+            ]
+            await asyncio.sleep(0.1)
+            assert engine.audio_requests == []  # a manual commit does not answer by itself
+            await ws.send(json.dumps({"type": "response.create"}))
+            done = (await until(ws, "response.done"))[-1]
+            assert done["response"]["status"] == "completed"
+            ((turn, rate),) = engine.audio_requests
+            assert rate == 16000 and len(turn) == pytest.approx(
+                len(speech) * 2 // 3, abs=16
+            )  # cleared audio is not in it
+
+
+async def test_speech_during_a_reply_cancels_it_then_answers_the_new_turn():
+    engine = FakeEngine(step_s=0.02, reply=" ".join(["word"] * 200))
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            await recv(ws)
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "conversation.item.create",
+                        "item": {
+                            "type": "message",
+                            "role": "user",
+                            "content": [{"type": "input_text", "text": "talk"}],
+                        },
+                    }
+                )
+            )
+            await ws.send(json.dumps({"type": "response.create"}))
+            events = await until(ws, "response.output_audio.delta")
+            first = next(e for e in events if e["type"] == "response.created")["response"]["id"]
+            engine.reply = "yes?"
+            await append(ws, spoken_turn(RATE_IN))
+            events = await until(ws, "response.done", status="completed")
+            t = types(events)
+            barge = t.index("input_audio_buffer.speech_started")
+            done = [e for e in events if e["type"] == "response.done"]
+            assert done[0]["response"]["id"] == first and done[0]["response"]["status"] == "cancelled"
+            assert barge < t.index("response.done")
+            late = [
+                e
+                for e in events[barge:]
+                if e["type"] == "response.output_audio.delta" and e["response_id"] == first
+            ]
+            assert late == []  # nothing of the cancelled reply after the user started speaking
+            assert engine.steps < 150  # the long reply stopped
+            check_turn_events(events)
+            assert done[1]["response"]["id"] != first and len(engine.audio_requests) == 1
+
+            # With interrupt_response off, speech leaves the reply alone; the turn waits for it to end.
+            update = {"turn_detection": {"type": "server_vad", "interrupt_response": False}}
+            await ws.send(json.dumps({"type": "session.update", "session": {"audio": {"input": update}}}))
+            await until(ws, "session.updated")
+            engine.reply = " ".join(["more"] * 60)
+            await append(ws, spoken_turn(RATE_IN, seed=7))
+            third = (await until(ws, "response.created"))[-1]["response"]["id"]
+            await asyncio.sleep(0.05)
+            engine.reply = "and now you"
+            await append(ws, spoken_turn(RATE_IN, seed=8))
+            events = await until(ws, "response.done")
+            assert (events[-1]["response"]["id"], events[-1]["response"]["status"]) == (third, "completed")
+            assert "input_audio_buffer.committed" in types(events)
+            answered = (await until(ws, "response.done"))[-1]  # then the waiting turn is answered
+            assert answered["response"]["status"] == "completed" and len(engine.audio_requests) == 3
+
+
+async def test_bad_audio_gets_errors_and_the_connection_keeps_serving():
+    engine = FakeEngine(step_s=0.0, reply="still here")
+    settings = ServerSettings(port=0, peer=PeerSettings(max_turn_ms=1000))
+    async with Server(engine, settings) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            await recv(ws)
+            too_long = pcm16_b64(np.zeros(3 * RATE_IN, np.float32))  # 3 s in one append (under 256 KiB)
+            bad = [too_long, "%%%not base64%%%", base64.b64encode(b"\x00\x01\x02").decode()]
+            for i, audio in enumerate(bad):
+                await ws.send(
+                    json.dumps({"type": "input_audio_buffer.append", "audio": audio, "event_id": f"b{i}"})
+                )
+                error = await recv(ws)
+                assert error["type"] == "error" and error["error"]["code"] == "invalid_value"
+                assert error["error"]["event_id"] == f"b{i}"
+
+            # A turn that reaches the longest turn (1 s here) is ended there; the rest is the next turn.
+            await append(ws, np.concatenate([speech_like(1.3, RATE_IN), np.zeros(RATE_IN, np.float32)]))
+            events = await until(ws, "response.done", status="completed")
+            stopped = next(e for e in events if e["type"] == "input_audio_buffer.speech_stopped")
+            started = next(e for e in events if e["type"] == "input_audio_buffer.speech_started")
+            assert stopped["audio_end_ms"] - started["audio_start_ms"] == 1000
+            assert len(engine.audio_requests[0][0]) == 16000
+            assert types(events).count("input_audio_buffer.committed") == 2
+
+            # Without VAD, the buffer refuses audio past its size.
+            await ws.send(json.dumps({"type": "session.update", "session": {"turn_detection": None}}))
+            await until(ws, "session.updated")
+            await append(ws, np.zeros(RATE_IN, np.float32), chunk_ms=500)
+            await append(ws, np.zeros(RATE_IN // 10, np.float32))
+            assert (await recv(ws))["error"]["code"] == "input_audio_buffer_full"
+
+            # conversation.item.truncate: known items only, within their audio.
+            done = events[-1]["response"]
+            item_id = done["output"][0]["id"]
+            await ws.send(
+                json.dumps({"type": "conversation.item.truncate", "item_id": "item_x", "audio_end_ms": 0})
+            )
+            assert (await recv(ws))["error"]["param"] == "item_id"
+            await ws.send(
+                json.dumps({"type": "conversation.item.truncate", "item_id": item_id, "audio_end_ms": 10**6})
+            )
+            assert (await recv(ws))["error"]["param"] == "audio_end_ms"
+            truncate = {
+                "type": "conversation.item.truncate",
+                "item_id": item_id,
+                "content_index": 0,
+                "audio_end_ms": 50,
+            }
+            await ws.send(json.dumps(truncate))
+            truncated = await recv(ws)
+            assert truncated["type"] == "conversation.item.truncated" and truncated["audio_end_ms"] == 50
+            (peer,) = server.peers
+            assert peer._items[item_id].played_ms == 50
+
+            # And the connection still answers.
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            assert (await recv(ws))["type"] == "input_audio_buffer.committed"
+            await until(ws, "conversation.item.done")
+            await ws.send(json.dumps({"type": "response.create"}))
+            assert (await until(ws, "response.done"))[-1]["response"]["status"] == "completed"
+
+
+# -- WebRTC: the microphone track -------------------------------------------------------------------------
+
+
+async def test_microphone_turn_over_webrtc_gets_a_spoken_reply():
+    engine = FakeEngine(step_s=0.02, frames_per_word=2, reply="I heard you loud and clear")
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            mic = MicTrack()
+            client = Client(ws, mic=mic)
+            await client.connect()
+            (peer,) = server.peers
+            mic.play(spoken_turn(48000, lead_s=0.3))
+            events = await client.until("response.done", "output_audio_buffer.started", timeout=15)
+            check_turn_events(events)
+            t = types(events)
+            assert t.index("input_audio_buffer.committed") < t.index("response.created")
+            done = next(e for e in events if e["type"] == "response.done")["response"]
+            assert done["status"] == "completed"
+            started = events[t.index("input_audio_buffer.speech_started")]
+            stopped = events[t.index("input_audio_buffer.speech_stopped")]
+            # 300 ms prefix + 800 ms of speech + 500 ms of silence, heard through Opus
+            assert stopped["audio_end_ms"] - started["audio_start_ms"] == pytest.approx(1600, abs=100)
+            ((turn, rate),) = engine.audio_requests
+            assert rate == 16000 and len(turn) == (stopped["audio_end_ms"] - started["audio_start_ms"]) * 16
+            assert np.sqrt(np.mean(turn**2)) > 0.05  # the speech itself, not silence
+            await asyncio.sleep(0.2)
+            assert peer.input_audio_frames > 50 and client.frames  # the reply came back on the track
+            await client.close()
+
+
+@pytest.fixture
+def taken_frames(monkeypatch) -> tuple[list[tuple[float, str | None]], list[float]]:
+    """(time, response id) of each frame the server's track sends, and the times of its clear()."""
+    frames: list[tuple[float, str | None]] = []
+    clears: list[float] = []
+    take, clear = AudioOutputTrack._take_frame, AudioOutputTrack.clear
+
+    def logged_take(self):
+        out = take(self)
+        frames.append((time.monotonic(), out[1]))
+        return out
+
+    def logged_clear(self):
+        clears.append(time.monotonic())
+        return clear(self)
+
+    monkeypatch.setattr(AudioOutputTrack, "_take_frame", logged_take)
+    monkeypatch.setattr(AudioOutputTrack, "clear", logged_clear)
+    return frames, clears
+
+
+async def test_barge_in_over_webrtc_cuts_the_track_at_once(taken_frames):
+    frames, clears = taken_frames
+    engine = FakeEngine(step_s=0.02, frames_per_word=4, reply=" ".join(["word"] * 60))  # 19 s of audio
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            mic = MicTrack()
+            client = Client(ws, mic=mic)
+            await client.connect()
+            (peer,) = server.peers
+            client.say("talk for a while")
+            events = await client.until("output_audio_buffer.started")
+            first = next(e for e in events if e["type"] == "response.created")["response"]["id"]
+            await asyncio.sleep(0.3)
+            engine.reply = "yes?"
+            mic.play(spoken_turn(48000, lead_s=0.0))
+            events = await client.until("input_audio_buffer.speech_started", "output_audio_buffer.cleared")
+            cleared = next(e for e in events if e["type"] == "output_audio_buffer.cleared")
+            assert cleared["response_id"] == first
+            events += await client.until("response.done")
+            assert events[-1]["response"]["id"] == first and events[-1]["response"]["status"] == "cancelled"
+            assert peer.track.buffered_ms == 0
+            cut = clears[-1]
+            old_after_cut = [t for t, rid in frames if rid == first and t > cut]
+            assert len(old_after_cut) <= 1  # at most the frame already on its way out
+            assert sum(rid == first for _, rid in frames) < 60 * 4 * 4  # far from all of it was sent
+
+            # The spoken turn is then answered, on the same track.
+            events += await client.until("output_audio_buffer.stopped", timeout=15)
+            check_turn_events(events)
+            done = [e for e in events if e["type"] == "response.done"][-1]["response"]
+            assert done["status"] == "completed" and done["id"] != first
+            await client.close()
+
+
+# -- the real pipeline -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    import omni_rt
+
+    return omni_rt.Engine.load("tiny")
+
+
+async def test_tiny_engine_answers_appended_speech(tiny):
+    settings = ServerSettings(port=0, peer=PeerSettings(max_output_tokens=8, max_audio_frames=10))
+    async with tiny, Server(tiny, settings) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            await recv(ws)
+            await append(ws, spoken_turn(RATE_IN))
+            events = await until(ws, "response.done")
+            check_turn_events(events)
+            done = events[-1]["response"]
+            assert done["status"] == "completed", done
+            pcm = b"".join(
+                base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta"
+            )
+            assert len(pcm) // 2 == pytest.approx(10 * 0.08 * 24000, abs=0.08 * 24000)
+            assert done["usage"]["audio_frames"] == 10
+            # the spoken turn is in the prompt: ~13 audio tokens a second, far more than a few words
+            assert done["usage"]["input_tokens"] > 15

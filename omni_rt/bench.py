@@ -396,7 +396,7 @@ def reference_model(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, 
 
     Built on the meta device (no memory, no init), then given our parameters by checkpoint name with
     `load_state_dict(assign=True)`: one copy of the weights serves both. What omni_rt has no module for
-    (the audio and vision encoders) gets its own seeded random weights; buffers the reference computes
+    (the vision encoder) gets its own seeded random weights; buffers the reference computes
     (rotary tables, code offsets, sinusoids) are recomputed by its own `_init_weights`. Any other missing
     or unexpected tensor is an error: the two models must be the same network.
     """
@@ -411,7 +411,7 @@ def reference_model(model: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, 
     result = ref.load_state_dict(model.state_dict(), strict=False, assign=True)
     if result.unexpected_keys:
         raise RuntimeError(f"tensors the reference does not have: {result.unexpected_keys[:10]}")
-    own = ("thinker.audio_tower.", "thinker.visual.")
+    own = ("thinker.visual.",)
     buffers = {n for n, _ in ref.named_buffers()}
     missing = [k for k in result.missing_keys if not k.startswith(own) and k not in buffers]
     if missing:

@@ -81,6 +81,8 @@ def _small_configs() -> dict[str, OmniConfig]:
         accept_hidden_layer=1,
     )
     # "deep": more layers, more experts, larger head_dim (M-RoPE sections of 16), GQA 4:1.
+    # its audio encoder must project to the Thinker's width, or speech input would not fit
+    wide = replace(wide, audio_config={**tiny.audio_config, "output_dim": wide.thinker.hidden_size})
     deep = replace(
         tiny,
         thinker=replace(

@@ -216,7 +216,7 @@ class OmniConfig:
     speakers: dict[str, int] = field(default_factory=lambda: {"chelsie": 2301, "ethan": 2302, "aiden": 2303})
     num_code_groups: int = 16
     accept_hidden_layer: int = 24  # Talker reads Thinker hidden_states[24] at multimodal positions
-    audio_config: dict[str, Any] = field(default_factory=dict)  # kept verbatim; no audio encoder yet
+    audio_config: dict[str, Any] = field(default_factory=dict)  # the audio encoder's (thinker.audio_tower), verbatim
 
     def __hash__(self) -> int:  # dict field: hash by identity of the shapes that matter
         return hash((self.thinker, self.talker, self.code_predictor, self.code2wav, self.ids))
@@ -404,7 +404,7 @@ def _tiny() -> OmniConfig:
 
 
 def _small_audio_config(output_dim: int) -> dict[str, Any]:
-    """A minimal audio-encoder config: the reference wants one; omni_rt has no audio encoder yet."""
+    """A minimal audio-encoder config for small presets and test checkpoints (speech input at toy widths)."""
     return {
         "d_model": 32,
         "encoder_attention_heads": 2,

@@ -80,6 +80,20 @@ def prefill_lengths(buckets: tuple[int, ...], max_len: int) -> list[int]:
     return sorted({min(b, max_len) for b in buckets})
 
 
+def to_device(data, device: torch.device) -> torch.Tensor:
+    """Host ids (nested lists of ints, or a CPU tensor) on `device` without a host sync.
+
+    `torch.tensor(ids, device="cuda")` is a blocking copy, and PyTorch implements a blocking host-to-
+    device copy as an async copy plus a synchronize of the whole current stream: each one made the
+    stage's thread wait for every kernel it had queued (after a prefill launch, the whole prefill)
+    before it could launch anything else. Staged in pinned memory, the copy is queued like a kernel;
+    the caching host allocator keeps the pinned block until the copy has run."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=torch.long)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def graphs_on(settings: EngineSettings, device: torch.device) -> bool:
     """Capture CUDA graphs? Only where there is CUDA (the CPU runs the same functions eagerly)."""
     return settings.cuda_graphs and device.type == "cuda"
@@ -244,7 +258,7 @@ class ThinkerRunner:
                 generator=_generator(req, "thinker", self.device),
             )
             # the repetition penalty covers the whole conversation, as the reference's covers its prompt
-            sampler.observe(torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)[None])
+            sampler.observe(to_device(req.prompt_ids, self.device)[None])
             self._samplers[req.slot] = sampler
             choices.append(sampler(logits[i : i + 1]))
         return _pick(choices)
@@ -301,7 +315,7 @@ class ThinkerRunner:
         slots = torch.tensor([r.slot for r in reqs])  # [B]
         step = graph or self._prefill_fn(kv_len)
         dev = self.device
-        return step(ids.to(dev), positions.to(dev), slots.to(dev), index.to(dev))  # [B, V]
+        return step(*(to_device(x, dev) for x in (ids, positions, slots, index)))  # [B, V]
 
     def _encoder(self):
         if self.audio_encoder is None:
@@ -319,7 +333,7 @@ class ThinkerRunner:
         x = build_speech_input(self.thinker, self._encoder(), new, req.audio_features, self.ids)
         t = len(new)
         positions = torch.arange(req.thinker_start, req.thinker_start + t, device=self.device)[None]  # [1, T]
-        slots = torch.tensor([req.slot], device=self.device)
+        slots = to_device([req.slot], self.device)
         kv_len = kv_bucket(req.thinker_start + t, self.cache.max_len)
         logits, hidden = self.thinker(
             None, positions, self.cache, slots, self.accept_hidden_layer, last_only=True,
@@ -332,10 +346,10 @@ class ThinkerRunner:
 
     @stage_call
     def decode(self, reqs: list[Request]) -> list[int]:
-        last = torch.tensor([[r.tokens[-1]] for r in reqs], device=self.device)  # [B, 1]
+        last = to_device([[r.tokens[-1]] for r in reqs], self.device)  # [B, 1]
         # the last token goes to the position after everything already in the cache
-        positions = torch.tensor([[len(r.prompt_ids) + len(r.tokens) - 1] for r in reqs], device=self.device)
-        slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
+        positions = to_device([[len(r.prompt_ids) + len(r.tokens) - 1] for r in reqs], self.device)  # [B, 1]
+        slots = to_device([r.slot for r in reqs], self.device)  # [B]
         kv_len = kv_bucket(max(len(r.prompt_ids) + len(r.tokens) for r in reqs), self.cache.max_len)
         choices = []
         for rows in _rows(len(reqs), self.settings.deterministic):
@@ -474,7 +488,7 @@ class TalkerRunner:
         embeds = new.new_zeros(1, t, new.shape[1])  # [1, T, Ht], right-padded with zeros
         embeds[0, :n] = new
         positions = torch.arange(start, start + t, device=self.device)[None]  # [1, T]
-        slots = torch.tensor([req.slot], device=self.device)
+        slots = to_device([req.slot], self.device)
         step = graph or self._prefix_fn(kv_bucket(start + t, max_len))
         step(embeds, positions, slots)
         self._prompt_len[req.slot] = prefix.shape[0] + 1
@@ -492,9 +506,9 @@ class TalkerRunner:
 
     @stage_call
     def prefill_last(self, req: Request, first_token: int) -> int:
-        first = torch.tensor([first_token], device=self.device)
-        positions = torch.tensor([[self._prompt_len[req.slot] - 1]], device=self.device)
-        slots = torch.tensor([req.slot], device=self.device)
+        first = to_device([first_token], self.device)
+        positions = to_device([[self._prompt_len[req.slot] - 1]], self.device)
+        slots = to_device([req.slot], self.device)
         kv_len = kv_bucket(self._prompt_len[req.slot], self.cache.max_len)
         last = self._last_graphs.get(kv_len) or self._last_fn(kv_len)
         logits, hidden = last(first, positions, slots)  # [1, V], [1, Ht]
@@ -504,7 +518,7 @@ class TalkerRunner:
     @stage_call
     def predict(self, reqs: list[Request], code0: list[int]) -> list[list[int]]:
         hidden = torch.stack([self._hidden[r.slot] for r in reqs])  # [B, Ht]
-        c0 = torch.tensor(code0, device=self.device)  # [B]
+        c0 = to_device(code0, self.device)  # [B]
         out: list[list[int]] = []
         for rows in _rows(len(reqs), self.settings.deterministic):
             batch = reqs[rows]
@@ -538,14 +552,14 @@ class TalkerRunner:
 
     @stage_call
     def step(self, reqs: list[Request], frames: list[list[int]], text_ids: list[int]) -> list[int]:
-        codes = torch.tensor(frames, device=self.device)  # [B, 16]
-        text = torch.tensor(text_ids, device=self.device)  # [B]
+        codes = to_device(frames, self.device)  # [B, 16]
+        text = to_device(text_ids, self.device)  # [B]
         for r in reqs:
             self._steps[r.slot] += 1
         # step k of a sequence with an L-position prompt writes position L - 1 + k
         pos = [self._prompt_len[r.slot] - 1 + self._steps[r.slot] for r in reqs]
-        positions = torch.tensor(pos, device=self.device)[:, None]  # [B, 1]
-        slots = torch.tensor([r.slot for r in reqs], device=self.device)  # [B]
+        positions = to_device(pos, self.device)[:, None]  # [B, 1]
+        slots = to_device([r.slot for r in reqs], self.device)  # [B]
         kv_len = kv_bucket(max(pos) + 1, self.cache.max_len)
         choices = []
         for rows in _rows(len(reqs), self.settings.deterministic):
@@ -604,7 +618,7 @@ class Code2WavRunner:
 
     @stage_call
     def push(self, req: Request, frames: list[list[int]]) -> np.ndarray:
-        codes = torch.tensor(frames, device=self.device).T  # [16, n]
+        codes = to_device(frames, self.device).T  # [16, n]
         # the Talker's codes are in range by construction: skip the check (a host sync on the GPU)
         return self._streams[req.slot].push(codes, check=False).float().cpu().numpy()
 
@@ -617,13 +631,15 @@ class Code2WavRunner:
 
 
 def _copy_state(dst, src) -> None:
-    """Copy one Code2Wav stream state into another of the same shapes (in place, on the device)."""
-    dst.pos.copy_(src.pos)
-    dst.k.copy_(src.k)
-    dst.v.copy_(src.v)
-    dst.key_pos.copy_(src.key_pos)
-    for module, buf in dst.conv.items():
-        buf.copy_(src.conv[module])
+    """Copy one Code2Wav stream state into another of the same shapes (in place, on the device).
+
+    One multi-tensor copy: at real shapes a state is 24 tensors (20 conv buffers), and a copy each,
+    in and out around every chunk, was ~50 launches on the path to the first audio."""
+    modules = list(dst.conv)
+    torch._foreach_copy_(
+        [dst.pos, dst.k, dst.v, dst.key_pos, *(dst.conv[m] for m in modules)],
+        [src.pos, src.k, src.v, src.key_pos, *(src.conv[m] for m in modules)],
+    )
 
 
 def build_runners(model, settings: EngineSettings) -> tuple[ThinkerRunner, TalkerRunner, Code2WavRunner]:

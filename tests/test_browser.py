@@ -3,14 +3,16 @@
 import asyncio
 import os
 import shutil
+import wave
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("aiortc")
 playwright_api = pytest.importorskip("playwright.async_api")
 
-from server_fakes import FakeEngine  # noqa: E402
+from server_fakes import FakeEngine, speech_like  # noqa: E402
 
 from omni_rt.server import Server, ServerSettings  # noqa: E402
 
@@ -84,6 +86,72 @@ async def test_page_connects_speaks_and_measures_latency():
         finally:
             await browser.close()
         assert len(server.peers) <= 1  # the closed tab's peer is going or gone
+
+
+def write_wav(path: Path, audio: np.ndarray, rate: int) -> None:
+    with wave.open(str(path), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes((np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes())
+
+
+async def test_page_answers_speech_and_cuts_playback_on_barge_in(tmp_path):
+    """The microphone is Chromium's fake device playing a file: a turn, a pause while the reply plays,
+    a second turn that interrupts it. The page shows the states, hears the reply, and cuts it."""
+    rate = 48000
+
+    def silence(s: float) -> np.ndarray:
+        return np.zeros(int(s * rate), np.float32)
+
+    wav = tmp_path / "speech.wav"
+    # turn one ends at ~1.8 s (500 ms of silence after it); the reply then plays; turn two at 3.8 s
+    write_wav(
+        wav,
+        np.concatenate(
+            [silence(0.3), speech_like(1.0, rate), silence(2.5), speech_like(1.0, rate, seed=1), silence(3.0)]
+        ),
+        rate,
+    )
+    # still generating when turn two comes (5 s), so the barge-in cancels it rather than cutting playout
+    engine = FakeEngine(step_s=0.05, frames_per_word=3, reply=" ".join(["la"] * 100))
+    args = [*CHROMIUM_ARGS, f"--use-file-for-fake-audio-capture={wav}%noloop"]
+    async with Server(engine, ServerSettings(port=0)) as server, playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        try:
+            page = await browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            await page.goto(server.url, timeout=15_000)
+            await page.click("#connect")
+            await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
+            assert await page.text_content("#listen") == "mic off"
+            await page.click("label.switch")  # the file starts playing when capture starts
+            await page.wait_for_selector('body[data-listen="speech"]', timeout=10_000)
+            assert await page.text_content("#listen") == "speech detected"
+            await page.wait_for_selector('body[data-listen="speaking"]', timeout=10_000)
+            await page.wait_for_selector('body[data-audible="true"]', timeout=10_000)  # the reply is heard
+            # "thinking" lasts as long as the first audio takes (a few ms here): read the history
+            listens = await page.evaluate("window.omni.listens")
+            assert listens[:4] == ["listening", "speech", "thinking", "speaking"]
+            # Turn two interrupts: the server cuts and cancels the reply, the page mutes what it holds.
+            await page.wait_for_function("window.omni.cuts >= 1", timeout=10_000)
+            await page.wait_for_selector('.msg.assistant[data-status="cancelled"]', timeout=10_000)
+            events = await page.evaluate("window.omni.events")
+            first_cut = events.index("output_audio_buffer.cleared")
+            assert (
+                "input_audio_buffer.speech_started"
+                in events[events.index("output_audio_buffer.started") : first_cut]
+            )
+            assert await page.locator(".msg.user.spoken").count() >= 1
+            assert len(engine.audio_requests) >= 1 and engine.audio_requests[0][1] == 16000
+            turn_s = len(engine.audio_requests[0][0]) / 16000
+            assert 1.2 < turn_s < 2.5  # prefix + the 1 s turn + the silence window
+            assert errors == []
+            OUT.mkdir(exist_ok=True)
+            await page.screenshot(path=str(OUT / "browser-speech.png"))
+        finally:
+            await browser.close()
 
 
 @pytest.fixture(scope="module")

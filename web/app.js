@@ -7,7 +7,7 @@ const ui = {
   connect: $("connect"), status: $("status"), statusText: $("status-text"),
   transcript: $("transcript"), empty: $("empty"), composer: $("composer"), text: $("text"),
   speak: $("speak"), stop: $("stop"), voice: $("voice"), mic: $("mic"), player: $("player"),
-  scope: $("scope"), speaking: $("speaking"), toast: $("toast"),
+  scope: $("scope"), speaking: $("speaking"), toast: $("toast"), listen: $("listen"),
   audible: $("m-audible"), ttfa: $("m-ttfa"), ttft: $("m-ttft"), median: $("m-median"), count: $("m-count"),
 };
 
@@ -24,9 +24,14 @@ const state = {
   pending: null,         // a request sent, its response not created yet: {t0}
   latencies: [],         // first-audible figures of this page's replies, ms
   doneWaiters: [],
+  listen: "off",         // the spoken conversation: off | listening | speech | thinking | speaking
 };
-// Read by the browser test; handy in the console too.
-window.omni = { state, latencies: state.latencies, events: [] };
+// Read by the browser test; handy in the console too. `cuts`: replies this page silenced on barge-in.
+window.omni = { state, latencies: state.latencies, events: [], cuts: 0, listens: [] };
+
+const LISTEN_TEXT = {
+  off: "mic off", listening: "listening", speech: "speech detected", thinking: "thinking", speaking: "speaking",
+};
 
 // -- connection --------------------------------------------------------------------------------------
 
@@ -116,6 +121,7 @@ function teardown(message) {
   state.doneWaiters.splice(0).forEach((w) => w());
   ui.player.srcObject = null;
   ui.mic.checked = false;
+  setListen("off");
   ui.text.disabled = ui.speak.disabled = ui.mic.disabled = true;
   ui.text.placeholder = "Connect first…";
   ui.connect.disabled = false;
@@ -163,12 +169,33 @@ function onEvent(ev) {
     case "response.output_text.delta":
       if (state.response && ev.response_id === state.response.id) appendText(state.response.bubble, ev.delta);
       break;
+    case "input_audio_buffer.speech_started":
+      setListen("speech");
+      break;
+    case "input_audio_buffer.speech_stopped":
+      setListen("thinking");
+      // The first-audible figure of a spoken turn counts from the end of the user's turn.
+      state.pending = { t0: performance.now() };
+      break;
+    case "input_audio_buffer.committed":
+      addBubble("user", "(spoke)").classList.add("spoken");
+      break;
     case "output_audio_buffer.started":
+      ui.player.muted = false;  // a new reply: unmute after a barge-in's cut
       setSpeaking(true);
+      if (state.micStream) setListen("speaking");
       break;
     case "output_audio_buffer.stopped":
-    case "output_audio_buffer.cleared":
       setSpeaking(false);
+      if (state.listen === "speaking") setListen("listening");
+      break;
+    case "output_audio_buffer.cleared":
+      // The server dropped the reply's unplayed audio (barge-in, stop): the ~100 ms the browser's
+      // jitter buffer still holds is muted too, so the cut is heard at once.
+      ui.player.muted = true;
+      window.omni.cuts += 1;
+      setSpeaking(false);
+      if (state.listen === "speaking") setListen("listening");
       break;
     case "response.done": {
       const r = ev.response;
@@ -184,6 +211,8 @@ function onEvent(ev) {
       }
       state.response = null;
       updateStop();
+      // A reply with no audio (text only, failed) never says output_audio_buffer.stopped.
+      if (state.listen === "thinking") setListen(state.micStream ? "listening" : "off");
       state.doneWaiters.splice(0).forEach((w) => w());
       break;
     }
@@ -238,11 +267,22 @@ async function setMic(on) {
       return toast(`Microphone unavailable: ${err.message}`);
     }
     await state.transceiver.sender.replaceTrack(state.micStream.getAudioTracks()[0]);
+    setListen(state.speaking ? "speaking" : "listening");
   } else {
     await state.transceiver.sender.replaceTrack(null);
     if (state.micStream) state.micStream.getTracks().forEach((t) => t.stop());
     state.micStream = null;
+    setListen("off");
   }
+}
+
+// The server detects the turns (server VAD): the page only shows where the conversation is.
+function setListen(kind) {
+  state.listen = kind;
+  window.omni.listens.push(kind);
+  ui.listen.textContent = LISTEN_TEXT[kind];
+  ui.listen.dataset.kind = kind;
+  document.body.dataset.listen = kind;
 }
 
 // -- measuring and drawing -------------------------------------------------------------------------------

@@ -338,10 +338,19 @@ def attend(
     n_kv = k_cache.shape[1]
     keys = k_cache[slots, :, :kv_len].to(q.dtype)  # [B, KV, kv_len, D]
     values = v_cache[slots, :, :kv_len].to(q.dtype)  # [B, KV, kv_len, D]
+    if t == kv_len:
+        # A sequence's new tokens have consecutive positions, all below kv_len, so t == kv_len means every
+        # row is a prefill of rows [0, t): the mask is plain causal. Call SDPA as the reference's prefill
+        # does (is_causal, GQA, no mask): in bf16 the kernel and its rounding depend on the call (CUDA
+        # picks flash attention only without a mask), and this call is bit-equal to the reference's.
+        return F.scaled_dot_product_attention(
+            q, keys, values, is_causal=True, scale=d**-0.5, enable_gqa=n_kv != n_heads
+        )
     # GQA without copying k/v per query head: the query heads that share a kv head are folded into the
-    # query length (head h uses kv head h // rep, as repeat_interleave would give)
+    # query length (head h uses kv head h // rep, as repeat_interleave would give). Masked rows still
+    # change the kernel's blocking, so bf16 results depend (by an ulp, rarely) on kv_len.
     q = q.reshape(b, n_kv, (n_heads // n_kv) * t, d)  # [B, KV, rep*T, D]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, KV, rep*T, D]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=d**-0.5)  # [B, KV, rep*T, D]
     return out.view(b, n_heads, t, d)
 
 
@@ -438,8 +447,12 @@ def experts_grouped_mm(
     h = mm(x[tok], gate_up.transpose(-2, -1), offs=offs)  # [S, 2I]
     gate, up = h.chunk(2, dim=-1)
     y = mm((F.silu(gate) * up).contiguous(), down.transpose(-2, -1), offs=offs)  # [S, H]
-    y = y * weights.reshape(-1)[order, None]
-    return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))  # [N, H]
+    y = y * weights.reshape(-1)[order, None]  # [S, H], rounded to x.dtype like the reference
+    # Back to (token, k) order and summed over k in one reduction (fp32 accumulation for bf16), as the
+    # reference's grouped_mm backend does. index_add_ into a bf16 buffer would round after every add on
+    # CUDA (atomics, in arrival order: also not deterministic).
+    rows = torch.empty_like(y).index_copy_(0, order, y)  # [S, H], row n*K + j = token n's j-th expert
+    return rows.view(n, k, -1).sum(dim=1)  # [N, H]
 
 
 MOE_IMPLS = ("auto", "loop", "gather", "grouped_mm")

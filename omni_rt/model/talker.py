@@ -124,15 +124,24 @@ class CodePredictor(nn.Module):
         return c
 
     def forward(
-        self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,
+        kv_len: int | None = None,
     ) -> torch.Tensor:
-        """embeds [B, T, H], positions [B, T] -> normed hidden [B, T, H]."""
+        """embeds [B, T, H], positions [B, T] -> normed hidden [B, T, H].
+
+        kv_len: attend over cache rows [0, kv_len) only (above every position); default the whole cache.
+        """
+        kv_len = cache.max_len if kv_len is None else kv_len
         cos, sin = self.rotary(positions, embeds.dtype)  # [B, T, head_dim]
         rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        mask = attention_mask(positions, cache.max_len, rep)  # shared by all layers
+        mask = attention_mask(positions, kv_len, rep)  # shared by all layers
         h = embeds
         for layer in self.model.layers:
-            h = layer(h, cos, sin, cache, slots, positions, cache.max_len, mask)
+            h = layer(h, cos, sin, cache, slots, positions, kv_len, mask)
         return self.model.norm(h)
 
     def predict(
@@ -160,7 +169,10 @@ class CodePredictor(nn.Module):
         n = self.num_code_groups - 1
         codes = []
         for i in range(n):
-            h = self(x, positions, cache, slots)[:, -1]  # [B, H]
+            # step i sees exactly rows [0, i + 2), as the reference's growing cache does: the same rows
+            # give the same bf16 rounding in attention (and the 2-token prefill is plain causal there).
+            # A Python int per step, so a captured frame stays static.
+            h = self(x, positions, cache, slots, kv_len=i + 2)[:, -1]  # [B, H]
             code = sample(self.lm_head[i](h))  # [B]
             codes.append(code)
             if i + 1 < n:

@@ -229,6 +229,36 @@ def test_talker_padded_prefix_graph_equals_eager(model, graphed):
     assert after[0] == after[1] == alone.step([other], [[1] * 16], [5])
 
 
+def test_frame0_made_from_code0_on_the_device(model, graphed):
+    """`prefill_last` runs the greedy frame graph on its device code 0; `predict` hands that frame out
+    (no second replay) and it is the frame the eager path predicts. A frame left behind (code 0 was
+    EOS) is never handed to a later request of the slot."""
+    s = EngineSettings(**SETTINGS)
+    g, e = TalkerRunner(model, s), TalkerRunner(model, s.model_copy(update={"cuda_graphs": False}))
+    frame_graph = g._greedy_frame[1]
+    codes = []
+    for runner in (g, e):
+        req = request(model, "Hello there.", 0)
+        runner.prefill_prefix(req)
+        code0 = runner.prefill_last(req, 9)
+        before = frame_graph.replays
+        codes.append(runner.predict([req], [code0])[0])
+        if runner is g:
+            assert frame_graph.replays == before == 1  # made once, in prefill_last
+    assert codes[0] == codes[1]
+    req = request(model, "Hello there.", 0)
+    g.prefill_prefix(req)
+    g.prefill_last(req, 9)  # say code 0 was EOS: the scheduler never asks for this frame
+    req2 = request(model, "Something else entirely.", 0)
+    g.prefill_prefix(req2)
+    g._greedy_frame = {}  # the next request makes no frame early (as with sampled residual codes)
+    code0 = g.prefill_last(req2, 4)
+    assert req2.slot not in g._frame_ahead  # the stale frame is gone, whatever the codes 0 were
+    e.prefill_prefix(req2)
+    assert e.prefill_last(req2, 4) == code0
+    assert g.predict([req2], [code0]) == e.predict([req2], [code0])
+
+
 def test_launch_gate():
     gate = LaunchGate(timeout_s=0.01)
     a, b = object.__new__(Request), object.__new__(Request)

@@ -384,6 +384,7 @@ class TalkerRunner:
         self._greedy_frame: dict[int, object] = {}  # batch -> captured greedy code-predictor frame
         self._last_graphs: dict[int, object] = {}  # kv_len -> captured last prompt position (batch 1)
         self._prefix_graphs: dict[tuple[int, int], object] = {}  # (padded T, kv_len) -> prefix prefill
+        self._frame_ahead: dict[int, list[int]] = {}  # slot -> frame 0 made in `prefill_last`
         self._mm_ids = {self.cfg.ids.audio, self.cfg.ids.image, self.cfg.ids.video}
         if graphs_on(settings, self.device):
             self._capture_all()
@@ -506,6 +507,7 @@ class TalkerRunner:
 
     @stage_call
     def prefill_last(self, req: Request, first_token: int) -> int:
+        self._frame_ahead.pop(req.slot, None)  # one a former request of the slot left (its code 0 was EOS)
         first = to_device([first_token], self.device)
         positions = to_device([[self._prompt_len[req.slot] - 1]], self.device)
         slots = to_device([req.slot], self.device)
@@ -513,17 +515,34 @@ class TalkerRunner:
         last = self._last_graphs.get(kv_len) or self._last_fn(kv_len)
         logits, hidden = last(first, positions, slots)  # [1, V], [1, Ht]
         self._hidden[req.slot] = hidden[0].clone()  # a graph's output buffer is reused by its next replay
-        return int(self._code0[req.slot](logits))
+        code0 = self._code0[req.slot](logits)  # [1], on the device
+        frame = self._greedy_frame.get(1)
+        if frame is None or not self.settings.frame0_in_prefill or self._samples_codes([req]):
+            return int(code0)
+        # Frame 0 straight from code 0 on the device: the frame graph is enqueued before the host reads
+        # code 0, so the first frame does not wait for a device round trip and the Python between
+        # `prefill_last` and `predict`. `predict` hands it out when the scheduler asks for that code 0
+        # (it does next, unless code 0 is EOS); greedy only, so computing it early changes nothing.
+        codes = frame(self._hidden[req.slot][None], code0)[0].tolist()  # [16]; one host sync for both
+        self._frame_ahead[req.slot] = codes
+        return codes[0]
+
+    def _samples_codes(self, reqs: list[Request]) -> bool:
+        """Does any of `reqs` sample its residual codes (then its frames draw from its generator)?"""
+        return any(r.sampling.effective_code_predictor.do_sample for r in reqs)
 
     @stage_call
     def predict(self, reqs: list[Request], code0: list[int]) -> list[list[int]]:
+        ahead = [self._frame_ahead.pop(r.slot, None) for r in reqs]  # never reused for a later frame
+        if all(a is not None and a[0] == c for a, c in zip(ahead, code0, strict=True)):
+            return ahead  # frame 0, predicted in `prefill_last`
         hidden = torch.stack([self._hidden[r.slot] for r in reqs])  # [B, Ht]
         c0 = to_device(code0, self.device)  # [B]
         out: list[list[int]] = []
         for rows in _rows(len(reqs), self.settings.deterministic):
             batch = reqs[rows]
             graph = self._greedy_frame.get(len(batch))
-            if graph is not None and not any(r.sampling.effective_code_predictor.do_sample for r in batch):
+            if graph is not None and not self._samples_codes(batch):
                 frames = graph(hidden[rows], c0[rows])  # [b, 16]: same argmax as the eager path
             else:
                 frames = self.talker.predict_frame(

@@ -159,6 +159,14 @@ class FakeEngine:
             self.open_sessions -= 1
 
 
+def user_message(text: str) -> dict:
+    """`conversation.item.create` of a user text message."""
+    return {
+        "type": "conversation.item.create",
+        "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]},
+    }
+
+
 def speech_like(seconds: float, rate: int, *, seed: int = 0) -> np.ndarray:
     """A voice-like burst as float32: a gliding 120-180 Hz pitch with harmonics, syllables (4 Hz
     envelope) and a little breath noise; loud enough for the VAD (about -15 dBFS), not clipped."""
@@ -259,16 +267,7 @@ class Client:
         self.channel.send(json.dumps(event))
 
     def say(self, text: str) -> None:
-        self.send(
-            {
-                "type": "conversation.item.create",
-                "item": {
-                    "type": "message",
-                    "role": "user",
-                    "content": [{"type": "input_text", "text": text}],
-                },
-            }
-        )
+        self.send(user_message(text))
         self.send({"type": "response.create"})
 
     async def until(self, *types: str, timeout: float = 15) -> list[dict]:

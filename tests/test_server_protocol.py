@@ -11,20 +11,12 @@ import pytest
 pytest.importorskip("websockets")
 
 import websockets  # noqa: E402
-from server_fakes import FakeEngine  # noqa: E402
+from server_fakes import FakeEngine, user_message  # noqa: E402
 
 from omni_rt.server import protocol  # noqa: E402
 from omni_rt.server.app import Server, ServerSettings  # noqa: E402
 from omni_rt.server.peer import PeerSettings  # noqa: E402
 from omni_rt.server.protocol import ProtocolError, parse_client_event  # noqa: E402
-
-
-def user_message(text: str) -> dict:
-    return {
-        "type": "conversation.item.create",
-        "item": {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]},
-    }
-
 
 # -- parsing -----------------------------------------------------------------------------------------------
 

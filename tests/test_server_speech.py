@@ -3,6 +3,7 @@ answered with a spoken reply; manual commit without VAD; barge-in; bad audio."""
 
 import asyncio
 import base64
+import contextlib
 import json
 import time
 
@@ -13,7 +14,7 @@ pytest.importorskip("aiortc")
 
 import aioice.ice  # noqa: E402
 import websockets  # noqa: E402
-from server_fakes import Client, FakeEngine, MicTrack, speech_like  # noqa: E402
+from server_fakes import Client, FakeEngine, MicTrack, speech_like, user_message  # noqa: E402
 
 from omni_rt.audio.resample import resample  # noqa: E402
 from omni_rt.server import PeerSettings, Server, ServerSettings  # noqa: E402
@@ -170,18 +171,7 @@ async def test_speech_during_a_reply_cancels_it_then_answers_the_new_turn():
     async with Server(engine, ServerSettings(port=0)) as server:
         async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
             await recv(ws)
-            await ws.send(
-                json.dumps(
-                    {
-                        "type": "conversation.item.create",
-                        "item": {
-                            "type": "message",
-                            "role": "user",
-                            "content": [{"type": "input_text", "text": "talk"}],
-                        },
-                    }
-                )
-            )
+            await ws.send(json.dumps(user_message("talk")))
             await ws.send(json.dumps({"type": "response.create"}))
             events = await until(ws, "response.output_audio.delta")
             first = next(e for e in events if e["type"] == "response.created")["response"]["id"]
@@ -286,31 +276,39 @@ async def test_bad_audio_gets_errors_and_the_connection_keeps_serving():
 # -- WebRTC: the microphone track -------------------------------------------------------------------------
 
 
+@contextlib.asynccontextmanager
+async def with_mic(server):
+    """A connected WebRTC client whose microphone plays what the test gives it."""
+    async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+        mic = MicTrack()
+        client = Client(ws, mic=mic)
+        await client.connect()
+        try:
+            yield client, mic
+        finally:
+            await client.close()
+
+
 async def test_microphone_turn_over_webrtc_gets_a_spoken_reply():
     engine = FakeEngine(step_s=0.02, frames_per_word=2, reply="I heard you loud and clear")
-    async with Server(engine, ServerSettings(port=0)) as server:
-        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
-            mic = MicTrack()
-            client = Client(ws, mic=mic)
-            await client.connect()
-            (peer,) = server.peers
-            mic.play(spoken_turn(48000, lead_s=0.3))
-            events = await client.until("response.done", "output_audio_buffer.started", timeout=15)
-            check_turn_events(events)
-            t = types(events)
-            assert t.index("input_audio_buffer.committed") < t.index("response.created")
-            done = next(e for e in events if e["type"] == "response.done")["response"]
-            assert done["status"] == "completed"
-            started = events[t.index("input_audio_buffer.speech_started")]
-            stopped = events[t.index("input_audio_buffer.speech_stopped")]
-            # 300 ms prefix + 800 ms of speech + 500 ms of silence, heard through Opus
-            assert stopped["audio_end_ms"] - started["audio_start_ms"] == pytest.approx(1600, abs=100)
-            ((turn, rate),) = engine.audio_requests
-            assert rate == 16000 and len(turn) == (stopped["audio_end_ms"] - started["audio_start_ms"]) * 16
-            assert np.sqrt(np.mean(turn**2)) > 0.05  # the speech itself, not silence
-            await asyncio.sleep(0.2)
-            assert peer.input_audio_frames > 50 and client.frames  # the reply came back on the track
-            await client.close()
+    async with Server(engine, ServerSettings(port=0)) as server, with_mic(server) as (client, mic):
+        (peer,) = server.peers
+        mic.play(spoken_turn(48000, lead_s=0.3))
+        events = await client.until("response.done", "output_audio_buffer.started", timeout=15)
+        check_turn_events(events)
+        t = types(events)
+        assert t.index("input_audio_buffer.committed") < t.index("response.created")
+        done = next(e for e in events if e["type"] == "response.done")["response"]
+        assert done["status"] == "completed"
+        started = events[t.index("input_audio_buffer.speech_started")]
+        stopped = events[t.index("input_audio_buffer.speech_stopped")]
+        # 300 ms prefix + 800 ms of speech + 500 ms of silence, heard through Opus
+        assert stopped["audio_end_ms"] - started["audio_start_ms"] == pytest.approx(1600, abs=100)
+        ((turn, rate),) = engine.audio_requests
+        assert rate == 16000 and len(turn) == (stopped["audio_end_ms"] - started["audio_start_ms"]) * 16
+        assert np.sqrt(np.mean(turn**2)) > 0.05  # the speech itself, not silence
+        await asyncio.sleep(0.2)
+        assert peer.input_audio_frames > 50 and client.frames  # the reply came back on the track
 
 
 @pytest.fixture
@@ -337,35 +335,30 @@ def taken_frames(monkeypatch) -> tuple[list[tuple[float, str | None]], list[floa
 async def test_barge_in_over_webrtc_cuts_the_track_at_once(taken_frames):
     frames, clears = taken_frames
     engine = FakeEngine(step_s=0.02, frames_per_word=4, reply=" ".join(["word"] * 60))  # 19 s of audio
-    async with Server(engine, ServerSettings(port=0)) as server:
-        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
-            mic = MicTrack()
-            client = Client(ws, mic=mic)
-            await client.connect()
-            (peer,) = server.peers
-            client.say("talk for a while")
-            events = await client.until("output_audio_buffer.started")
-            first = next(e for e in events if e["type"] == "response.created")["response"]["id"]
-            await asyncio.sleep(0.3)
-            engine.reply = "yes?"
-            mic.play(spoken_turn(48000, lead_s=0.0))
-            events = await client.until("input_audio_buffer.speech_started", "output_audio_buffer.cleared")
-            cleared = next(e for e in events if e["type"] == "output_audio_buffer.cleared")
-            assert cleared["response_id"] == first
-            events += await client.until("response.done")
-            assert events[-1]["response"]["id"] == first and events[-1]["response"]["status"] == "cancelled"
-            assert peer.track.buffered_ms == 0
-            cut = clears[-1]
-            old_after_cut = [t for t, rid in frames if rid == first and t > cut]
-            assert len(old_after_cut) <= 1  # at most the frame already on its way out
-            assert sum(rid == first for _, rid in frames) < 60 * 4 * 4  # far from all of it was sent
+    async with Server(engine, ServerSettings(port=0)) as server, with_mic(server) as (client, mic):
+        (peer,) = server.peers
+        client.say("talk for a while")
+        events = await client.until("output_audio_buffer.started")
+        first = next(e for e in events if e["type"] == "response.created")["response"]["id"]
+        await asyncio.sleep(0.3)
+        engine.reply = "yes?"
+        mic.play(spoken_turn(48000, lead_s=0.0))
+        events = await client.until("input_audio_buffer.speech_started", "output_audio_buffer.cleared")
+        cleared = next(e for e in events if e["type"] == "output_audio_buffer.cleared")
+        assert cleared["response_id"] == first
+        events += await client.until("response.done")
+        assert events[-1]["response"]["id"] == first and events[-1]["response"]["status"] == "cancelled"
+        assert peer.track.buffered_ms == 0
+        cut = clears[-1]
+        old_after_cut = [t for t, rid in frames if rid == first and t > cut]
+        assert len(old_after_cut) <= 1  # at most the frame already on its way out
+        assert sum(rid == first for _, rid in frames) < 60 * 4 * 4  # far from all of it was sent
 
-            # The spoken turn is then answered, on the same track.
-            events += await client.until("output_audio_buffer.stopped", timeout=15)
-            check_turn_events(events)
-            done = [e for e in events if e["type"] == "response.done"][-1]["response"]
-            assert done["status"] == "completed" and done["id"] != first
-            await client.close()
+        # The spoken turn is then answered, on the same track.
+        events += await client.until("output_audio_buffer.stopped", timeout=15)
+        check_turn_events(events)
+        done = [e for e in events if e["type"] == "response.done"][-1]["response"]
+        assert done["status"] == "completed" and done["id"] != first
 
 
 # -- the real pipeline -----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ pytest.importorskip("aiortc")
 
 import aioice.ice  # noqa: E402
 import websockets  # noqa: E402
-from server_fakes import Client, FakeEngine, RecordingEngine  # noqa: E402
+from server_fakes import Client, FakeEngine, RecordingEngine, user_message  # noqa: E402
 
 from omni_rt.server import PeerSettings, Server, ServerSettings  # noqa: E402
 from omni_rt.server.track import FRAME_SAMPLES, SAMPLE_RATE, AudioOutputTrack  # noqa: E402
@@ -176,18 +176,7 @@ async def test_socket_only_client_gets_base64_audio():
     async with Server(engine, ServerSettings(port=0)) as server:
         async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
             assert json.loads(await ws.recv())["type"] == "session.created"
-            await ws.send(
-                json.dumps(
-                    {
-                        "type": "conversation.item.create",
-                        "item": {
-                            "type": "message",
-                            "role": "user",
-                            "content": [{"type": "input_text", "text": "hi"}],
-                        },
-                    }
-                )
-            )
+            await ws.send(json.dumps(user_message("hi")))
             await ws.send(
                 json.dumps({"type": "response.create", "response": {"output_modalities": ["audio", "text"]}})
             )

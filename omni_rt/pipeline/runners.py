@@ -156,7 +156,7 @@ class LaunchGate:
     other sessions' frames.
     """
 
-    def __init__(self, timeout_s: float = 0.05) -> None:
+    def __init__(self, timeout_s: float = 0.02) -> None:
         self.timeout_s = timeout_s
         self._cond = threading.Condition()
         self._launched: weakref.WeakSet[Request] = weakref.WeakSet()  # a done request needs no cleanup

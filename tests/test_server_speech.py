@@ -352,7 +352,11 @@ async def test_barge_in_over_webrtc_cuts_the_track_at_once(taken_frames):
         cut = clears[-1]
         old_after_cut = [t for t, rid in frames if rid == first and t > cut]
         assert len(old_after_cut) <= 1  # at most the frame already on its way out
-        assert sum(rid == first for _, rid in frames) < 60 * 4 * 4  # far from all of it was sent
+        sent = sum(rid == first for _, rid in frames)
+        assert sent < 60 * 4 * 4  # far from all of it was sent
+        # The item records what was played, as a conversation.item.truncate would
+        truncated = next(e for e in events if e["type"] == "conversation.item.truncated")
+        assert truncated["audio_end_ms"] == sent * 20 and peer._items[truncated["item_id"]].id == first
 
         # The spoken turn is then answered, on the same track.
         events += await client.until("output_audio_buffer.stopped", timeout=15)

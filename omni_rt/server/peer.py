@@ -38,7 +38,8 @@ from omni_rt.events import (
 from omni_rt.server import protocol
 from omni_rt.server.protocol import ProtocolError
 from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, TurnDetection
-from omni_rt.server.track import AudioOutputTrack, Idle
+from omni_rt.server.track import FRAME_SAMPLES, AudioOutputTrack, Idle
+from omni_rt.server.track import SAMPLE_RATE as TRACK_RATE
 
 if TYPE_CHECKING:
     from websockets.asyncio.server import ServerConnection
@@ -459,9 +460,20 @@ class Peer:
                 self._spawn(self._cancel_session(self.session), "barge-in")
             return
         playing = self.track.response_id if self.track is not None else None
+        if playing is not None:
+            self._record_played(next((r for r in self._items.values() if r.id == playing), None))
         self._drop_queued_audio()
         if playing is not None:
             self.send(protocol.output_audio_buffer("cleared", playing))
+
+    def _record_played(self, response: _Response | None) -> None:
+        """A reply cut off on the track: the client heard what was sent of it, and the item says so,
+        as if the client had sent conversation.item.truncate (OpenAI's WebRTC sessions do the same)."""
+        track = self.track
+        if response is None or track is None or track.response_id is None or track.response_id != response.id:
+            return
+        response.played_ms = track.response_frames * 1000.0 * FRAME_SAMPLES / TRACK_RATE
+        self.send(protocol.conversation_item_truncated(response.item_id, 0, round(response.played_ms)))
 
     async def _cancel_session(self, session: Any) -> None:
         try:
@@ -699,6 +711,7 @@ class Peer:
         if response.cancelled:
             return False
         response.cancelled = True
+        self._record_played(response)
         self._drop_queued_audio()
         if response.id is not None and self.track is not None:
             self.send(protocol.output_audio_buffer("cleared", response.id))

@@ -98,6 +98,7 @@ class AudioOutputTrack(MediaStreamTrack):
         self._resampler_rate = 0
         self._response_id: str | None = None  # the response whose audio is buffered or arriving
         self._response_started = False  # its first frame has gone out
+        self.response_frames = 0  # frames of the current response sent so far (what was played)
         self._response_ending = False  # end_response() was called: pad and finish when drained
 
         self._pts = 0
@@ -174,6 +175,7 @@ class AudioOutputTrack(MediaStreamTrack):
             self.clear()
         self._response_id = response_id
         self._response_started = False
+        self.response_frames = 0
         self._response_ending = False
         self._resampler = None
         self._resampler_rate = 0
@@ -265,6 +267,7 @@ class AudioOutputTrack(MediaStreamTrack):
             self._has_room.set()
         first = not self._response_started
         self._response_started = True
+        self.response_frames += 1
         last = self._response_ending and self._buffer.size == 0
         if last:
             self._response_id = None

@@ -23,6 +23,7 @@ from omni_rt.pipeline.runners import (
     build_runners,
     prefill_bucket,
     prefill_lengths,
+    prefill_shapes,
 )
 from omni_rt.tokenizer import Tokenizer
 
@@ -96,6 +97,8 @@ def test_buckets():
     assert prefill_bucket(33, (16, 32), 4096) is None  # above the largest: eager
     assert prefill_bucket(20, (16, 32), 24) == 24  # capped at the cache length
     assert prefill_lengths((16, 32, 64), 40) == [16, 32, 40]
+    # a bucket is attended over its own kv bucket and every larger one (prefills later in the cache)
+    assert prefill_shapes((16, 512), 1024) == [(16, 256), (16, 512), (16, 1024), (512, 512), (512, 1024)]
     with pytest.raises(ValueError):
         EngineSettings(prefill_buckets=(32, 16))
     with pytest.raises(ValueError):
@@ -211,7 +214,7 @@ def assert_same_trace(a: list, b: list) -> None:
 def test_talker_padded_prefix_graph_equals_eager(model, graphed):
     s = EngineSettings(**SETTINGS)
     g = TalkerRunner(model, s)
-    assert {k[0] for k in g._prefix_graphs} == {8, 32, 48}
+    assert {k[1] for k in g._prefix_graphs} == {8, 32, 48}
     e = TalkerRunner(model, s.model_copy(update={"cuda_graphs": False}))
     assert not e._prefix_graphs
     # slot 1 mid-generation on both runners, then slot 0's prefix through a padded graph

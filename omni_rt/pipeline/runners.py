@@ -76,8 +76,33 @@ def prefill_bucket(t: int, buckets: tuple[int, ...], max_len: int) -> int | None
 
 
 def prefill_lengths(buckets: tuple[int, ...], max_len: int) -> list[int]:
-    """Every value `prefill_bucket` takes for a cache of `max_len` rows (one graph each)."""
+    """Every value `prefill_bucket` takes for a cache of `max_len` rows."""
     return sorted({min(b, max_len) for b in buckets})
+
+
+def prefill_shapes(buckets: tuple[int, ...], max_len: int) -> list[tuple[int, int]]:
+    """(padded T, kv_len) of every prefill graph: a prefill of T tokens from position p attends over
+    kv_bucket(p + T) >= kv_bucket(T) rows, so one graph per such pair."""
+    return [
+        (t, kv_len)
+        for t in prefill_lengths(buckets, max_len)
+        for kv_len in kv_buckets(max_len)
+        if kv_len >= kv_bucket(t, max_len)
+    ]
+
+
+def prefill_plan(graphs: dict, batch: int, t: int, start: int, buckets: tuple[int, ...], max_len: int):
+    """(T, kv_len, graph) for a prefill of `batch` rows of at most `t` new tokens from position at most
+    `start`: the captured graph (key (batch, T, kv_len)) of the bucket T >= t when one fits, else
+    (t, kv_bucket(start + t), None) to run eagerly. Padded positions must stay inside the cache: clamped
+    to its last row instead, they could overwrite a real token's row in the same call."""
+    padded = prefill_bucket(t, buckets, max_len) if graphs else None
+    if padded is not None and start + padded <= max_len:
+        kv_len = kv_bucket(start + padded, max_len)
+        graph = graphs.get((batch, padded, kv_len))
+        if graph is not None:
+            return padded, kv_len, graph
+    return t, kv_bucket(start + t, max_len), None
 
 
 def to_device(data, device: torch.device) -> torch.Tensor:
@@ -222,21 +247,18 @@ class ThinkerRunner:
                 self._graphs[(b, kv_len)] = _capture(self._decode_fn(kv_len), static, pool)
         if not s.prefill_graphs:
             return
-        # a prefill at start position p of T padded tokens attends over kv_bucket(p + T) >= kv_bucket(T)
-        # rows: one graph per (batch, T, kv_len) that can occur
         prefill_batches = (
             [1] if s.deterministic else range(1, min(s.prefill_graph_batches, s.max_sessions) + 1)
         )
         for b in prefill_batches:
-            for t in prefill_lengths(s.prefill_buckets, max_len):
-                for kv_len in [k for k in kv_buckets(max_len) if k >= kv_bucket(t, max_len)]:
-                    static = (
-                        torch.zeros(b, t, dtype=torch.long, device=self.device),  # ids [B, T]
-                        torch.arange(t, device=self.device).expand(b, t).contiguous(),  # positions [B, T]
-                        torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
-                        torch.full((b,), t - 1, dtype=torch.long, device=self.device),  # index [B]
-                    )
-                    self._prefill_graphs[(b, t, kv_len)] = _capture(self._prefill_fn(kv_len), static, pool)
+            for t, kv_len in prefill_shapes(s.prefill_buckets, max_len):
+                static = (
+                    torch.zeros(b, t, dtype=torch.long, device=self.device),  # ids [B, T]
+                    torch.arange(t, device=self.device).expand(b, t).contiguous(),  # positions [B, T]
+                    torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
+                    torch.full((b,), t - 1, dtype=torch.long, device=self.device),  # index [B]
+                )
+                self._prefill_graphs[(b, t, kv_len)] = _capture(self._prefill_fn(kv_len), static, pool)
 
     def _decode_step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int):
         step = self._graphs.get((ids.shape[0], kv_len)) or self._decode_fn(kv_len)
@@ -280,25 +302,17 @@ class ThinkerRunner:
         return torch.cat(out)
 
     def _prefill_shape(self, reqs: list[Request]) -> tuple[int, int, object] | None:
-        """(padded length T, kv_len, captured graph or None) of one right-padded prefill of `reqs`, or
-        None when the padding of some row would run past the cache's end (prefill them one at a time).
-
-        Padded positions must stay inside the cache: clamped to its last row instead, they could
-        overwrite a real token's row in the same call."""
+        """`prefill_plan` of one right-padded prefill of `reqs`, or None when the padding of some row
+        would run past the cache's end unless they prefill one at a time."""
         if not reqs:
             return None
         max_len = self.cache.max_len
         t = max(len(r.new_prompt_ids) for r in reqs)
         start = max(r.thinker_start for r in reqs)
-        padded = prefill_bucket(t, self.settings.prefill_buckets, max_len) if self._prefill_graphs else None
-        if padded is not None and start + padded <= max_len:
-            kv_len = kv_bucket(start + padded, max_len)
-            graph = self._prefill_graphs.get((len(reqs), padded, kv_len))
-            if graph is not None:
-                return padded, kv_len, graph
-        if len(reqs) == 1 or start + t <= max_len:  # one request: out of range is its own error
-            return t, kv_bucket(start + t, max_len), None
-        return None
+        plan = prefill_plan(self._prefill_graphs, len(reqs), t, start, self.settings.prefill_buckets, max_len)
+        if plan[2] is None and len(reqs) > 1 and start + t > max_len:
+            return None
+        return plan  # one request out of range is its own error (the cache's check names it)
 
     def _prefill_text(self, reqs: list[Request]) -> torch.Tensor:
         """Several text prompts in one call, right-padded to a common length T: [B, V] logits of each
@@ -430,15 +444,14 @@ class TalkerRunner:
         if not self.settings.prefill_graphs:
             return
         # the prompt prefix (batch 1), right-padded as the Thinker's prefill is (see the module doc)
-        max_len, width = self.cache.max_len, self.cfg.talker.hidden_size
-        for t in prefill_lengths(self.settings.prefill_buckets, max_len):
-            for kv_len in [k for k in kv_buckets(max_len) if k >= kv_bucket(t, max_len)]:
-                static = (
-                    torch.zeros(1, t, width, dtype=self.cache.dtype, device=self.device),  # embeds [1, T, Ht]
-                    torch.arange(t, device=self.device)[None],  # positions [1, T]
-                    torch.full((1,), self.scratch, dtype=torch.long, device=self.device),  # slots [1]
-                )
-                self._prefix_graphs[(t, kv_len)] = _capture(self._prefix_fn(kv_len), static, pool)
+        width = self.cfg.talker.hidden_size
+        for t, kv_len in prefill_shapes(self.settings.prefill_buckets, self.cache.max_len):
+            static = (
+                torch.zeros(1, t, width, dtype=self.cache.dtype, device=self.device),  # embeds [1, T, Ht]
+                torch.arange(t, device=self.device)[None],  # positions [1, T]
+                torch.full((1,), self.scratch, dtype=torch.long, device=self.device),  # slots [1]
+            )
+            self._prefix_graphs[(1, t, kv_len)] = _capture(self._prefix_fn(kv_len), static, pool)
 
     def _prefix_fn(self, kv_len: int):
         def prefix(embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -479,19 +492,15 @@ class TalkerRunner:
         prefix = self.prompt_prefix(req)  # [L - 1, Ht]
         start = req.talker_start  # earlier turns' user tokens are already in this slot's cache
         new = prefix[start:]  # [n, Ht]
-        n, max_len = new.shape[0], self.cache.max_len
-        t = prefill_bucket(n, self.settings.prefill_buckets, max_len) if self._prefix_graphs else None
-        graph = None
-        if t is not None and start + t <= max_len:  # padding stays inside the cache (see ThinkerRunner)
-            graph = self._prefix_graphs.get((t, kv_bucket(start + t, max_len)))
-        if graph is None:
-            t = n
+        n = new.shape[0]
+        t, kv_len, graph = prefill_plan(
+            self._prefix_graphs, 1, n, start, self.settings.prefill_buckets, self.cache.max_len
+        )
         embeds = new.new_zeros(1, t, new.shape[1])  # [1, T, Ht], right-padded with zeros
         embeds[0, :n] = new
         positions = torch.arange(start, start + t, device=self.device)[None]  # [1, T]
         slots = to_device([req.slot], self.device)
-        step = graph or self._prefix_fn(kv_bucket(start + t, max_len))
-        step(embeds, positions, slots)
+        (graph or self._prefix_fn(kv_len))(embeds, positions, slots)
         self._prompt_len[req.slot] = prefix.shape[0] + 1
         self._steps[req.slot] = 0
         vocab = self.cfg.talker.vocab_size

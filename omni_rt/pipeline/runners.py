@@ -175,10 +175,16 @@ class LaunchGate:
     queue: in eager mode the Thinker's 57-token prefill went from 70 ms alone to 180 ms with the Talker's
     prefix launching beside it (docs/performance.md). The Thinker prefill is on the path to the first
     token and the prefix is not (it is needed only at the first token), so the Talker waits here until
-    the Thinker's prefill is enqueued: its prefix then runs on its own high-priority stream, in the
-    GPU's idle gaps of the launch-bound Thinker prefill (one graph each when graphed), and is finished
-    long before the first token. The wait is bounded (`timeout_s`) because the Talker thread also serves
-    other sessions' frames.
+    the Thinker's prefill is enqueued; then it builds and launches its prefix on its own high-priority
+    stream. Reasoning, not measured: with both graphed, each prefill is one launch from its thread, so
+    there is no GIL or launch-queue fight left; on the GPU the Thinker's prefill is a chain of small
+    kernels that leaves most SMs idle, and the prefix's kernels fill them. High priority lets the
+    prefix's blocks go first when both have blocks ready, so it can delay the Thinker by at most its
+    own GPU time (a graphed 20-layer Talker prefill of ~40 positions: a few ms, against the ~110 ms
+    the eager fight cost), and it is done before the first token needs it. A low-priority prefix would
+    cost the Thinker nothing, but the prefix shares the Talker's stream with the last prompt position
+    and every frame, which must stay high priority. The wait is bounded (`timeout_s`) because the
+    Talker thread also serves other sessions' frames.
     """
 
     def __init__(self, timeout_s: float = 0.02) -> None:

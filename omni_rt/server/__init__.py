@@ -6,6 +6,16 @@ websockets); `omni-rt serve` runs `app.main`.
 
 from omni_rt.server.app import Server, ServerSettings, find_web_dir, main
 from omni_rt.server.peer import Peer, PeerSettings
+from omni_rt.server.speech import TurnDetection
 from omni_rt.server.track import AudioOutputTrack
 
-__all__ = ["AudioOutputTrack", "Peer", "PeerSettings", "Server", "ServerSettings", "find_web_dir", "main"]
+__all__ = [
+    "AudioOutputTrack",
+    "Peer",
+    "PeerSettings",
+    "Server",
+    "ServerSettings",
+    "TurnDetection",
+    "find_web_dir",
+    "main",
+]

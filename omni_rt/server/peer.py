@@ -2,8 +2,13 @@
 
 A client opens the WebSocket `/ws`. The server opens a Session for it at once and says
 `session.created`. The client may then send `webrtc.offer` to get audio over WebRTC (an outgoing track,
-its microphone consumed, and a data channel named `events`), or stay on the socket alone, where audio
+its microphone heard, and a data channel named `events`), or stay on the socket alone, where audio
 comes as base64 PCM16 in `response.output_audio.delta` events.
+
+Speech input: microphone frames and `input_audio_buffer.append` audio go to one `InputAudioBuffer`
+(`speech.py`: 16 kHz, server VAD). Its turns become user items and, with server VAD, responses
+(`respond(audio=...)`); speech that starts during a reply cuts it (barge-in). All of it is synchronous
+on the event loop, so the microphone loop never waits on anything but the next frame.
 
 Every client event, from the socket or the data channel, goes through one bounded inbox and is handled
 in order by one loop. Replies go out on the data channel once it is open, else on the socket. The
@@ -404,10 +409,10 @@ class Peer:
                 "or commit the input audio buffer first",
                 event_id=event.event_id,
             )
-        limit = self.settings.max_output_tokens
-        asked = event.response.max_output_tokens or self.max_output_tokens
-        max_tokens = limit if asked in (None, "inf") else max(1, min(int(asked), limit))
-        self._start_response(max_tokens, list(event.response.output_modalities or self.output_modalities))
+        self._start_response(
+            self._max_tokens(event.response.max_output_tokens),
+            list(event.response.output_modalities or self.output_modalities),
+        )
 
     def _start_response(self, max_tokens: int, modalities: list[str]) -> None:
         """Answer everything the user added since the last response: text, speech, or both."""
@@ -569,8 +574,9 @@ class Peer:
         self._last_item_id = item_id
         self._pending_audio.append(turn.audio)
 
-    def _max_tokens(self) -> int:
-        asked, limit = self.max_output_tokens, self.settings.max_output_tokens
+    def _max_tokens(self, asked: int | str | None = None) -> int:
+        """A response's token limit: what it asks for, else the session's, never over the server's."""
+        asked, limit = asked or self.max_output_tokens, self.settings.max_output_tokens
         return limit if asked == "inf" else max(1, min(int(asked), limit))
 
     def _on_item_truncate(self, event: protocol.ConversationItemTruncate) -> None:

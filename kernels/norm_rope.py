@@ -232,6 +232,7 @@ def qk_norm_rope_cache(
     q2, k2, v2 = (z if z.stride(-1) == 1 else z.contiguous() for z in (q2, k2, v2))
     cos2, sin2 = cos.reshape(b * t, d).contiguous(), sin.reshape(b * t, d).contiguous()
     pos = positions.reshape(b * t).contiguous()
+    slots = slots.contiguous()  # the kernel reads slot b at slots_ptr + b
     out = torch.empty(b, hq, t, d, dtype=q.dtype, device=q.device)
     has_norm = q_weight is not None
     kernel[(b * t, hq + kv)](

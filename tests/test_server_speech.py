@@ -392,3 +392,32 @@ async def test_tiny_engine_answers_appended_speech(tiny):
             assert done["usage"]["audio_frames"] == 10
             # the spoken turn is in the prompt: ~13 audio tokens a second, far more than a few words
             assert done["usage"]["input_tokens"] > 15
+
+
+# -- the buffer itself ------------------------------------------------------------------------------------
+
+
+def test_input_buffer_downmixes_resamples_and_keeps_time_per_source():
+    from omni_rt.server.protocol import TurnDetectionFields
+    from omni_rt.server.speech import InputAudioBuffer, TurnDetection
+
+    buf = InputAudioBuffer(None, max_turn_ms=5000)  # no VAD: everything waits for commit
+    mono = spoken_turn(48000, lead_s=0.0, tail_s=0.2)
+    stereo = np.stack([mono, np.zeros_like(mono)], axis=1).reshape(-1)  # interleaved L/R, right silent
+    for i in range(0, len(stereo), 1920):  # 20 ms frames, as aiortc decodes them
+        assert buf.push((stereo[i : i + 1920] * 32767).astype(np.int16), 48000, channels=2) == []
+    turn = buf.commit()
+    expected = resample(mono / 2, 48000, 16000)  # the mean of the channels
+    assert abs(len(turn.audio) - len(expected)) <= 16
+    n = min(len(turn.audio), len(expected))
+    assert np.abs(turn.audio[:n] - expected[:n]).max() < 2e-3
+    fields = TurnDetectionFields(
+        threshold=0.7, prefix_padding_ms=250, silence_duration_ms=25, create_response=False
+    )
+    detection = TurnDetection.from_wire(fields)  # times rounded to 20 ms frames, the rest defaults
+    assert (detection.vad.threshold, detection.vad.prefix_padding_ms, detection.vad.silence_duration_ms) == (
+        0.7,
+        240,
+        20,
+    )
+    assert detection.create_response is False and detection.interrupt_response is True

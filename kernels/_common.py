@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from omni_rt.kernels.moe_decode import triton_available
 
@@ -15,8 +17,14 @@ def mark(fn, name: str):
     return fn
 
 
+@functools.cache
+def _triton_ok() -> bool:
+    return triton_available()
+
+
 def require_triton() -> None:
-    if not triton_available():
+    """Raise unless Triton can run here (checked once: kernels call this on every launch)."""
+    if not _triton_ok():
         raise RuntimeError("fused kernels need Triton and a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
 
 

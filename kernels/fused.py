@@ -12,7 +12,7 @@ not cover, so prefill keeps the plain path when `max_rows` is set.
 
 | kernel      | patches                                  | launches per call, plain -> fused                   |
 |-------------|------------------------------------------|------------------------------------------------------|
-| "rmsnorm"   | `layers.RMSNorm.forward`                 | ~6 -> 1                                              |
+| "rmsnorm"   | `layers.RMSNorm.forward`                 | ~8 -> 1                                              |
 | "attention" | `layers.Attention.forward`               | q/k norm, RoPE, 2 cache writes: ~30 -> 1             |
 | "router"    | `layers.SparseMoe.route`                 | ~7 -> 1 (2 with fuse_gate=False)                     |
 | "snake"     | `code2wav.SnakeBeta.forward`             | ~9 -> 1                                              |

@@ -1,9 +1,9 @@
 """Fused RMSNorm, and fused q/k RMSNorm + RoPE + KV-cache write, for decode: kernels beside the layers they equal.
 
 Why: a graphed Thinker decode step spends ~2.5 ms of 9.9 in small elementwise kernels
-(docs/performance.md, kernel profile). `layers.RMSNorm` is ~6 launches (cast, square, mean, rsqrt, scale,
-cast, weight); the attention's post-projection work is q/k norm (2 x 6), RoPE (2 x ~6: two products, a
-rotate-half cat and negation, a sum) and two `index_put` cache writes with dtype casts: ~30 launches per
+(docs/performance.md, kernel profile). `layers.RMSNorm` is ~8 launches (cast, square, mean, + eps, rsqrt,
+scale, cast, weight); the attention's post-projection work is q/k norm (2 x 8), RoPE (2 x 5: two
+products, a rotate-half negation and cat, a sum) and two `index_put` cache writes with dtype casts: ~30 launches per
 layer. Here that is one launch for each norm and one for all of q/k/v post-processing.
 
 Numbers: the kernels round at the same points as the plain path (see `_triton.round_to`), so in bf16:

@@ -16,7 +16,7 @@ Public API (keep stable; add, don't rename):
                 mask=None) -> [B, T, H];  .attn_fn: optional callable with `attend`'s signature
     attention_mask(positions[B, T], kv_len: int, rep: int) -> [B, 1, rep*T, kv_len] bool
     attend(q[B, heads, T, D], k_cache[S, KV, L, D], v_cache, slots[B], positions[B, T], mask, kv_len)
-        -> [B, heads, T, D]   (plain SDPA over rows [0, kv_len) of each slot)
+        -> [B, heads, T, D]   (plain SDPA over rows [0, kv_len) of each slot; causal, unmasked when T == kv_len)
     MLP(hidden_size: int, intermediate_size: int)             forward(x[..., H]) -> [..., H]
     Experts(num_experts: int, hidden_size: int, intermediate_size: int)
         parameters gate_up_proj [E, 2I, H], down_proj [E, H, I]
@@ -333,6 +333,7 @@ def attend(
     q [B, heads, T, D] (rotated); k_cache, v_cache [S, KV, L, D] (this layer's, new rows written);
     slots [B]; positions [B, T]; mask from `attention_mask`; kv_len: rows [0, kv_len) are read.
     Returns [B, heads, T, D]. `positions` is unused here (the mask encodes it); kernels may use it.
+    A prefill of rows [0, kv_len) (T == kv_len) is SDPA's causal call without the mask, the reference's.
     """
     b, n_heads, t, d = q.shape
     n_kv = k_cache.shape[1]
@@ -342,13 +343,14 @@ def attend(
         # A sequence's new tokens have consecutive positions, all below kv_len, so t == kv_len means every
         # row is a prefill of rows [0, t): the mask is plain causal. Call SDPA as the reference's prefill
         # does (is_causal, GQA, no mask): in bf16 the kernel and its rounding depend on the call (CUDA
-        # picks flash attention only without a mask), and this call is bit-equal to the reference's.
+        # picks flash attention only without a mask); on the CPU it is bit-equal to the reference's.
         return F.scaled_dot_product_attention(
             q, keys, values, is_causal=True, scale=d**-0.5, enable_gqa=n_kv != n_heads
         )
     # GQA without copying k/v per query head: the query heads that share a kv head are folded into the
     # query length (head h uses kv head h // rep, as repeat_interleave would give). Masked rows still
-    # change the kernel's blocking, so bf16 results depend (by an ulp, rarely) on kv_len.
+    # change how SDPA blocks its reductions, so bf16 results move by an ulp with kv_len (~0.3 % of outputs
+    # on the CPU): the price of a static cache, which the reference's static-cache decode pays too.
     q = q.reshape(b, n_kv, (n_heads // n_kv) * t, d)  # [B, KV, rep*T, D]
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=d**-0.5)  # [B, KV, rep*T, D]
     return out.view(b, n_heads, t, d)

@@ -7,8 +7,11 @@
 
 Intended behind `EngineSettings.fused_kernels: bool` (install after the weights are loaded and before any
 CUDA graph is captured: graphs keep whatever launches they recorded). Each hook replaces a module
-instance's method (`forward`, or `SparseMoe.route`) and falls back to the plain code for inputs it does
-not cover, so prefill keeps the plain path when `max_rows` is set.
+instance's method (`forward`, or `SparseMoe.route`) or fills the seam the model declares
+(`Attention.attn_fn`), and falls back to the plain code for inputs it does not cover, so prefill keeps the
+plain path when `max_rows` is set. All but "decode_attention" round where the plain path rounds (bf16
+results equal, up to an ulp where a sum runs in another order); "decode_attention" agrees with SDPA to
+about a bf16 ulp, as SDPA's own backends agree with each other.
 
 | kernel      | patches                                  | launches per call, plain -> fused                   |
 |-------------|------------------------------------------|------------------------------------------------------|
@@ -16,6 +19,7 @@ not cover, so prefill keeps the plain path when `max_rows` is set.
 | "attention" | `layers.Attention.forward`               | q/k norm, RoPE, 2 cache writes: ~30 -> 1             |
 | "router"    | `layers.SparseMoe.route`                 | ~7 -> 1 (2 with fuse_gate=False)                     |
 | "snake"     | `code2wav.SnakeBeta.forward`             | ~9 -> 1                                              |
+| "decode_attention" | sets `layers.Attention.attn_fn`   | 2 cache gathers + masked SDPA: 3-5 -> 1              |
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ from collections.abc import Collection
 
 import torch
 from omni_rt.kernels._common import FUSED_ATTR, require_triton
+from omni_rt.kernels.decode_attention import install_decode_attention
 from omni_rt.kernels.norm_rope import install_attention, install_rmsnorm
 from omni_rt.kernels.router import install_router
 from omni_rt.kernels.snake import install_snake
 
-KERNELS = ("rmsnorm", "attention", "router", "snake")
-_PATCHED = ("forward", "route")  # the instance attributes the hooks set
+KERNELS = ("rmsnorm", "attention", "router", "snake", "decode_attention")
+_PATCHED = ("forward", "route")  # instance attributes the hooks add (removed to undo)
+_SEAMS = ("attn_fn",)  # override points the model declares (reset to None to undo)
 
 
 def install_all(
@@ -41,7 +47,7 @@ def install_all(
 ) -> dict[str, int]:
     """Install the `enabled` kernels (True: all of KERNELS, False: none) on `model`; modules patched per kernel.
 
-    max_rows: the decode kernels (rmsnorm, attention, router) run for calls of at most this many token
+    max_rows: the decode kernels (all but snake) run for calls of at most this many token
     rows (B*T) and leave larger ones (prefill) to the plain code; None: every call. fuse_gate: the router
     computes the gate logits itself (one launch) instead of taking them from the module's gate (two;
     ids then bit-equal to `SparseMoe.route`). Installing twice replaces the earlier hooks.
@@ -62,6 +68,8 @@ def install_all(
             done[name] = install_attention(model, max_rows)
         elif name == "router":
             done[name] = install_router(model, fuse_gate=fuse_gate, max_rows=max_rows)
+        elif name == "decode_attention":
+            done[name] = install_decode_attention(model, max_rows)
         else:
             done[name] = install_snake(model)
     return done
@@ -74,5 +82,9 @@ def uninstall_all(model: torch.nn.Module) -> int:
         for attr in _PATCHED:
             if hasattr(m.__dict__.get(attr), FUSED_ATTR):
                 delattr(m, attr)
+                removed += 1
+        for attr in _SEAMS:
+            if hasattr(getattr(m, attr, None), FUSED_ATTR):
+                setattr(m, attr, None)
                 removed += 1
     return removed

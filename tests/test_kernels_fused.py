@@ -201,6 +201,42 @@ def test_fused_attention_forward_leaves_large_calls_to_the_plain_path(monkeypatc
 
 
 # ----------------------------------------------------------------------------------------------------
+# Decode attention (Attention.attn_fn)
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "dtype,b,t,heads,kv_heads,kv_len",
+    [
+        (torch.float32, 1, 1, 4, 2, 12),  # decode, one row
+        (torch.float32, 3, 1, 8, 2, 40),  # three rows over several 16-row blocks, GQA rep 4
+        (torch.float32, 2, 2, 4, 4, 20),  # two tokens per row (the code predictor's prefill), no GQA
+        (torch.bfloat16, 3, 1, 4, 2, 30),
+    ],
+)
+def test_decode_attention_matches_attend(dtype, b, t, heads, kv_heads, kv_len):
+    from omni_rt.kernels import decode_attention as da
+
+    g = torch.Generator().manual_seed(b * 10 + t)
+    d, slots_n, max_len = 16, 4, 48
+    k_cache = torch.randn(slots_n, kv_heads, max_len, d, generator=g).to(dtype)
+    v_cache = torch.randn(slots_n, kv_heads, max_len, d, generator=g).to(dtype)
+    q = torch.randn(b, heads, t, d, generator=g).to(dtype)
+    slots = torch.tensor([3, 0, 2][:b])
+    last = torch.tensor([kv_len - 1, 0, kv_len // 2][:b])  # at the bucket's end, at row 0, in between
+    positions = (last[:, None] - t + 1 + torch.arange(t)).clamp(min=0)
+    mask = layers.attention_mask(positions, kv_len, heads // kv_heads)
+    ref = layers.attend(q, k_cache, v_cache, slots, positions, mask, kv_len)
+    got = da.decode_attention(q, k_cache, v_cache, slots, positions, mask, kv_len, block_n=16)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else FP32_TOL
+    torch.testing.assert_close(got, ref, **tol)
+    # rows beyond a query's position must not count: change them and nothing moves
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    for i in range(b):
+        k2[slots[i], :, int(positions[i].max()) + 1 :] = 7.0
+        v2[slots[i], :, int(positions[i].max()) + 1 :] = -7.0
+    assert torch.equal(da.decode_attention(q, k2, v2, slots, positions, mask, kv_len, block_n=16), got)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Router
 # ----------------------------------------------------------------------------------------------------
 def _moe(dtype, num_experts=8, top_k=2, norm=True, seed=0):
@@ -331,7 +367,8 @@ def test_install_all_keeps_thinker_decode_and_code2wav_step(tiny_model):
         counts = fused.install_all(tiny_model, max_rows=4)
         try:
             moe_layers, all_layers = _layer_counts()
-            assert counts["attention"] == all_layers and counts["router"] == moe_layers
+            assert counts["attention"] == counts["decode_attention"] == all_layers
+            assert counts["router"] == moe_layers
             # per decoder block: one SnakeBeta before the upsampling and two in each of 3 residual units
             assert counts["snake"] == 7 * len(c2w.cfg.upsample_rates) + 1
             # per decoder layer 2 (input, post-attention) + q_norm + k_norm; a final norm per decoder
@@ -346,6 +383,7 @@ def test_install_all_keeps_thinker_decode_and_code2wav_step(tiny_model):
     torch.testing.assert_close(cache.k, ref_cache.k, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(wav, ref_wav, rtol=1e-4, atol=1e-5)
     assert not any("forward" in m.__dict__ or "route" in m.__dict__ for m in tiny_model.modules())
+    assert all(m.attn_fn is None for m in tiny_model.modules() if isinstance(m, layers.Attention))
 
 
 def test_install_all_selects_and_rejects_names(tiny_model):

@@ -48,12 +48,13 @@ def test_meta_device_catches_a_host_sync(meta_model):
 
 def test_thinker_steps_are_capturable(meta_model):
     r = ThinkerRunner(meta_model, SETTINGS)
-    slots = ids(2)
-    for t in (1, 16):  # a decode step, a padded prefill bucket
+    slots, cfg = ids(2), meta_model.cfg.thinker
+    for t in (1, 16):  # padded prefill buckets
+        embeds = torch.zeros(2, t, cfg.hidden_size, device=META)
         index = torch.full((2,), t - 1, device=META)
-        logits = r._prefill_fn(64)(ids(2, t), torch.arange(t, device=META).expand(2, t), slots, index)
-        assert logits.shape == (2, meta_model.cfg.thinker.vocab_size)
-    assert r._decode_fn(64)(ids(2, 1), ids(2, 1), slots).shape[0] == 2
+        logits, hidden = r._prefill_fn(64)(embeds, torch.arange(t, device=META).expand(2, t), slots, index)
+        assert logits.shape == (2, cfg.vocab_size) and hidden.shape == embeds.shape
+    assert r._decode_fn(64)(ids(2, 1), ids(2, 1), slots).shape == (2, cfg.vocab_size)
 
 
 def test_talker_steps_are_capturable(meta_model):

@@ -117,7 +117,7 @@ def test_thinker_padded_graph_prefill_equals_eager(model, graphed):
     assert 8 < n < 32  # padded to 32
     logits_g, tokens_g = thinker_trace(g, [req_g], steps=4)
     logits_e, tokens_e = thinker_trace(e, [req_e], steps=4)
-    assert [c.replays for c in graphed if c.static[0].shape == (1, 32)][0] >= 1  # the graph ran
+    assert g._prefill_graphs[(1, 32, 96)].replays >= 1  # the graph ran
     torch.testing.assert_close(logits_g, logits_e, rtol=1e-4, atol=1e-5)
     assert tokens_g == tokens_e  # decode after padded prefill: the padding rows were overwritten first
 
@@ -166,6 +166,34 @@ def test_batched_padded_prefill_equals_one_at_a_time(model, graphed):
     alone = [thinker_trace(e, [request(model, t, i)], steps=2) for i, t in enumerate(texts)]
     torch.testing.assert_close(logits_g, torch.cat([a[0] for a in alone]), rtol=1e-4, atol=1e-5)
     assert [list(col) for col in zip(*tokens_g, strict=True)] == [[t[0] for t in a[1]] for a in alone]
+
+
+def test_speech_prefill_through_the_padded_graph_equals_eager(model, graphed):
+    """A spoken turn enters as embeddings through the same graphs: the same logits, and the same
+    hidden states for the Talker at every real position."""
+    import numpy as np
+
+    from omni_rt.audio.features import audio_token_count, log_mel
+    from omni_rt.model.speech_input import speech_prompt
+
+    s = EngineSettings(**SETTINGS)
+    g = ThinkerRunner(model, s)
+    e = ThinkerRunner(model, s.model_copy(update={"cuda_graphs": False}))
+    t = np.arange(8000) / 16000
+    features = log_mel((0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 16000)  # [128, F]
+    count = int(audio_token_count(features.shape[1], int(model.cfg.audio_config.get("n_window", 50))))
+    out = []
+    for runner in (g, e):
+        req = request(model, "", 0)
+        req.prompt_ids = speech_prompt(model.cfg.ids, [count], text_ids=[65, 66])
+        req.audio_features = [features]
+        with torch.no_grad():
+            logits = runner._prefill_logits([req])
+        out.append((logits, req.thinker_hidden))
+    assert any(c.replays for c in g._prefill_graphs.values())
+    assert len(req.prompt_ids) < 32 and out[0][1].shape == out[1][1].shape == (len(req.prompt_ids), 64)
+    for a, b in zip(out[0], out[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_prefill_past_the_cache_end_runs_unpadded(model, graphed):

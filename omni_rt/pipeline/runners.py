@@ -10,7 +10,8 @@ shape, and replayed; on the CPU (or with the switch off) the same functions run 
 
 With `prefill_graphs` on as well, the Thinker's prefill and the Talker's prompt-prefix prefill are
 graphed too: the new tokens are right-padded to a length bucket (`EngineSettings.prefill_buckets`) and
-`logits_index` picks each row's last real token. Padding tokens write k/v at positions at and after the
+`logits_index` picks each row's last real token. The Thinker's prefill graphs take embeddings, so text
+turns (embedded just before) and spoken turns (clips scattered in) share them. Padding tokens write k/v at positions at and after the
 row's real length, in the row's own slot only; each of those rows is written again by the token that
 really lands there before any query reads it (a query at position p reads rows <= p of its slot), so
 padding never changes a result. A prefill that would pad past the cache's end runs eagerly, unpadded.
@@ -103,6 +104,15 @@ def prefill_plan(graphs: dict, batch: int, t: int, start: int, buckets: tuple[in
         if graph is not None:
             return padded, kv_len, graph
     return t, kv_bucket(start + t, max_len), None
+
+
+def right_pad(x: torch.Tensor, t: int) -> torch.Tensor:
+    """x [B, n, H] with zero rows appended to [B, t, H] (x itself when n == t)."""
+    if x.shape[1] == t:
+        return x
+    out = x.new_zeros(x.shape[0], t, x.shape[2])
+    out[:, : x.shape[1]] = x
+    return out
 
 
 def to_device(data, device: torch.device) -> torch.Tensor:
@@ -230,10 +240,15 @@ class ThinkerRunner:
         return step
 
     def _prefill_fn(self, kv_len: int):
-        def prefill(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, index: torch.Tensor):
-            """ids, positions [B, T] (right-padded), slots [B], index [B] (last real token) -> [B, V]."""
-            logits, _ = self.thinker(ids, positions, self.cache, slots, logits_index=index, kv_len=kv_len)
-            return logits[:, -1]
+        def prefill(embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, index: torch.Tensor):
+            """embeds [B, T, H] and positions [B, T] (right-padded), slots [B], index [B] (each row's last
+            real token) -> (logits [B, V] there, hidden [B, T, H]: hidden_states[accept_hidden_layer],
+            which a speech turn's Talker prefix reads; an intermediate, so free for text turns)."""
+            logits, hidden = self.thinker(
+                None, positions, self.cache, slots, self.accept_hidden_layer,
+                inputs_embeds=embeds, logits_index=index, kv_len=kv_len,
+            )  # fmt: skip
+            return logits[:, -1], hidden
 
         return prefill
 
@@ -253,13 +268,15 @@ class ThinkerRunner:
                 self._graphs[(b, kv_len)] = _capture(self._decode_fn(kv_len), static, pool)
         if not s.prefill_graphs:
             return
+        # text and speech turns share these graphs: both enter as embeddings
         prefill_batches = (
             [1] if s.deterministic else range(1, min(s.prefill_graph_batches, s.max_sessions) + 1)
         )
+        width = self.thinker.cfg.hidden_size
         for b in prefill_batches:
             for t, kv_len in prefill_shapes(s.prefill_buckets, max_len):
                 static = (
-                    torch.zeros(b, t, dtype=torch.long, device=self.device),  # ids [B, T]
+                    torch.zeros(b, t, width, dtype=self.cache.dtype, device=self.device),  # embeds [B, T, H]
                     torch.arange(t, device=self.device).expand(b, t).contiguous(),  # positions [B, T]
                     torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
                     torch.full((b,), t - 1, dtype=torch.long, device=self.device),  # index [B]
@@ -293,7 +310,7 @@ class ThinkerRunner:
 
     def _prefill_logits(self, reqs: list[Request]) -> torch.Tensor:
         """Each request's logits after its new prompt tokens: [B, V], in order. Text prompts that arrive
-        together run as one right-padded batch; speech prompts (from embeddings) one at a time."""
+        together run as one right-padded batch; speech prompts one at a time."""
         out: list[torch.Tensor | None] = [None] * len(reqs)
         text = [i for i, r in enumerate(reqs) if not r.audio_features]
         for i, r in enumerate(reqs):
@@ -301,10 +318,15 @@ class ThinkerRunner:
                 out[i] = self._prefill_speech(r)
         groups = [text] if self._prefill_shape([reqs[i] for i in text]) else [[i] for i in text]
         for group in groups:
-            if group:
-                logits = self._prefill_text([reqs[i] for i in group])  # [b, V]
-                for j, i in enumerate(group):
-                    out[i] = logits[j : j + 1]
+            if not group:
+                continue
+            rows = [reqs[i] for i in group]
+            ids = torch.zeros(len(rows), max(len(r.new_prompt_ids) for r in rows), dtype=torch.long)  # [B, t]
+            for j, r in enumerate(rows):
+                ids[j, : len(r.new_prompt_ids)] = torch.tensor(r.new_prompt_ids)
+            logits, _ = self._prefill_embeds(rows, self.thinker.embed(to_device(ids, self.device)))
+            for j, i in enumerate(group):
+                out[i] = logits[j : j + 1]
         return torch.cat(out)
 
     def _prefill_shape(self, reqs: list[Request]) -> tuple[int, int, object] | None:
@@ -320,22 +342,17 @@ class ThinkerRunner:
             return None
         return plan  # one request out of range is its own error (the cache's check names it)
 
-    def _prefill_text(self, reqs: list[Request]) -> torch.Tensor:
-        """Several text prompts in one call, right-padded to a common length T: [B, V] logits of each
-        row's last real token (`logits_index`). T is a captured bucket when a graph fits, else the
-        longest prompt. See the module doc for why the padding rows never change a result."""
+    def _prefill_embeds(self, reqs: list[Request], embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new prompt tokens of `reqs` as embeddings [B, t, H] (right-padded to the longest) in one
+        call, padded further to a captured bucket when a graph fits: (logits [B, V] of each row's last
+        real token, hidden [B, T, H]). See the module doc for why the padding never changes a result."""
         t, kv_len, graph = self._prefill_shape(reqs)
-        ids = torch.zeros(len(reqs), t, dtype=torch.long)  # [B, T]
-        positions = torch.zeros(len(reqs), t, dtype=torch.long)  # [B, T]
-        for i, r in enumerate(reqs):
-            new = r.new_prompt_ids
-            ids[i, : len(new)] = torch.tensor(new)
-            positions[i] = torch.arange(r.thinker_start, r.thinker_start + t)
+        positions = torch.stack([torch.arange(r.thinker_start, r.thinker_start + t) for r in reqs])  # [B, T]
         index = torch.tensor([len(r.new_prompt_ids) - 1 for r in reqs])  # [B]
         slots = torch.tensor([r.slot for r in reqs])  # [B]
         step = graph or self._prefill_fn(kv_len)
         dev = self.device
-        return step(*(to_device(x, dev) for x in (ids, positions, slots, index)))  # [B, V]
+        return step(right_pad(embeds, t), *(to_device(x, dev) for x in (positions, slots, index)))
 
     def _encoder(self):
         if self.audio_encoder is None:
@@ -351,18 +368,11 @@ class ThinkerRunner:
         stay zero (the Talker has those positions in its cache already and does not feed them again)."""
         new = req.new_prompt_ids
         x = build_speech_input(self.thinker, self._encoder(), new, req.audio_features, self.ids)
-        t = len(new)
-        positions = torch.arange(req.thinker_start, req.thinker_start + t, device=self.device)[None]  # [1, T]
-        slots = to_device([req.slot], self.device)
-        kv_len = kv_bucket(req.thinker_start + t, self.cache.max_len)
-        logits, hidden = self.thinker(
-            None, positions, self.cache, slots, self.accept_hidden_layer, last_only=True,
-            inputs_embeds=x.inputs_embeds, kv_len=kv_len,
-        )  # fmt: skip
+        logits, hidden = self._prefill_embeds([req], x.inputs_embeds)  # [1, V], [1, T, H]
         full = hidden.new_zeros(len(req.prompt_ids), hidden.shape[-1])  # [P, H]
-        full[req.thinker_start :] = hidden[0]
+        full[req.thinker_start :] = hidden[0, : len(new)]  # a copy: a graph's output is reused
         req.thinker_hidden = full
-        return logits[:, -1]  # [1, V]
+        return logits
 
     @stage_call
     def decode(self, reqs: list[Request]) -> list[int]:
@@ -502,11 +512,9 @@ class TalkerRunner:
         t, kv_len, graph = prefill_plan(
             self._prefix_graphs, 1, n, start, self.settings.prefill_buckets, self.cache.max_len
         )
-        embeds = new.new_zeros(1, t, new.shape[1])  # [1, T, Ht], right-padded with zeros
-        embeds[0, :n] = new
         positions = torch.arange(start, start + t, device=self.device)[None]  # [1, T]
         slots = to_device([req.slot], self.device)
-        (graph or self._prefix_fn(kv_len))(embeds, positions, slots)
+        (graph or self._prefix_fn(kv_len))(right_pad(new[None], t), positions, slots)
         self._prompt_len[req.slot] = prefix.shape[0] + 1
         self._steps[req.slot] = 0
         vocab = self.cfg.talker.vocab_size

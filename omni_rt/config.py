@@ -71,8 +71,8 @@ class EngineSettings(_Settings):
     )
     prefill_launch_order: bool = Field(
         True,
-        description="the Talker's overlapped prefix prefill is enqueued only after the Thinker's prefill is "
-        "(the Thinker's launches, on the path to the first token, never wait behind the Talker's)",
+        description="the Talker's overlapped prefix prefill waits (at most 20 ms) until the Thinker's prefill "
+        "is enqueued, so the two threads do not fight over the GIL and the launch queue",
     )
     moe_backend: Literal["auto", "loop", "gather", "grouped_mm"] = Field(
         "auto", description="expert FFN backend (omni_rt.model.layers.SparseMoe impl)"

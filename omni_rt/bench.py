@@ -240,6 +240,7 @@ def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
     differ = {k for k in on if on[k] != off[k]}
     known: list[tuple[str, tuple[str, ...]]] = [
         ("+ cuda graphs", ("cuda_graphs",)),
+        ("+ prefill graphs", ("prefill_graphs",)),
         ("+ triton MoE decode", ("moe_backend",)),
         ("+ event hand-off", ("handoff",)),
         ("+ talker prefill overlap", ("talker_overlap_prefill",)),
@@ -255,7 +256,8 @@ def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
                 steps.append((name, {"moe_backend": "triton"}))
             continue
         change = {f: on[f] for f in fields if f in differ}
-        if change and not (device == "cpu" and fields == ("cuda_graphs",)):  # graphs are GPU-only
+        gpu_only = fields in {("cuda_graphs",), ("prefill_graphs",)}  # CUDA graphs: nothing to show on a CPU
+        if change and not (device == "cpu" and gpu_only):
             steps.append((name, change))
     steps += [(f"+ {f.replace('_', ' ')}", {f: on[f]}) for f in sorted(differ - covered)]
     plan, acc = [("all off", {})], {}

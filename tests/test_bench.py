@@ -92,10 +92,12 @@ def test_row_plan_adds_one_optimisation_per_row_and_ends_all_on():
     assert all_on.model_dump() == EngineSettings().model_dump()  # the last row is every optimisation on
     assert plan[-1][1]["moe_backend"] == "triton"
     cpu = dict(bench.row_plan("cpu", kernel_ok=False))
-    assert "+ cuda graphs" not in cpu and all("moe_backend" not in v for v in cpu.values())
+    assert "+ cuda graphs" not in cpu and "+ prefill graphs" not in cpu
+    assert all("moe_backend" not in v for v in cpu.values())
     cpu_last = bench.row_plan("cpu", kernel_ok=False)[-1][1]
     # on the CPU the last row is all on but for the GPU-only graphs
-    assert EngineSettings.all_off(**cpu_last).model_dump() == EngineSettings(cuda_graphs=False).model_dump()
+    gpu_only_off = EngineSettings(cuda_graphs=False, prefill_graphs=False)
+    assert EngineSettings.all_off(**cpu_last).model_dump() == gpu_only_off.model_dump()
 
 
 def test_reference_model_shares_our_weights_and_matches_logits():

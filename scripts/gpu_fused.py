@@ -41,6 +41,9 @@ def _args(argv):
     ap.add_argument("--rows", default="1,4", help="decode rows (batch sizes) for the per-op part")
     ap.add_argument("--cache-len", type=int, default=512)
     ap.add_argument("--skip-steps", action="store_true", help="per-op part only")
+    ap.add_argument(
+        "--no-shares", action="store_true", help="whole steps: skip the one-kernel-at-a-time rows"
+    )
     ap.add_argument("--out", default="gpu_fused.json")
     return ap.parse_args(argv)
 
@@ -78,7 +81,7 @@ def _kernels_package():
 
 _kernels_package()
 from gpu_stages import time_fn  # noqa: E402
-from omni_rt.kernels import fused, norm_rope, router, snake  # noqa: E402
+from omni_rt.kernels import decode_attention, fused, norm_rope, router, snake  # noqa: E402
 from omni_rt.kernels import moe_decode as md  # noqa: E402
 
 from omni_rt.model import code2wav, layers  # noqa: E402
@@ -187,6 +190,38 @@ def op_attention(res, stage, layer_list, rotary, n, dev, dtype, cache_len):
     _row(
         res, what=f"{stage} q/k norm + rope + cache write", rows=n, plain_us=t0 * 1e3 / m, fused_us=t1 * 1e3 / m,
         q=check_q, k_cache=check_k, v_cache_equal=v_equal,
+    )  # fmt: skip
+
+
+def op_decode_attention(res, stage, layer_list, n, dev, dtype, cache_len):
+    attns = [ly.self_attn for ly in layer_list]
+    a0 = attns[0]
+    g = torch.Generator(device="cpu").manual_seed(1)
+    shape = (len(attns), n, a0.n_kv_heads, cache_len, a0.head_dim)
+    k_all = torch.randn(shape, generator=g).to(dev, dtype)
+    v_all = torch.randn(shape, generator=g).to(dev, dtype)
+    q = torch.randn(n, a0.n_heads, 1, a0.head_dim, generator=g).to(dev, dtype)
+    slots = torch.arange(n, device=dev).flip(0)
+    positions = (cache_len - 1 - torch.arange(n, device=dev) * 37)[:, None].clamp(min=0)  # [N, 1], long rows
+    mask = layers.attention_mask(positions, cache_len, a0.n_heads // a0.n_kv_heads)
+
+    def plain(q):
+        return [
+            layers.attend(q, k_all[i], v_all[i], slots, positions, mask, cache_len) for i in range(len(attns))
+        ]
+
+    def fast(q):
+        return [
+            decode_attention.decode_attention(q, k_all[i], v_all[i], slots, positions, mask, cache_len)
+            for i in range(len(attns))
+        ]
+
+    check = ulps(torch.stack(fast(q)), torch.stack(plain(q)))
+    t0, t1 = graphed_ms(plain, (q,)), graphed_ms(fast, (q,))
+    m = len(attns)
+    _row(
+        res, what=f"{stage} decode attention, kv_len {cache_len}", rows=n, plain_us=t0 * 1e3 / m,
+        fused_us=t1 * 1e3 / m, **check,
     )  # fmt: skip
 
 
@@ -336,13 +371,25 @@ def run_step(fn, inputs, prep):
     )
 
 
-def compare_steps(res, model, cfg, dev, dtype, cache_len):
+def compare_steps(res, model, cfg, dev, dtype, cache_len, shares: bool):
+    """Every step plain and with all kernels; with `shares`, also the step each kernel touches most with
+    that kernel alone (its share of the saving)."""
+    variants = [("plain", False, None), ("fused", True, None)]
+    if shares:
+        variants += [
+            (f"only {k}", {k}, "code2wav step, 1 frame" if k == "snake" else "thinker decode step")
+            for k in fused.KERNELS
+        ]
     plain_out = {}
-    for variant in ("plain", "fused"):
+    for variant, enabled, only in variants:
+        fused.uninstall_all(model)
+        installed = fused.install_all(model, enabled)
         if variant == "fused":
-            res["installed"] = fused.install_all(model)
-            print(f"install_all: {res['installed']}", flush=True)
+            res["installed"] = installed
+            print(f"install_all: {installed}", flush=True)
         for name, (fn, inputs, prep) in steps(model, cfg, dev, dtype, cache_len).items():
+            if only is not None and name != only:
+                continue
 
             def one(name=name, fn=fn, inputs=inputs, prep=prep, variant=variant):
                 out, eager, graphed, graph_eq, kernels = run_step(fn, inputs, prep)
@@ -353,12 +400,7 @@ def compare_steps(res, model, cfg, dev, dtype, cache_len):
                 elif name in plain_out:
                     ref = plain_out[name]
                     row["vs_plain"] = ulps(out, ref) if out.is_floating_point() else None
-                    if (
-                        out.is_floating_point()
-                        and out.dim() == 2
-                        and out.shape[-1] > 1
-                        and "code2wav" not in name
-                    ):
+                    if out.is_floating_point() and out.dim() == 2 and "code2wav" not in name:
                         row["greedy_equal"] = bool(torch.equal(out.argmax(-1), ref.argmax(-1)))
                     if not out.is_floating_point():
                         row["codes_equal"] = float((out == ref).float().mean())
@@ -401,11 +443,16 @@ def main() -> int:
                 f"{stage} attention",
                 partial(op_attention, res, stage, layer_list, rotary, n, dev, dtype, args.cache_len),
             )
+            _guard(
+                res,
+                f"{stage} decode attention",
+                partial(op_decode_attention, res, stage, layer_list, n, dev, dtype, args.cache_len),
+            )
             if isinstance(layer_list[0].mlp, layers.SparseMoe):
                 _guard(res, f"{stage} router", partial(op_router, res, stage, layer_list, n, dev, dtype))
     _guard(res, "code2wav snake", partial(op_snake, res, model.code2wav, dev, dtype))
     if not args.skip_steps:
-        compare_steps(res, model, cfg, dev, dtype, args.cache_len)
+        compare_steps(res, model, cfg, dev, dtype, args.cache_len, shares=not args.no_shares)
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))

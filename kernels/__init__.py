@@ -2,7 +2,8 @@
 
 - `moe_decode`: fused MoE expert computation for decode (Triton), plus the loop and grouped-GEMM paths
   and `install(model, backend)` to swap a model's expert function from outside.
-- `norm_rope`, `router`, `snake`: fused decode kernels (Triton) for RMSNorm, q/k norm + RoPE + KV-cache
-  write, the MoE router and Code2Wav's SnakeBeta, each beside the model code it equals;
-  `fused.install_all(model)` patches a model with all of them from outside (`fused.uninstall_all` undoes it).
+- `norm_rope`, `router`, `snake`, `decode_attention`: fused decode kernels (Triton) for RMSNorm, q/k norm +
+  RoPE + KV-cache write, the MoE router, Code2Wav's SnakeBeta and attention over the slot cache, each
+  beside the model code it equals; `fused.install_all(model)` patches a model with all of them from
+  outside (`fused.uninstall_all` undoes it). Shared: `_common` (no Triton), `_triton` (rounding, math).
 """

@@ -396,3 +396,31 @@ def test_install_all_selects_and_rejects_names(tiny_model):
         fused.uninstall_all(tiny_model)
     with pytest.raises(ValueError, match="unknown fused kernels"):
         fused.install_all(tiny_model, enabled={"rope"})
+
+
+def test_install_all_keeps_a_whole_greedy_reply(tiny_model):
+    # Thinker, Talker, code predictor and Code2Wav together, greedy: the same text and codes, and PCM
+    # within fp32 rounding
+    from omni_rt.kernels import fused
+
+    from omni_rt.bench import chat_prompt
+    from omni_rt.config import StageSampling
+    from omni_rt.model.offline import generate_offline
+
+    greedy = StageSampling(do_sample=False)
+
+    def reply():
+        with torch.no_grad():
+            return generate_offline(
+                tiny_model, chat_prompt(20, 8), "ethan", greedy, greedy, 5, 3, ignore_eos=True
+            )
+
+    ref = reply()
+    fused.install_all(tiny_model)
+    try:
+        got = reply()
+    finally:
+        fused.uninstall_all(tiny_model)
+    assert got[0] == ref[0]
+    assert torch.equal(got[1], ref[1])
+    torch.testing.assert_close(got[2], ref[2], rtol=1e-4, atol=1e-5)

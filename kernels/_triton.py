@@ -7,6 +7,8 @@ registers must therefore round at the same points, which `round_to` does:
 - fp32 -> bf16 round-to-nearest-even by integer ops, not `x.to(tl.bfloat16)`: Triton's interpreter
   truncates in that cast (GPU code rounds to nearest even), so the CPU tests could not check bf16
   rounding points otherwise. The integer form gives the same bits on both.
+- divisions by `tl.div_rn` (IEEE round-to-nearest, as PyTorch's CUDA kernels): Triton compiles `a / b` on
+  fp32 to the approximate `div.full.f32`; means as PyTorch's CUDA `mean`, the sum times a 1/N factor.
 - `exp`, `sin`, `rsqrt` through libdevice on the GPU: those are the functions PyTorch's CUDA kernels call
   (`expf`, `sinf`, `rsqrtf`; PyTorch is not built with fast math), whereas `tl.exp`/`tl.sin` lower to
   the approximate `ex2.approx`/`sin.approx` instructions. The interpreter cannot run libdevice calls,

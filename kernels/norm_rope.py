@@ -88,6 +88,7 @@ if triton is not None:
         stride_x,
         stride_o,
         eps,
+        inv_d,  # 1/D in fp32: PyTorch's CUDA mean multiplies the sum by this host-computed factor
         BLOCK_D: tl.constexpr,
         RND_X: tl.constexpr,  # x's dtype: where `x * rsqrt(...)` is rounded (`h.to(dtype)`)
         RND_O: tl.constexpr,  # the output dtype: where `weight * h` is rounded
@@ -97,7 +98,7 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_D)
         m = cols < D
         x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-        var = tl.sum(x * x, axis=0) / D
+        var = tl.sum(x * x, axis=0) * inv_d
         h = round_to(x * rsqrt_f32(var + eps, PRECISE), RND_X)
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
         y = round_to(w * h, RND_O)
@@ -147,7 +148,7 @@ if triton is not None:
         x = tl.load(src + d).to(tl.float32)
         xr = tl.load(src + rot).to(tl.float32)
         if HAS_NORM:
-            r = rsqrt_f32(tl.sum(x * x, axis=0) / D + eps, PRECISE)
+            r = rsqrt_f32(tl.sum(x * x, axis=0) * (1.0 / D) + eps, PRECISE)  # mean as PyTorch's: sum * (1/D)
             x = round_to(tl.load(w_base + d).to(tl.float32) * round_to(x * r, RND), RND)
             xr = round_to(tl.load(w_base + rot).to(tl.float32) * round_to(xr * r, RND), RND)
         c = tl.load(cos_ptr + tok * stride_cs + d).to(tl.float32)
@@ -187,6 +188,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, num_warps: int
             x2.stride(0),
             out.stride(0),
             eps,
+            1.0 / d,
             BLOCK_D=next_pow2(d),
             RND_X=rnd(x.dtype),
             RND_O=rnd(out_dtype),

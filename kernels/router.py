@@ -87,7 +87,7 @@ if triton is not None:
         logit = tl.where(em, logit, float("-inf"))
         ex = exp_f32(logit - tl.max(logit, axis=0), PRECISE)
         ex = tl.where(em, ex, 0.0)
-        p = ex / tl.sum(ex, axis=0)
+        p = tl.div_rn(ex, tl.sum(ex, axis=0))  # IEEE division, as PyTorch's (`/` would be div.full)
         p = tl.where(em, p, -1.0)  # below every probability: padding is never picked
         kk = tl.arange(0, BLOCK_K)
         top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -99,7 +99,7 @@ if triton is not None:
             top_i = tl.where(kk == j, idx, top_i)
             p = tl.where(e == idx, -1.0, p)
         if NORM:
-            top_w = top_w / tl.sum(top_w, axis=0)  # slots >= K hold 0: the sum is over the k picked
+            top_w = tl.div_rn(top_w, tl.sum(top_w, axis=0))  # slots >= K hold 0: a sum over the k picked
         km = kk < K
         tl.store(w_ptr + row * K + kk, round_to(top_w, RND).to(w_ptr.dtype.element_ty), mask=km)
         tl.store(i_ptr + row * K + kk, top_i.to(tl.int64), mask=km)
@@ -112,10 +112,14 @@ def fused_route(
     norm_topk_prob: bool,
     *,
     logits: torch.Tensor | None = None,  # [N, E]: given, the gate GEMV is skipped
-    block_h: int = 64,
-    num_warps: int = 4,
+    block_h: int = 32,
+    num_warps: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (weights [N, K] in the logits' dtype, ids [N, K] int64)
-    """The router of `layers.SparseMoe.route` in one launch (see the module doc for the numbers)."""
+    """The router of `layers.SparseMoe.route` in one launch (see the module doc for the numbers).
+
+    Defaults: the [128, block_h] gate tile in 8 warps compiles for sm_90 to 117 registers without
+    spills; block_h 64 in 4 warps spilled 160 bytes (ptxas, Triton 3.9). Not yet timed on the GPU
+    (`scripts/gpu_fused.py` sweeps a few)."""
     require_triton()
     kernel = _route
     n, h = x.shape

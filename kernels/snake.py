@@ -56,7 +56,7 @@ if triton is not None:
         m = t < T
         alpha = round_to(exp_f32(tl.load(a_ptr + c).to(tl.float32), PRECISE), RND)
         beta = round_to(exp_f32(tl.load(b_ptr + c).to(tl.float32), PRECISE), RND)
-        inv_beta = round_to(1.0 / round_to(beta + 1e-9, RND), RND)
+        inv_beta = round_to(tl.div_rn(1.0, round_to(beta + 1e-9, RND)), RND)  # IEEE, as PyTorch's reciprocal
         x = tl.load(x_ptr + bi.to(tl.int64) * stride_xb + c.to(tl.int64) * stride_xc + t, mask=m, other=0.0)
         x = x.to(tl.float32)
         s = round_to(sin_f32(round_to(x * alpha, RND), PRECISE), RND)

@@ -219,9 +219,21 @@ def op_decode_attention(res, stage, layer_list, n, dev, dtype, cache_len):
     check = ulps(torch.stack(fast(q)), torch.stack(plain(q)))
     t0, t1 = graphed_ms(plain, (q,)), graphed_ms(fast, (q,))
     m = len(attns)
+    configs = {}  # block_n, num_warps -> us per call (the default is 64, 8)
+    for bn, w in ((32, 4), (32, 8), (64, 4)):
+
+        def cfg(q, bn=bn, w=w):
+            return [
+                decode_attention.decode_attention(
+                    q, k_all[i], v_all[i], slots, positions, mask, cache_len, block_n=bn, num_warps=w
+                )
+                for i in range(m)
+            ]
+
+        configs[f"block_n={bn},warps={w}"] = graphed_ms(cfg, (q,)) * 1e3 / m
     _row(
         res, what=f"{stage} decode attention, kv_len {cache_len}", rows=n, plain_us=t0 * 1e3 / m,
-        fused_us=t1 * 1e3 / m, **check,
+        fused_us=t1 * 1e3 / m, **check, configs_us=configs,
     )  # fmt: skip
 
 
@@ -257,11 +269,21 @@ def op_router(res, stage, layer_list, n, dev, dtype):
     t1 = graphed_ms(fast_gate, (x,))
     t2 = graphed_ms(fast_logits, (x,))
     k = len(moes)
+    configs = {}  # block_h, num_warps -> us per call (the default is 32, 8)
+    for bh, w in ((16, 8), (64, 8), (32, 4)):
+
+        def cfg(x, bh=bh, w=w):
+            return [
+                router.fused_route(x, m.gate.weight, m.top_k, m.norm_topk_prob, block_h=bh, num_warps=w)
+                for m in moes
+            ]
+
+        configs[f"block_h={bh},warps={w}"] = graphed_ms(cfg, (x,)) * 1e3 / k
     _row(
         res, what=f"{stage} router", rows=n, plain_us=t0 * 1e3 / k, fused_us=t1 * 1e3 / k,
         fused_logits_us=t2 * 1e3 / k,
         ids_equal_fuse_gate=sum(agree["fuse_gate"]) / k, ids_equal_logits=sum(agree["logits"]) / k,
-        max_weight_diff_fuse_gate=max_w["fuse_gate"], max_weight_diff_logits=max_w["logits"],
+        max_weight_diff_fuse_gate=max_w["fuse_gate"], max_weight_diff_logits=max_w["logits"], configs_us=configs,
     )  # fmt: skip
 
 

@@ -15,7 +15,8 @@ right after weights are reloaded and inside CUDA graphs.
 from __future__ import annotations
 
 import torch
-from omni_rt.kernels._common import FLOATS, mark, precise, require_triton, rnd
+from omni_rt.kernels._common import FLOATS, mark, next_pow2, precise, require_triton, rnd
+from omni_rt.kernels.moe_decode import triton_cdiv
 
 from omni_rt.model import code2wav
 
@@ -84,8 +85,8 @@ def snake(
         x = x.contiguous()
     out = torch.empty(bsz, c, t, dtype=x.dtype, device=x.device)
     if out.numel():
-        block = min(block_t, 1 << max(t - 1, 0).bit_length())
-        kernel[(bsz * c, -(-t // block))](
+        block = min(block_t, next_pow2(t))
+        kernel[(bsz * c, triton_cdiv(t, block))](
             x,
             alpha,
             beta,

@@ -8,7 +8,7 @@
 Intended behind `EngineSettings.fused_kernels: bool` (install after the weights are loaded and before any
 CUDA graph is captured: graphs keep whatever launches they recorded). Each hook replaces a module
 instance's method (`forward`, or `SparseMoe.route`) or fills the seam the model declares
-(`Attention.attn_fn`), and falls back to the plain code for inputs it does not cover, so prefill keeps the
+(`Attention.qkv_fn`, `Attention.attn_fn`), and falls back to the plain code for inputs it does not cover, so prefill keeps the
 plain path when `max_rows` is set. All but "decode_attention" round where the plain path rounds (bf16
 results equal, up to an ulp where a sum runs in another order); "decode_attention" agrees with SDPA to
 about a bf16 ulp, as SDPA's own backends agree with each other.
@@ -16,7 +16,7 @@ about a bf16 ulp, as SDPA's own backends agree with each other.
 | kernel      | patches                                  | launches per call, plain -> fused                   |
 |-------------|------------------------------------------|------------------------------------------------------|
 | "rmsnorm"   | `layers.RMSNorm.forward`                 | ~8 -> 1                                              |
-| "attention" | `layers.Attention.forward`               | q/k norm, RoPE, 2 cache writes: ~30 -> 1             |
+| "attention" | `layers.Attention.qkv_fn`                | q/k norm, RoPE, 2 cache writes: ~30 -> 1             |
 | "router"    | `layers.SparseMoe.route`                 | ~7 -> 1 (2 with fuse_gate=False)                     |
 | "snake"     | `code2wav.SnakeBeta.forward`             | ~9 -> 1                                              |
 | "decode_attention" | sets `layers.Attention.attn_fn`   | 2 cache gathers + masked SDPA: 3-5 -> 1              |
@@ -35,7 +35,7 @@ from omni_rt.kernels.snake import install_snake
 
 KERNELS = ("rmsnorm", "attention", "router", "snake", "decode_attention")
 _PATCHED = ("forward", "route")  # instance attributes the hooks add (removed to undo)
-_SEAMS = ("attn_fn",)  # override points the model declares (reset to None to undo)
+_SEAMS = ("qkv_fn", "attn_fn")  # override points the model declares (reset to None to undo)
 
 
 def install_all(

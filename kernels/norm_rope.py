@@ -22,8 +22,6 @@ stay the readable truth); each falls back to the plain forward for inputs it doe
 
 from __future__ import annotations
 
-import types
-
 import torch
 from omni_rt.kernels._common import FLOATS, mark, next_pow2, precise, require_triton, rnd
 
@@ -36,35 +34,6 @@ from omni_rt.model import layers
 def rmsnorm_reference(norm: layers.RMSNorm, x: torch.Tensor) -> torch.Tensor:
     """`layers.RMSNorm.forward` itself (the class's, even when the instance's forward is patched)."""
     return layers.RMSNorm.forward(norm, x)
-
-
-def qk_norm_rope_cache_reference(
-    attn: layers.Attention,
-    q: torch.Tensor,  # [B, T, Hq*D] q_proj output
-    k: torch.Tensor,  # [B, T, KV*D]
-    v: torch.Tensor,  # [B, T, KV*D]
-    cos: torch.Tensor,  # [B, T, D]
-    sin: torch.Tensor,
-    cache: layers.KVCache,
-    slots: torch.Tensor,  # [B]
-    positions: torch.Tensor,  # [B, T]
-) -> torch.Tensor:  # q rotated [B, Hq, T, D]; k, v written into cache
-    """What `layers.Attention.forward` does between the projections and `attend`, through its own
-    functions (RMSNorm.forward, apply_rope). The whole-module test checks this equals Attention.forward."""
-    b, t = q.shape[:2]
-    d = attn.head_dim
-    q, k, v = (
-        q.view(b, t, attn.n_heads, d),
-        k.view(b, t, attn.n_kv_heads, d),
-        v.view(b, t, attn.n_kv_heads, d),
-    )
-    if attn.use_qk_norm:
-        q, k = rmsnorm_reference(attn.q_norm, q), rmsnorm_reference(attn.k_norm, k)
-    q, k = layers.apply_rope(q.transpose(1, 2), cos, sin), layers.apply_rope(k.transpose(1, 2), cos, sin)
-    k_cache, v_cache = cache.k[attn.layer_idx], cache.v[attn.layer_idx]
-    k_cache[slots.view(b, 1), :, positions] = k.transpose(1, 2).to(k_cache.dtype)
-    v_cache[slots.view(b, 1), :, positions] = v.to(v_cache.dtype)
-    return q
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -304,43 +273,31 @@ def _attention_fits(
     )
 
 
-def fused_attention_forward(attn: layers.Attention, max_rows: int | None = 16):
-    """A `forward` for one `layers.Attention`: q/k norm, RoPE and the cache write in one launch.
+def fused_qkv_fn(attn: layers.Attention, max_rows: int | None = 16):
+    """An `Attention.qkv_fn` for one layer: q/k norm, RoPE and the cache write in one launch; calls the
+    kernel does not cover (more than `max_rows` token rows, other dtypes) take `layers.qk_norm_rope_cache`."""
 
-    The rest (projections, mask, `attn_fn`/`attend`, o_proj) is Attention.forward's, which this has to
-    repeat because layers.py has no seam between the projections and the attention (the docs ask for
-    one: `Attention.qkv_fn`); tests check the two forwards agree, so a change there shows up.
-    """
-    plain = types.MethodType(layers.Attention.forward, attn)
-
-    def forward(x, cos, sin, cache, slots, positions, kv_len=None, mask=None):
-        b, t, _ = x.shape
-        if (max_rows is not None and b * t > max_rows) or not _attention_fits(attn, x, cos, cache):
-            return plain(x, cos, sin, cache, slots, positions, kv_len, mask)
-        k_cache, v_cache = cache.k[attn.layer_idx], cache.v[attn.layer_idx]  # [S, KV, L, D]
+    def qkv_fn(attn, q, k, v, cos, sin, cache, slots, positions):
+        b, t = q.shape[:2]
+        if (max_rows is not None and b * t > max_rows) or not _attention_fits(attn, q, cos, cache):
+            return layers.qk_norm_rope_cache(attn, q, k, v, cos, sin, cache, slots, positions)
         norm = attn.use_qk_norm
-        q = qk_norm_rope_cache(
-            attn.q_proj(x),
-            attn.k_proj(x),
-            attn.v_proj(x),
+        return qk_norm_rope_cache(
+            q,
+            k,
+            v,
             attn.q_norm.weight if norm else None,
             attn.k_norm.weight if norm else None,
             attn.q_norm.eps if norm else 0.0,
             cos,
             sin,
-            k_cache,
-            v_cache,
+            cache.k[attn.layer_idx],
+            cache.v[attn.layer_idx],
             slots,
             positions,
         )  # [B, Hq, T, D]
-        kv_len = cache.max_len if kv_len is None else kv_len
-        if mask is None:
-            mask = layers.attention_mask(positions, kv_len, attn.n_heads // attn.n_kv_heads)
-        fn = attn.attn_fn if attn.attn_fn is not None else layers.attend
-        out = fn(q, k_cache, v_cache, slots, positions, mask, kv_len)  # [B, Hq, T, D]
-        return attn.o_proj(out.transpose(1, 2).reshape(b, t, attn.n_heads * attn.head_dim))
 
-    return mark(forward, "attention")
+    return mark(qkv_fn, "attention")
 
 
 def install_rmsnorm(model: torch.nn.Module, max_rows: int | None = 16) -> int:
@@ -360,6 +317,6 @@ def install_attention(model: torch.nn.Module, max_rows: int | None = 16) -> int:
     changed = 0
     for m in model.modules():
         if isinstance(m, layers.Attention):
-            m.forward = fused_attention_forward(m, max_rows)
+            m.qkv_fn = fused_qkv_fn(m, max_rows)
             changed += 1
     return changed

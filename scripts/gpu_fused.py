@@ -168,10 +168,7 @@ def op_attention(res, stage, layer_list, rotary, n, dev, dtype, cache_len):
     v = torch.randn_like(k)
 
     def plain(q, k, v):
-        return [
-            norm_rope.qk_norm_rope_cache_reference(a, q, k, v, cos, sin, cache, slots, positions)
-            for a in attns
-        ]
+        return [layers.qk_norm_rope_cache(a, q, k, v, cos, sin, cache, slots, positions) for a in attns]
 
     def fast(q, k, v):
         return [

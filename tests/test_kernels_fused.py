@@ -138,7 +138,7 @@ def test_qk_norm_rope_cache_matches_reference(dtype, b, t, use_qk_norm, mrope):
     attn, x, cos, sin, cache, slots, positions = _attention_case(dtype, b, t, use_qk_norm, mrope)
     orig, other = _copy_cache(cache), _copy_cache(cache)
     q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-    ref_q = nr.qk_norm_rope_cache_reference(attn, q, k, v, cos, sin, cache, slots, positions)
+    ref_q = layers.qk_norm_rope_cache(attn, q, k, v, cos, sin, cache, slots, positions)
     li = attn.layer_idx
     got_q = nr.qk_norm_rope_cache(
         q,
@@ -173,12 +173,13 @@ def test_qk_norm_rope_cache_matches_reference(dtype, b, t, use_qk_norm, mrope):
 
 
 @pytest.mark.parametrize("dtype,b", [(torch.float32, 1), (torch.float32, 3), (torch.bfloat16, 3)])
-def test_fused_attention_forward_equals_attention_forward(dtype, b):
+def test_fused_qkv_fn_keeps_attention_forward(dtype, b):
     attn, x, cos, sin, cache, slots, positions = _attention_case(dtype, b, 1, mrope=True, seed=7)
     other = _copy_cache(cache)
     with torch.no_grad():
         ref = attn(x, cos, sin, cache, slots, positions, kv_len=12)
-        got = nr.fused_attention_forward(attn)(x, cos, sin, other, slots, positions, kv_len=12)
+        attn.qkv_fn = nr.fused_qkv_fn(attn)
+        got = attn(x, cos, sin, other, slots, positions, kv_len=12)
     if dtype == torch.bfloat16:
         torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
         assert (got == ref).float().mean() >= 0.95
@@ -188,14 +189,15 @@ def test_fused_attention_forward_equals_attention_forward(dtype, b):
     assert torch.equal(other.v, cache.v)
 
 
-def test_fused_attention_forward_leaves_large_calls_to_the_plain_path(monkeypatch):
+def test_fused_qkv_fn_leaves_large_calls_to_the_plain_path(monkeypatch):
     attn, x, cos, sin, cache, slots, positions = _attention_case(torch.float32, 3, 2)
     called = []
     monkeypatch.setattr(nr, "qk_norm_rope_cache", lambda *a, **k: called.append(1))
     other = _copy_cache(cache)
     with torch.no_grad():
         ref = attn(x, cos, sin, cache, slots, positions)
-        got = nr.fused_attention_forward(attn, max_rows=4)(x, cos, sin, other, slots, positions)  # 6 rows
+        attn.qkv_fn = nr.fused_qkv_fn(attn, max_rows=4)
+        got = attn(x, cos, sin, other, slots, positions)  # 6 rows
     assert not called
     assert torch.equal(got, ref) and torch.equal(other.k, cache.k)
 

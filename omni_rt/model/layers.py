@@ -13,7 +13,10 @@ Public API (keep stable; add, don't rename):
         .k, .v: [n_layers, n_slots, n_kv_heads, max_len, head_dim]; .reset(slot); .max_len; .n_slots
     Attention(cfg: DecoderConfig, layer_idx: int)
         forward(x[B, T, H], cos, sin, cache: KVCache, slots[B], positions[B, T], kv_len: int | None = None,
-                mask=None) -> [B, T, H];  .attn_fn: optional callable with `attend`'s signature
+                mask=None) -> [B, T, H];  .qkv_fn / .attn_fn: optional callables with the signatures
+        of `qk_norm_rope_cache` / `attend`, set from outside (kernels/)
+    qk_norm_rope_cache(attn, q, k, v, cos, sin, cache, slots, positions) -> q[B, heads, T, D]
+        (q/k norm, RoPE, and the new k/v rows written into attn's layer of the cache)
     attention_mask(positions[B, T], kv_len: int, rep: int) -> [B, 1, rep*T, kv_len] bool
     attend(q[B, heads, T, D], k_cache[S, KV, L, D], v_cache, slots[B], positions[B, T], mask, kv_len)
         -> [B, heads, T, D]   (plain SDPA over rows [0, kv_len) of each slot; causal, unmasked when T == kv_len)
@@ -260,7 +263,9 @@ class Attention(nn.Module):
         if cfg.use_qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        # set from outside to swap in a fused attention kernel (signature of `attend`)
+        # set from outside to swap in fused kernels: q/k norm + RoPE + cache write (signature of
+        # `qk_norm_rope_cache`), and the attention itself (signature of `attend`)
+        self.qkv_fn: QkvFn | None = None
         self.attn_fn: AttnFn | None = None
 
     def forward(
@@ -281,20 +286,9 @@ class Attention(nn.Module):
         computed once per forward by the caller to save kernels; built here when absent.
         """
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
-        if self.use_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-        # write the new rows: cache[layer][slot_b, :, positions[b, t]] = k[b, :, t]. The two advanced
-        # indices are split by a slice, so the indexed view is [B, T, KV, D]: write k as [B, T, KV, D].
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, heads * D]
+        q = (self.qkv_fn or qk_norm_rope_cache)(self, q, k, v, cos, sin, cache, slots, positions)
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [S, KV, L, D]
-        k_cache[slots.view(b, 1), :, positions] = k.transpose(1, 2).to(k_cache.dtype)
-        v_cache[slots.view(b, 1), :, positions] = v.transpose(1, 2).to(v_cache.dtype)
-
         kv_len = cache.max_len if kv_len is None else kv_len
         if mask is None:
             mask = attention_mask(positions, kv_len, self.n_heads // self.n_kv_heads)
@@ -306,6 +300,43 @@ class Attention(nn.Module):
 AttnFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor
 ]
+
+
+def qk_norm_rope_cache(
+    attn: Attention,
+    q: torch.Tensor,  # [B, T, Hq * D] q_proj output
+    k: torch.Tensor,  # [B, T, KV * D]
+    v: torch.Tensor,  # [B, T, KV * D]
+    cos: torch.Tensor,  # [B, T, D]
+    sin: torch.Tensor,
+    cache: KVCache,
+    slots: torch.Tensor,  # [B]
+    positions: torch.Tensor,  # [B, T]
+) -> torch.Tensor:
+    """Between the projections and the attention: per-head q/k RMSNorm, RoPE, and the new rows of k and v
+    written into `attn`'s layer of the cache. Returns q [B, Hq, T, D]."""
+    b, t = q.shape[:2]
+    d = attn.head_dim
+    q, k, v = (
+        q.view(b, t, attn.n_heads, d),
+        k.view(b, t, attn.n_kv_heads, d),
+        v.view(b, t, attn.n_kv_heads, d),
+    )
+    if attn.use_qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = (
+        apply_rope(q.transpose(1, 2), cos, sin),
+        apply_rope(k.transpose(1, 2), cos, sin),
+    )  # [B, heads, T, D]
+    # write the new rows: cache[layer][slot_b, :, positions[b, t]] = k[b, :, t]. The two advanced
+    # indices are split by a slice, so the indexed view is [B, T, KV, D]: write k as [B, T, KV, D].
+    k_cache, v_cache = cache.k[attn.layer_idx], cache.v[attn.layer_idx]  # [S, KV, L, D]
+    k_cache[slots.view(b, 1), :, positions] = k.transpose(1, 2).to(k_cache.dtype)
+    v_cache[slots.view(b, 1), :, positions] = v.to(v_cache.dtype)
+    return q
+
+
+QkvFn = Callable[..., torch.Tensor]  # the signature of `qk_norm_rope_cache`
 
 
 def attention_mask(positions: torch.Tensor, kv_len: int, rep: int) -> torch.Tensor:

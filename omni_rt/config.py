@@ -74,8 +74,15 @@ class EngineSettings(_Settings):
         description="the Talker's overlapped prefix prefill waits (at most 20 ms) until the Thinker's prefill "
         "is enqueued, so the two threads do not fight over the GIL and the launch queue",
     )
-    moe_backend: Literal["auto", "loop", "gather", "grouped_mm"] = Field(
-        "auto", description="expert FFN backend (omni_rt.model.layers.SparseMoe impl)"
+    moe_backend: Literal["auto", "loop", "gather", "grouped_mm", "triton"] = Field(
+        "auto",
+        description="expert FFN backend: a SparseMoe impl of omni_rt.model.layers, or 'triton' (GPU): the "
+        "fused decode kernel of omni_rt.kernels.moe_decode for up to 16 token rows, grouped_mm above",
+    )
+    fused_kernels: bool = Field(
+        False,
+        description="GPU: Triton kernels for RMSNorm, q/k norm + RoPE + cache write, the router, decode "
+        "attention and SnakeBeta (omni_rt.kernels.fused); off until measured on a GPU",
     )
     deterministic: bool = Field(
         False,

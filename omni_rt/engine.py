@@ -41,6 +41,21 @@ def _checkpoint_tokenizer(directory: Path, cfg: OmniConfig):
     return Tokenizer.tiny(cfg.ids)
 
 
+def _install_kernels(omni: Any, moe: bool, fused: bool) -> None:
+    """The Triton kernels a setting asks for; a ConfigError where they cannot run (no Triton, no GPU)."""
+    try:
+        if moe:
+            from omni_rt.kernels import moe_decode
+
+            moe_decode.install(omni, "triton")
+        if fused:
+            from omni_rt.kernels import fused as fused_kernels
+
+            fused_kernels.install_all(omni)
+    except (ImportError, RuntimeError) as e:
+        raise ConfigError(f"cannot use the Triton kernels here: {e}") from None
+
+
 class Engine:
     def __init__(
         self,
@@ -106,9 +121,12 @@ class Engine:
         else:
             raise ConfigError(f"unknown model {name!r}: a preset {list(PRESETS)} or a checkpoint directory")
         dtype = dtype or ("float32" if torch.device(device).type == "cpu" else "bfloat16")
+        kernel_moe = settings.moe_backend == "triton"  # a kernel installed below, not a layers.py impl
         omni = OmniModel.build(
-            cfg, device=device, dtype=dtype, weights=weights, seed=seed, moe_impl=settings.moe_backend
-        )
+            cfg, device=device, dtype=dtype, weights=weights, seed=seed,
+            moe_impl="auto" if kernel_moe else settings.moe_backend,
+        )  # fmt: skip
+        _install_kernels(omni, kernel_moe, settings.fused_kernels)  # before the runners capture graphs
 
         def stages(s: EngineSettings):
             from omni_rt.pipeline.runners import build_runners

@@ -4,6 +4,9 @@ before the text ends, concurrent sessions, multi-turn cache reuse, metrics, clea
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -378,3 +381,21 @@ async def test_speech_turn_streams_what_offline_makes(checkpoint):
     pcm = np.concatenate([e.pcm for e in of(events, "response.output_audio.delta")])
     assert len(pcm) == len(wav)
     assert np.abs(pcm.astype(np.int32) - np.round(wav.numpy() * 32767).astype(np.int32)).max() <= 1
+
+
+def test_kernel_settings_are_a_config_error_where_triton_cannot_run():
+    # on a CPU without Triton's interpreter, asking for the GPU kernels fails at load, clearly
+    code = (
+        "import omni_rt\n"
+        "from omni_rt.errors import ConfigError\n"
+        "for kw in ({'moe_backend': 'triton'}, {'fused_kernels': True}):\n"
+        "    try:\n"
+        "        omni_rt.Engine.load('tiny', **kw)\n"
+        "    except ConfigError as e:\n"
+        "        assert 'Triton' in str(e), e\n"
+        "    else:\n"
+        "        raise SystemExit(f'no ConfigError for {kw}')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr + out.stdout

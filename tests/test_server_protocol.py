@@ -105,6 +105,13 @@ def test_malformed_append_audio_is_an_invalid_value(audio, message):
         ("{", "invalid_json", True),
         (b"\xff\xfe", "invalid_json", True),
         ("42", "invalid_event", True),
+        # Nesting deep enough to exhaust Python's recursion limit, in a message of a few kB.
+        pytest.param(
+            '{"type": "session.update", "session": {"x": ' + "[" * 5000 + "]" * 5000 + "}}",
+            "invalid_json",
+            True,
+            id="deep-nesting",
+        ),
         ('{"type": 7}', "invalid_event", True),
         ('{"type": "response.explode"}', "unknown_event", False),
         ('{"type": "session.update"}', "invalid_value", False),

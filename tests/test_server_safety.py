@@ -101,6 +101,12 @@ async def test_origin_is_same_origin_unless_allowed():
         ('["a list"]', "invalid_event", 1008),
         (json.dumps({"type": "webrtc.offer", "sdp": "v=0\r\nthis is not sdp\r\n"}), "invalid_sdp", 1008),
         (json.dumps({"type": "webrtc.offer", "sdp": "garbage"}), "invalid_sdp", 1008),
+        pytest.param(
+            '{"type": "response.create", "response": ' + "[" * 5000 + "]" * 5000 + "}",
+            "invalid_json",
+            1008,
+            id="deep-nesting",
+        ),
         (
             json.dumps({"type": "session.update", "session": {"instructions": "x" * 300_000}}),
             "message_too_large",

@@ -239,6 +239,8 @@ def parse_client_event(raw: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> 
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError("invalid_json", f"message is not valid JSON: {exc}", fatal=True) from None
+    except RecursionError:  # a few kB of "[[[[..." exhaust the parser's recursion limit
+        raise ProtocolError("invalid_json", "message is nested too deeply", fatal=True) from None
     if not isinstance(data, dict) or not isinstance(data.get("type"), str):
         raise ProtocolError(
             "invalid_event", "an event must be a JSON object with a string 'type'", fatal=True

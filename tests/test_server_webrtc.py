@@ -286,3 +286,33 @@ async def test_two_browsers_at_once_each_get_their_own_session():
             assert a.frames and b.frames  # each heard its own track
             await a.close()
             await b.close()
+
+
+async def test_events_larger_than_the_channel_takes_still_arrive():
+    # A data channel takes messages up to 256 KiB (aiortc's and Chromium's max-message-size): a 5 s
+    # audio chunk as base64, or the echo of a long user message (non-ASCII is escaped, 6 bytes a
+    # character), is more than that. Audio goes as smaller deltas; an event that still does not fit
+    # goes on the socket; the connection keeps serving.
+    engine = FakeEngine(step_s=0.0, frames_per_word=60, reply="a b")
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            client = Client(ws)
+            client.direction = "sendonly"  # the reply's audio comes as events on the channel
+            await client.connect()
+            client.say("hi")
+            events = await client.until("response.done")
+            assert events[-1]["response"]["status"] == "completed"
+            audio = [e for e in events if e["type"] == "response.output_audio.delta"]
+            assert sum(len(e["delta"]) for e in audio) * 3 // 4 == 2 * 2 * 60 * 1920  # every sample
+            assert all(len(json.dumps(e)) < 65536 for e in audio)
+
+            parts = [{"type": "input_text", "text": "语音" * 8000} for _ in range(3)]
+            item = {"type": "message", "role": "user", "content": parts}
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": item}, ensure_ascii=False))
+            added = json.loads(await asyncio.wait_for(ws.recv(), 5))
+            assert added["type"] == "conversation.item.added"
+            assert added["item"]["content"][0]["text"] == "\n".join(p["text"] for p in parts)
+            client.send({"type": "response.create"})
+            events = await client.until("response.done")
+            assert events[-1]["response"]["status"] == "completed"
+            await client.close()

@@ -242,8 +242,15 @@ class Peer:
                 log.warning("peer %s: data channel not drained, dropping the client", self.session_id)
                 self._shutdown()
                 return
-            channel.send(data)
-            return
+            try:
+                channel.send(data)
+                return
+            except ValueError:
+                # Over the client's max-message-size (256 KiB in browsers): the socket has no such
+                # limit, and the client reads both.
+                log.info(
+                    "peer %s: a %d-byte %s goes on the socket", self.session_id, len(data), event["type"]
+                )
         self._send_socket(data)
 
     def _send_socket(self, data: str) -> None:
@@ -651,8 +658,11 @@ class Peer:
                     response.audio_ms += 1000.0 * len(ev.pcm) / ev.sample_rate
                     if use_track:
                         await self._audio.put((response, ev.pcm, ev.sample_rate))
-                    else:
-                        self.send(protocol.audio_delta(response.id, response.item_id, ev.pcm))
+                    else:  # in deltas of at most 500 ms: a long chunk would not fit a data channel message
+                        step = ev.sample_rate // 2
+                        for start in range(0, len(ev.pcm), step):
+                            pcm = ev.pcm[start : start + step]
+                            self.send(protocol.audio_delta(response.id, response.item_id, pcm))
                 elif kind == "response.output_audio.done":
                     if audio_out and not response.cancelled:
                         if use_track:

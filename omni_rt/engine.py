@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from omni_rt.config import EngineSettings, Sampling, SessionSettings
 from omni_rt.errors import CapacityError, ConfigError, EngineClosedError, InvalidRequestError
 from omni_rt.model.config import PRESETS, OmniConfig, load_hf_config, preset
@@ -101,10 +103,13 @@ class Engine:
         from omni_rt.model.omni import OmniModel
         from omni_rt.tokenizer import Tokenizer
 
-        if overrides:
-            settings = (settings or EngineSettings()).model_copy(update=overrides)
-            settings = EngineSettings.model_validate(settings.model_dump())
-        settings = settings or EngineSettings()
+        if overrides or settings is None:
+            try:  # validated as a whole: a misspelt or out-of-range override is an error, not dropped
+                settings = EngineSettings.model_validate(
+                    (settings.model_dump() if settings else {}) | overrides
+                )
+            except ValidationError as e:
+                raise ConfigError(f"bad engine settings: {e}") from None
         name = str(model)
         if name in PRESETS:
             cfg = preset(name)
@@ -120,7 +125,16 @@ class Engine:
             tokenizer = _checkpoint_tokenizer(Path(name), cfg)
         else:
             raise ConfigError(f"unknown model {name!r}: a preset {list(PRESETS)} or a checkpoint directory")
-        dtype = dtype or ("float32" if torch.device(device).type == "cpu" else "bfloat16")
+        try:
+            kind = torch.device(device).type
+        except (RuntimeError, TypeError) as e:
+            raise ConfigError(f"unknown device {device!r}: {e}") from None
+        dtype = dtype or ("float32" if kind == "cpu" else "bfloat16")
+        resolved = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), None)
+        if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+            raise ConfigError(
+                f"dtype must name a floating-point torch dtype (float32, bfloat16, ...), got {dtype!r}"
+            )
         kernel_moe = settings.moe_backend == "triton"  # a kernel installed below, not a layers.py impl
         omni = OmniModel.build(
             cfg, device=device, dtype=dtype, weights=weights, seed=seed,

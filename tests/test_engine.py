@@ -399,3 +399,23 @@ def test_kernel_settings_are_a_config_error_where_triton_cannot_run():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr + out.stdout
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"max_sesions": 8}, "max_sesions"),  # a misspelt setting is an error, not silently dropped
+        ({"max_sessions": 0}, "max_sessions"),
+        ({"settings": omni_rt.EngineSettings(), "max_context": 1}, "max_context"),
+        ({"device": "nonsense"}, "device"),
+        ({"dtype": "int8"}, "dtype"),
+    ],
+)
+def test_load_rejects_bad_settings_with_a_config_error(kw, match):
+    with pytest.raises(omni_rt.ConfigError, match=match):
+        omni_rt.Engine.load("tiny", **kw)
+
+
+def test_load_applies_overrides_over_given_settings():
+    e = omni_rt.Engine.load("tiny", settings=omni_rt.EngineSettings(max_context=64), max_sessions=2)
+    assert (e.settings.max_context, e.settings.max_sessions) == (64, 2)

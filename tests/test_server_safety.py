@@ -403,3 +403,27 @@ async def test_without_the_page_the_socket_still_serves(monkeypatch):
         assert missing.value.code == 404
         missing.value.close()  # an unread error response would hold its connection open
         await assert_serves(server)
+
+
+async def test_user_input_waiting_for_a_response_is_bounded():
+    # A client that adds messages and never asks for a response must not grow the server's memory.
+    settings = ServerSettings(port=0, peer=PeerSettings(max_pending_text_chars=100))
+    engine = FakeEngine(step_s=0)
+    async with Server(engine, settings) as server:
+        async with websockets.connect(url(server)) as ws:
+            await recv_json(ws)
+            say = {**SAY, "item": {**SAY["item"], "content": [{"type": "input_text", "text": "x" * 60}]}}
+            await ws.send(json.dumps(say))
+            assert [(await recv_json(ws))["type"] for _ in range(2)] == [
+                "conversation.item.added",
+                "conversation.item.done",
+            ]
+            for _ in range(3):
+                await ws.send(json.dumps({**say, "event_id": "e2"}))
+                error = (await recv_json(ws))["error"]
+                assert (error["code"], error["event_id"]) == ("pending_input_full", "e2")
+            await ws.send(json.dumps({"type": "response.create"}))
+            assert (await until(ws, "response.done"))[-1]["response"]["status"] == "completed"
+            assert engine.requests == ["x" * 60]  # what was accepted, once
+            await ws.send(json.dumps(say))  # answered input makes room again
+            assert (await recv_json(ws))["type"] == "conversation.item.added"

@@ -166,6 +166,26 @@ async def test_without_vad_commit_makes_the_turn_and_response_create_answers_it(
             )  # cleared audio is not in it
 
 
+async def test_committed_speech_waiting_for_a_response_is_bounded():
+    settings = ServerSettings(port=0, peer=PeerSettings(max_pending_audio_ms=1500, turn_detection=None))
+    engine = FakeEngine(step_s=0.0, reply="ok")
+    async with Server(engine, settings) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            await recv(ws)
+            await append(ws, speech_like(1.0, RATE_IN))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            assert (await recv(ws))["type"] == "input_audio_buffer.committed"
+            await recv(ws), await recv(ws)  # the user item, added and done
+            await append(ws, speech_like(1.0, RATE_IN, seed=1))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit", "event_id": "c2"}))
+            error = (await recv(ws))["error"]
+            assert (error["code"], error["event_id"]) == ("pending_input_full", "c2")
+            await ws.send(json.dumps({"type": "response.create"}))
+            assert (await until(ws, "response.done"))[-1]["response"]["status"] == "completed"
+            ((turn, _),) = engine.audio_requests
+            assert len(turn) == pytest.approx(16000, abs=16)  # the first second only
+
+
 async def test_speech_during_a_reply_cancels_it_then_answers_the_new_turn():
     engine = FakeEngine(step_s=0.02, reply=" ".join(["word"] * 200))
     async with Server(engine, ServerSettings(port=0)) as server:

@@ -77,6 +77,10 @@ class PeerSettings:
     # Server VAD for new connections (a client changes it with session.update; None: off).
     turn_detection: TurnDetection | None = field(default_factory=TurnDetection)
     max_turn_ms: int = 30_000  # longest user turn: VAD ends it there; without VAD the buffer is full
+    # User input waiting for the next response (text items, committed speech): past these, more is
+    # refused (pending_input_full), so a client that never asks for a response cannot grow memory.
+    max_pending_text_chars: int = 4 * protocol.MAX_TEXT_CHARS
+    max_pending_audio_ms: int = 60_000
 
 
 @dataclass
@@ -395,6 +399,14 @@ class Peer:
         except ProtocolError as exc:
             exc.event_id = event.event_id
             raise
+        pending = sum(map(len, self._pending_input)) + len(text)
+        if pending > self.settings.max_pending_text_chars:
+            raise ProtocolError(
+                "pending_input_full",
+                f"at most {self.settings.max_pending_text_chars} characters of user text wait for a "
+                "response: send response.create",
+                event_id=event.event_id,
+            )
         item_id = item.id or protocol.new_id("item")
         self._pending_input.append(text)
         wire = protocol.item_object(item_id, "user", text)
@@ -553,7 +565,11 @@ class Peer:
                     InputAudioBufferSpeechStopped(audio_end_ms=ev.audio_end_ms, item_id=item_id).to_wire()
                 )
             else:
-                self._commit_turn(ev)
+                try:
+                    self._commit_turn(ev)
+                except ProtocolError as exc:  # too much speech already waits (create_response off)
+                    self.send(protocol.error(exc))
+                    continue
                 if detection is not None and detection.create_response:
                     if self._response is None:
                         self._start_response(self._max_tokens(), list(self.output_modalities))
@@ -562,14 +578,23 @@ class Peer:
 
     def _on_audio_commit(self, event: protocol.InputAudioBufferCommit) -> None:
         try:
-            turn = self.input.commit()
+            self._commit_turn(
+                self.input.commit()
+            )  # a manual commit adds the turn; response.create answers it
         except ProtocolError as exc:
             exc.event_id = event.event_id
             raise
-        self._commit_turn(turn)  # a manual commit adds the turn; response.create answers it
 
     def _commit_turn(self, turn: Turn) -> None:
         """The turn's audio becomes a user item, waiting for the next response like user text."""
+        pending = sum(map(len, self._pending_audio)) + len(turn.audio)
+        if pending > self.settings.max_pending_audio_ms * SPEECH_RATE // 1000:
+            self._input_item_id = None
+            raise ProtocolError(
+                "pending_input_full",
+                f"at most {self.settings.max_pending_audio_ms / 1000:g} s of speech wait for a response: "
+                "send response.create; this turn is dropped",
+            )
         item_id = self._input_item_id or protocol.new_id("item")
         self._input_item_id = None
         self._input_full_reported = False

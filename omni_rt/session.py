@@ -255,6 +255,7 @@ class Session:
             raise InvalidRequestError("a response is already in progress in this session: cancel() it first")
         if (text is None and audio is None) == (input_ids is None):
             raise InvalidRequestError("give text and/or audio, or input_ids")
+        _check_types(text, voice, sampling, max_output_tokens, max_audio_frames)
         cfg = self.engine.cfg
         history = [] if self.conversation else self._system_turn()
         if audio is not None:
@@ -266,11 +267,14 @@ class Session:
             text_ids = self.engine.tokenizer.encode(text) if text else []
             new = speech_prompt(self.ids, [count], text_ids=text_ids, history=history)
         elif text is not None:
-            if not isinstance(text, str) or not text.strip():
+            if not text.strip():
                 raise InvalidRequestError("empty input: text must contain something to respond to")
             new = history + self.engine.tokenizer.chat_prompt([("user", text)])
         else:
-            new = list(input_ids)
+            try:
+                new = list(input_ids)
+            except TypeError:
+                raise InvalidRequestError("input_ids must be a sequence of token ids") from None
             if not new:
                 raise InvalidRequestError("empty input: input_ids is empty")
             if not all(isinstance(t, int | np.integer) and 0 <= t < cfg.thinker.vocab_size for t in new):
@@ -296,8 +300,8 @@ class Session:
             )
         speaker = self.speaker_id if voice is None else self.engine.speaker_id(voice)
         rate = self.settings.output_sample_rate
-        max_tokens = self.settings.max_output_tokens if max_output_tokens is None else max_output_tokens
-        max_frames = self.settings.max_audio_frames if max_audio_frames is None else max_audio_frames
+        max_tokens = self.settings.max_output_tokens if max_output_tokens is None else int(max_output_tokens)
+        max_frames = self.settings.max_audio_frames if max_audio_frames is None else int(max_audio_frames)
         if max_tokens < 1 or max_frames < 1:
             raise InvalidRequestError("max_output_tokens and max_audio_frames must be >= 1")
         # the Talker's cache must hold its prompt plus one position per frame after the first
@@ -411,6 +415,18 @@ class Session:
                     error=None if error is None else error.error,
                 )
                 return
+
+
+def _check_types(text, voice, sampling, max_output_tokens, max_audio_frames) -> None:
+    """Argument types of `respond()` that nothing downstream checks before a stage runner reads them."""
+    for name, v in (("text", text), ("voice", voice)):
+        if v is not None and not isinstance(v, str):
+            raise InvalidRequestError(f"{name} must be a str, got {type(v).__name__}")
+    if sampling is not None and not isinstance(sampling, Sampling):
+        raise InvalidRequestError(f"sampling must be an omni_rt.Sampling, got {type(sampling).__name__}")
+    for name, v in (("max_output_tokens", max_output_tokens), ("max_audio_frames", max_audio_frames)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | np.integer)):
+            raise InvalidRequestError(f"{name} must be an int, got {v!r}")
 
 
 def _speech_features(audio: Any, rate: int):

@@ -269,3 +269,19 @@ async def test_a_spoken_turn_becomes_audio_placeholders_in_the_conversation(rate
         assert conv[start - 3 : start] == [ids.im_start, ids.user, ids.newline]
         assert conv[start + n + 1] == ids.audio_end
         assert TOK.decode(conv[start + n + 2 : conv.index(ids.im_end, start)]) == "and this?"
+
+
+async def test_bad_argument_types_fail_the_response_not_the_caller():
+    # each one used to escape respond() as a TypeError/AttributeError (no response.done), or reach the
+    # stage runners, where a bad `sampling` failed the whole batched prefill of every session in it
+    clip = np.zeros(16000, np.float32)
+    async with fake_engine(reply_len=4) as engine, engine.session() as s:
+        assert "sampling" in _failed(await collect(s, "hi", sampling={"seed": 1}))
+        assert "max_output_tokens" in _failed(await collect(s, "hi", max_output_tokens="5"))
+        assert "max_audio_frames" in _failed(await collect(s, "hi", max_audio_frames=2.5))
+        assert "input_ids" in _failed(await collect(s, input_ids=5))
+        assert "text" in _failed(await collect(s, 42))
+        assert "text" in _failed(await collect(s, b"hi", audio=clip))
+        assert "voice" in _failed(await collect(s, "hi", voice=["ethan"]))
+        ok = await collect(s, "Fine", max_output_tokens=np.int64(3))
+        assert ok[-1].status == "completed" and ok[-1].usage.cached_tokens == 0

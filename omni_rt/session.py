@@ -74,6 +74,11 @@ class _Response:
     status: str | None = None
 
 
+@dataclass(eq=False)
+class _Starting:
+    cancelled: bool = False
+
+
 class Session:
     """One conversation. Make it with `engine.session(...)`; use it as `async with` or call `close()`."""
 
@@ -88,6 +93,7 @@ class Session:
         self._talker_cached = 0  # user-turn tokens in the Talker's cache (its positions 0..n-1)
         self._current: _Response | None = None
         self._last: _Response | None = None  # the previous response, until the pipeline lets go of it
+        self._starting: set[_Starting] = set()  # responses created but not submitted yet
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -158,26 +164,34 @@ class Session:
     ) -> AsyncIterator[Event]:
         t0 = time.perf_counter()
         rid = f"resp_{next(_response_ids)}"
-        last = self._last
-        if last is not None and not last.done.is_set() and not last.cancel_requested:
-            # A caller that broke out of the previous response's loop dropped its iterator; the event
-            # loop closes it (and so cancels the response) in a task it has already scheduled: let it run.
-            for _ in range(3):  # finalizer callback → aclose task → its first step
-                await asyncio.sleep(0)
-        if last is not None and last.cancel_requested and not last.done.is_set():
-            # a response the caller walked away from is still stopping: let it finish (within a frame),
-            # so this turn builds on the conversation as it ends up
-            await asyncio.wait_for(last.done.wait(), timeout=60.0)
-        yield ResponseCreated(response_id=rid)
+        starting = _Starting()  # until it is submitted: cancel() marks it
+        self._starting.add(starting)
         try:
-            # features of a spoken turn: signal processing, off the event loop
-            audio = await asyncio.to_thread(_speech_features, *audio) if audio[0] is not None else None
-            req, rate = self._build(rid, t0, text, input_ids, audio, voice, sampling, max_output_tokens,
-                                    max_audio_frames, ignore_eos)  # fmt: skip
-        except OmniRtError as e:
-            yield ErrorEvent.from_exception(e, rid)
-            yield ResponseDone(response_id=rid, status="failed", error=ErrorEvent.from_exception(e).error)
-            return
+            last = self._last
+            if last is not None and not last.done.is_set() and not last.cancel_requested:
+                # A caller that broke out of the previous response's loop dropped its iterator; the event
+                # loop closes it (and so cancels the response) in a task it has already scheduled: let it run.
+                for _ in range(3):  # finalizer callback → aclose task → its first step
+                    await asyncio.sleep(0)
+            if last is not None and last.cancel_requested and not last.done.is_set():
+                # a response the caller walked away from is still stopping: let it finish (within a frame),
+                # so this turn builds on the conversation as it ends up
+                await asyncio.wait_for(last.done.wait(), timeout=60.0)
+            yield ResponseCreated(response_id=rid)
+            try:
+                # features of a spoken turn: signal processing, off the event loop
+                audio = await asyncio.to_thread(_speech_features, *audio) if audio[0] is not None else None
+                if starting.cancelled:  # cancel() came while this turn was being prepared
+                    yield ResponseDone(response_id=rid, status="cancelled")
+                    return
+                req, rate = self._build(rid, t0, text, input_ids, audio, voice, sampling, max_output_tokens,
+                                        max_audio_frames, ignore_eos)  # fmt: skip
+            except OmniRtError as e:
+                yield ErrorEvent.from_exception(e, rid)
+                yield ResponseDone(response_id=rid, status="failed", error=ErrorEvent.from_exception(e).error)
+                return
+        finally:
+            self._starting.discard(starting)
         resp = _Response(req, asyncio.Queue())
         loop = asyncio.get_running_loop()
         bound = self.engine.settings.event_queue_size
@@ -222,6 +236,8 @@ class Session:
 
         The response's iterator ends with `response.done(status="cancelled")`; no audio follows it.
         """
+        for starting in self._starting:  # a response not submitted yet (its spoken turn's features)
+            starting.cancelled = True
         resp = self._last  # also a response whose iterator the caller dropped: it may still be stopping
         if resp is None or resp.done.is_set():
             return

@@ -7,6 +7,7 @@ checked on the tiny model.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -285,3 +286,31 @@ async def test_bad_argument_types_fail_the_response_not_the_caller():
         assert "voice" in _failed(await collect(s, "hi", voice=["ethan"]))
         ok = await collect(s, "Fine", max_output_tokens=np.int64(3))
         assert ok[-1].status == "completed" and ok[-1].usage.cached_tokens == 0
+
+
+async def test_cancel_while_a_spoken_turn_is_still_being_prepared(monkeypatch):
+    # cancel() after response.created, while the clip's features are computed off the loop: the
+    # response must end cancelled (it used to go on, un-cancellable, once its features were ready)
+    from omni_rt import session as session_module
+
+    real = session_module._speech_features
+    started = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def slow(*args):
+        loop.call_soon_threadsafe(started.set)
+        time.sleep(0.2)
+        return real(*args)
+
+    monkeypatch.setattr(session_module, "_speech_features", slow)
+    clip = np.zeros(16000, np.float32)
+    async with fake_engine(reply_len=40) as engine, engine.session() as s:
+        task = asyncio.create_task(collect(s, audio=clip, max_output_tokens=40))
+        await started.wait()
+        await s.cancel()
+        events = await task
+        assert types(events) == ["response.created", "response.done"]
+        assert events[-1].status == "cancelled"
+        assert s.conversation == []
+        again = await collect(s, "Still there?", max_output_tokens=3)
+        assert again[-1].status == "completed"

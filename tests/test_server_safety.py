@@ -388,6 +388,7 @@ def test_serve_arguments_are_checked():
         ["--port", "70000"],
         ["--idle", "beep"],
         ["--max-audio-seconds", "0"],
+        ["--allow-origin", "app.example"],  # no scheme: it would never match a browser's Origin
     ):
         with pytest.raises(SystemExit):
             parse_args(bad)
@@ -427,3 +428,68 @@ async def test_user_input_waiting_for_a_response_is_bounded():
             assert engine.requests == ["x" * 60]  # what was accepted, once
             await ws.send(json.dumps(say))  # answered input makes room again
             assert (await recv_json(ws))["type"] == "conversation.item.added"
+
+
+async def test_token_with_reserved_characters_survives_the_printed_url():
+    token = "a+b&c d/é"
+    async with Server(FakeEngine(step_s=0), ServerSettings(port=0, token=token)) as server:
+        from urllib.parse import parse_qs, quote, urlsplit
+
+        assert parse_qs(urlsplit(server.url).query) == {"token": [token]}  # what the page reads
+        async with websockets.connect(url(server, f"?token={quote(token, safe='')}")) as ws:
+            assert (await recv_json(ws))["type"] == "session.created"
+
+
+async def test_bearer_scheme_is_case_insensitive():
+    async with Server(FakeEngine(step_s=0), ServerSettings(port=0, token="t0ken")) as server:
+        for scheme in ("bearer", "BEARER"):
+            headers = {"Authorization": f"{scheme} t0ken"}
+            async with websockets.connect(url(server), additional_headers=headers) as ws:
+                assert (await recv_json(ws))["type"] == "session.created"
+
+
+async def test_allowed_origins_match_as_browsers_write_them():
+    # Browsers send the origin lower-case, without a path or a default port; a flag may not be so tidy.
+    settings = ServerSettings(port=0, allowed_origins=("https://App.Example/", "http://dev.example:80"))
+    async with Server(FakeEngine(step_s=0), settings) as server:
+        for origin in ("https://app.example", "http://dev.example"):
+            async with websockets.connect(url(server), origin=origin) as ws:
+                assert (await recv_json(ws))["type"] == "session.created"
+        for origin in ("https://app.example.evil", "http://app.example", "https://dev.example"):
+            with pytest.raises(InvalidStatus) as refused:
+                await websockets.connect(url(server), origin=origin)
+            assert refused.value.response.status_code == 403
+
+
+async def handshake_status(server: Server, headers: list[tuple[str, str]]) -> int:
+    """The HTTP status of a WebSocket handshake to /ws with exactly these headers (Host included)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    lines = ["GET /ws HTTP/1.1", "Upgrade: websocket", "Connection: Upgrade", "Sec-WebSocket-Version: 13"]
+    lines += ["Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ=="] + [f"{k}: {v}" for k, v in headers]
+    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
+    status = int((await asyncio.wait_for(reader.readline(), 5)).split()[1])
+    writer.close()
+    return status
+
+
+async def test_a_rebound_host_name_is_not_the_same_origin():
+    # DNS rebinding: a page of http://evil.example:PORT whose name now points at 127.0.0.1 calls
+    # ws://evil.example:PORT/ws. Origin and Host agree, yet it is not this server's page: a server
+    # on loopback takes the same-origin path only for loopback names.
+    async with Server(FakeEngine(step_s=0), ServerSettings(port=0)) as server:
+        port = server.port
+        rebound = f"evil.example:{port}"
+        assert await handshake_status(server, [("Host", rebound), ("Origin", f"http://{rebound}")]) == 403
+        for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}"):
+            assert await handshake_status(server, [("Host", host), ("Origin", f"http://{host}")]) == 101
+        assert await handshake_status(server, [("Host", rebound)]) == 101  # no Origin: not a browser
+
+
+async def test_repeated_security_headers_are_refused_not_a_server_error():
+    async with Server(FakeEngine(step_s=0), ServerSettings(port=0, token="t")) as server:
+        host = ("Host", f"127.0.0.1:{server.port}")
+        origin = ("Origin", f"http://{host[1]}")
+        auth = ("Authorization", "Bearer t")
+        assert await handshake_status(server, [host, origin, auth]) == 101
+        for twice in (host, origin, auth):
+            assert await handshake_status(server, [host, origin, auth, twice]) == 400, twice

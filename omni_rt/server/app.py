@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import json
 import logging
 import mimetypes
@@ -22,10 +23,10 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
 from websockets.asyncio.server import ServerConnection, serve
-from websockets.datastructures import Headers
+from websockets.datastructures import Headers, MultipleValuesError
 from websockets.http11 import Request, Response
 
 from omni_rt.server import protocol
@@ -66,6 +67,8 @@ class Server:
         if self.web_dir is None:
             # /ws works without it; only the demo page is missing (an install without package data).
             log.warning("the demo page (web/) was not found: serving /ws only")
+        self._allowed_origins = {normalize_origin(o) for o in self.settings.allowed_origins}
+        self._loopback = _is_loopback(self.settings.host)
         self.peers: set[Peer] = set()
         self._server: Any = None
         self._handlers: set[asyncio.Task] = set()
@@ -113,7 +116,7 @@ class Server:
             host = "127.0.0.1"  # all interfaces: loopback is one of them
         host = f"[{host}]" if ":" in host else host
         url = f"http://{host}:{self.port}/"
-        return f"{url}?token={self.settings.token}" if self.settings.token else url
+        return f"{url}?token={quote(self.settings.token, safe='')}" if self.settings.token else url
 
     # -- HTTP, before any upgrade ---------------------------------------------------------------------
 
@@ -129,26 +132,37 @@ class Server:
         return self._static(url.path)
 
     def _check_ws(self, connection: ServerConnection, request: Request, query: str) -> Response | None:
-        origin = request.headers.get("Origin")
-        if origin is not None and not self._origin_allowed(origin, request.headers.get("Host", "")):
-            log.warning("refused /ws from origin %s", origin)
+        try:
+            origin = request.headers.get("Origin")
+            host = request.headers.get("Host", "")
+            auth = request.headers.get("Authorization", "")
+        except MultipleValuesError:  # which one would count? Neither.
+            return connection.respond(HTTPStatus.BAD_REQUEST, "Repeated Origin, Host or Authorization.\n")
+        if origin is not None and not self._origin_allowed(origin, host):
+            log.warning("refused /ws from origin %s (Host %s)", origin, host)
             return connection.respond(HTTPStatus.FORBIDDEN, "Origin not allowed.\n")
         if self.settings.token is not None:
             given = parse_qs(query).get("token", [""])[0]
-            auth = request.headers.get("Authorization", "")
-            if auth.startswith("Bearer "):
-                given = auth.removeprefix("Bearer ").strip()
+            scheme, _, credentials = auth.partition(" ")
+            if scheme.lower() == "bearer":  # auth schemes are case-insensitive (RFC 9110)
+                given = credentials.strip()
             if not hmac.compare_digest(given.encode(), self.settings.token.encode()):
                 return connection.respond(HTTPStatus.UNAUTHORIZED, "A valid token is required.\n")
         return None  # websockets answers a plain GET here with 426 Upgrade Required
 
     def _origin_allowed(self, origin: str, host: str) -> bool:
-        allowed = self.settings.allowed_origins
-        if "*" in allowed or origin in allowed:
+        try:
+            origin = normalize_origin(origin)
+            own = normalize_origin(f"{urlsplit(origin).scheme}://{host}")
+        except ValueError:  # "null" (a sandboxed or file: page), garbage
+            return False
+        if "*" in self._allowed_origins or origin in self._allowed_origins:
             return True
-        # Same origin: a page this server served, reached under the same host:port.
-        parts = urlsplit(origin)
-        return parts.scheme in ("http", "https") and parts.netloc.lower() == host.lower()
+        # Same origin: a page this server served, reached under the same host:port. On loopback, only
+        # under a loopback name: any other name that reaches it is DNS rebinding (a site whose name
+        # now points at 127.0.0.1), whose page would otherwise pass as "same origin".
+        name = urlsplit(origin).hostname or ""
+        return origin == own and (not self._loopback or _is_loopback(name))
 
     def _static(self, path: str) -> Response:
         if self.web_dir is None:
@@ -189,6 +203,30 @@ class Server:
         finally:
             self.peers.discard(peer)
             log.info("%s closed after %d responses", peer.session_id, peer.responses)
+
+
+def normalize_origin(origin: str) -> str:
+    """`scheme://host[:port]` as browsers write an Origin: lower-case, no path, no default port."""
+    if origin == "*":
+        return origin
+    parts = urlsplit(origin.strip())
+    scheme, name, port = parts.scheme.lower(), parts.hostname, parts.port  # .port: ValueError if bad
+    if scheme not in ("http", "https") or not name:
+        raise ValueError(f"not an http(s) origin: {origin!r}")
+    name = f"[{name}]" if ":" in name else name
+    default = {"http": 80, "https": 443}[scheme]
+    return f"{scheme}://{name}" if port in (None, default) else f"{scheme}://{name}:{port}"
+
+
+def _is_loopback(name: str) -> bool:
+    """localhost, 127.x.x.x or ::1 (a name as a URL or a listening address writes it)."""
+    name = name.strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def _remote(ws: ServerConnection) -> str:
@@ -252,6 +290,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_sessions < 1:
         p.error("--max-sessions must be at least 1")
+    for origin in args.allow_origin:
+        try:
+            normalize_origin(origin)
+        except ValueError as exc:
+            p.error(f"--allow-origin: {exc}")
     for url in args.ice_server:
         try:
             ice_server(url)

@@ -91,6 +91,7 @@ class Session:
         self.conversation: list[int] = []  # every token so far, ending with the last reply
         self._thinker_cached = 0  # conversation[:n] is in the Thinker's cache
         self._talker_cached = 0  # user-turn tokens in the Talker's cache (its positions 0..n-1)
+        self._caches_of = engine.pipeline  # the run whose caches hold them (a restart starts empty)
         self._current: _Response | None = None
         self._last: _Response | None = None  # the previous response, until the pipeline lets go of it
         self._starting: set[_Starting] = set()  # responses created but not submitted yet
@@ -269,6 +270,9 @@ class Session:
             raise EngineClosedError("the engine is not running: use `async with engine:`")
         if self._current is not None and not self._current.done.is_set():
             raise InvalidRequestError("a response is already in progress in this session: cancel() it first")
+        if self._caches_of is not self.engine.pipeline:  # the engine restarted: its caches are new
+            self._thinker_cached = self._talker_cached = 0
+            self._caches_of = self.engine.pipeline
         if (text is None and audio is None) == (input_ids is None):
             raise InvalidRequestError("give text and/or audio, or input_ids")
         _check_types(text, voice, sampling, max_output_tokens, max_audio_frames)

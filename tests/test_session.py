@@ -314,3 +314,20 @@ async def test_cancel_while_a_spoken_turn_is_still_being_prepared(monkeypatch):
         assert s.conversation == []
         again = await collect(s, "Still there?", max_output_tokens=3)
         assert again[-1].status == "completed"
+
+
+async def test_a_session_kept_across_an_engine_restart_prefills_its_whole_conversation():
+    # a restart builds new runners with empty caches: the session must not trust its old cache counts
+    engine = fake_engine(reply_len=4)
+    async with engine:
+        s = engine.session()
+        first = await collect(s, "Hi")
+        assert first[-1].status == "completed"
+        assert (await collect(s, "More"))[-1].usage.cached_tokens > 0
+    async with engine:
+        done = (await collect(s, "Again"))[-1]
+        assert done.status == "completed"
+        assert done.usage.cached_tokens == 0
+        assert done.usage.input_tokens == len(s.conversation) - done.usage.output_tokens
+        assert (await collect(s, "And again"))[-1].usage.cached_tokens > 0  # cached from here on
+        await s.close()

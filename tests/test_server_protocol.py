@@ -370,6 +370,32 @@ async def test_a_failing_stage_fails_the_response_not_the_connection(served):
     assert (await until(ws, "response.done"))[-1]["response"]["status"] == "completed"
 
 
+async def test_a_cancel_that_fails_is_an_error_not_a_lost_connection(served, monkeypatch):
+    from server_fakes import FakeSession
+
+    from omni_rt.errors import StageError
+
+    async def stuck_cancel(self):
+        self._cancel.set()  # it does stop in the end, but the session gave up waiting first
+        raise StageError("the pipeline did not stop the response within 60 s")
+
+    monkeypatch.setattr(FakeSession, "cancel", stuck_cancel)
+    engine, _, ws = served
+    engine.step_s, engine.reply = 0.05, " ".join(["word"] * 100)
+    await recv(ws)
+    await ws.send(json.dumps(user_message("hi")))
+    await ws.send(json.dumps({"type": "response.create"}))
+    await until(ws, "response.created")
+    await ws.send(json.dumps({"type": "response.cancel", "event_id": "c1"}))
+    events = await until(ws, "response.done")
+    error = next(e for e in events if e["type"] == "error")["error"]
+    assert (error["code"], error["event_id"]) == ("StageError", "c1")
+    engine.step_s, engine.reply = 0.0, "ok"
+    await ws.send(json.dumps(user_message("again")))
+    await ws.send(json.dumps({"type": "response.create"}))
+    assert (await until(ws, "response.done"))[-1]["response"]["status"] == "completed"
+
+
 def test_ice_server_urls():
     from omni_rt.server.peer import ice_server
 

@@ -463,7 +463,7 @@ class Peer:
                 "there is no response in progress to cancel",
                 event_id=event.event_id,
             )
-        await self._cancel_response(response)
+        await self._cancel_response(response, event.event_id)
 
     async def _on_audio_clear(self, event: protocol.OutputAudioBufferClear) -> None:
         """Silence the track now: the reply in progress is cancelled, or the one still playing cut off."""
@@ -499,11 +499,16 @@ class Peer:
         response.played_ms = track.response_frames * 1000.0 * FRAME_SAMPLES / TRACK_RATE
         self.send(protocol.conversation_item_truncated(response.item_id, 0, round(response.played_ms)))
 
-    async def _cancel_session(self, session: Any) -> None:
+    async def _cancel_session(self, session: Any, event_id: str | None = None) -> None:
         try:
             await session.cancel()
         except OmniRtError as exc:  # the pipeline did not stop in time: the response.done says failed
             log.warning("peer %s: cancel failed: %s", self.session_id, exc)
+            self.send(
+                protocol.error(
+                    ProtocolError(type(exc).__name__, str(exc), type="server_error", event_id=event_id)
+                )
+            )
 
     # -- speech input -----------------------------------------------------------------------------------
 
@@ -742,10 +747,10 @@ class Peer:
             metrics=protocol.metrics_dict(getattr(done, "metrics", None)),
         )
 
-    async def _cancel_response(self, response: _Response) -> None:
+    async def _cancel_response(self, response: _Response, event_id: str | None = None) -> None:
         """Barge-in: stop the model, drop every sample not yet sent, keep the session."""
         if self._cut(response) and self.session is not None:
-            await self.session.cancel()
+            await self._cancel_session(self.session, event_id)
 
     def _cut(self, response: _Response) -> bool:
         """Silence a response now: no more of its audio goes out. False if it was already cut."""

@@ -376,6 +376,7 @@ class Session:
         transcript_dec = tok.incremental()
         resampler = None if rate == NATIVE_RATE else StreamingResampler(NATIVE_RATE, rate)
         t_text = t_audio = None
+        delivered = 0  # samples handed out, at `rate`
         error = None
         while True:
             msg = await resp.queue.get()
@@ -400,6 +401,7 @@ class Session:
                     continue
                 if t_audio is None:
                     t_audio = time.perf_counter()
+                delivered += len(pcm)
                 yield ResponseOutputAudioDelta(
                     response_id=rid, pcm=_to_int16(pcm), sample_rate=rate, frame_index=msg.frame_index,
                     num_frames=msg.num_frames,
@@ -410,6 +412,7 @@ class Session:
                 if resampler is not None:
                     tail = resampler.flush()
                     if len(tail):
+                        delivered += len(tail)
                         yield ResponseOutputAudioDelta(
                             response_id=rid, pcm=_to_int16(tail), sample_rate=rate, frame_index=req.frames,
                             num_frames=0,
@@ -431,7 +434,7 @@ class Session:
                         output_tokens=len(req.tokens),
                         audio_frames=req.frames,
                     ),
-                    metrics=_metrics(req, t0, t_text, t_audio),
+                    metrics=_metrics(req, t0, t_text, t_audio, delivered / rate),
                     error=None if error is None else error.error,
                 )
                 return
@@ -479,9 +482,12 @@ def _ms(t: float | None, t0: float) -> float | None:
     return None if t is None else (t - t0) * 1000.0
 
 
-def _metrics(req: Request, t0: float, t_text: float | None, t_audio: float | None) -> Metrics:
+def _metrics(req: Request, t0: float, t_text: float | None, t_audio: float | None, audio_s: float) -> Metrics:
+    """audio_s: seconds of audio handed to the caller (none of what a cancel dropped). total_ms runs to
+    the caller reading response.done, like ttft and ttfa; rtf is the pipeline's: its generation ends
+    when the last stage lets go of the response, however long the caller takes to read it."""
     t_end = time.perf_counter()
-    audio_s = req.samples / NATIVE_RATE
+    t_gen = t_end if req.t_done is None else req.t_done
     n = len(req.tokens)
     tps = None
     if n > 1 and req.t_thinker_first is not None and req.t_thinker_last is not None:
@@ -496,7 +502,7 @@ def _metrics(req: Request, t0: float, t_text: float | None, t_audio: float | Non
         total_ms=(t_end - t0) * 1000.0,
         text_tokens_per_s=tps,
         audio_seconds=audio_s,
-        rtf=(t_end - t0) / audio_s if audio_s > 0 else None,
+        rtf=(t_gen - t0) / audio_s if audio_s > 0 else None,
     )
 
 

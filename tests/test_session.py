@@ -331,3 +331,31 @@ async def test_a_session_kept_across_an_engine_restart_prefills_its_whole_conver
         assert done.usage.input_tokens == len(s.conversation) - done.usage.output_tokens
         assert (await collect(s, "And again"))[-1].usage.cached_tokens > 0  # cached from here on
         await s.close()
+
+
+async def test_metrics_time_the_generation_not_the_reader():
+    # a reader that takes its time (a real-time player) must not inflate rtf (generation / audio)
+    async with fake_engine(reply_len=6) as engine, engine.session() as s:
+        events = []
+        async for ev in s.respond("Hello"):
+            events.append(ev)
+            if ev.type == "response.output_text.delta" and len(events) == 2:
+                await asyncio.sleep(0.5)  # the pipeline finishes meanwhile
+    m = events[-1].metrics
+    assert m.total_ms > 500  # the caller got response.done after its nap
+    assert m.rtf * m.audio_seconds < 0.4  # the pipeline was done long before
+    assert m.audio_seconds == pytest.approx(len(audio(events)) / 24000)
+
+
+@pytest.mark.parametrize("rate", [24000, 16000])
+async def test_audio_seconds_are_the_audio_handed_out(rate):
+    async with fake_engine(reply_len=10_000) as engine, engine.session(output_sample_rate=rate) as s:
+        events = []
+        async for ev in s.respond("Talk", max_output_tokens=5000, max_audio_frames=5000):
+            events.append(ev)
+            if ev.type == "response.output_audio.delta" and ev.frame_index == 0:
+                await asyncio.sleep(0.2)  # more audio is made meanwhile, then dropped by the cancel
+                await s.cancel()
+    done = events[-1]
+    assert done.status == "cancelled"
+    assert done.metrics.audio_seconds == pytest.approx(len(audio(events)) / rate)

@@ -122,6 +122,13 @@ def test_malformed_append_audio_is_an_invalid_value(audio, message):
             False,
         ),
         ('{"type": "webrtc.offer", "sdp": ""}', "invalid_value", False),
+        # A lone surrogate is valid JSON but not text: the tokenizer raises TypeError on it.
+        ('{"type": "session.update", "session": {"instructions": "a \\ud800 b"}}', "invalid_value", False),
+        (
+            '{"type": "conversation.item.create", "item": {"content": [{"type": "input_text", "text": "\\udcff"}]}}',
+            "invalid_value",
+            False,
+        ),
         (
             '{"type": "session.update", "session": {"turn_detection": {"type": "semantic_vad"}}}',
             "invalid_value",

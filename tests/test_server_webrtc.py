@@ -316,3 +316,34 @@ async def test_events_larger_than_the_channel_takes_still_arrive():
             events = await client.until("response.done")
             assert events[-1]["response"]["status"] == "completed"
             await client.close()
+
+
+async def test_offered_video_is_declined():
+    # The server has no use for video: decoding it would cost CPU for nothing, so the answer sets
+    # video inactive and the client sends none.
+    from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+    from aiortc.mediastreams import VideoStreamTrack
+
+    engine = FakeEngine(step_s=0.0, reply="a b")
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            await ws.recv()  # session.created
+            pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+            camera = VideoStreamTrack()
+            pc.addTransceiver(camera, direction="sendonly")
+            pc.addTransceiver("audio", direction="recvonly")
+            pc.createDataChannel("events")
+            await pc.setLocalDescription(await pc.createOffer())
+            await ws.send(json.dumps({"type": "webrtc.offer", "sdp": pc.localDescription.sdp}))
+            answer = json.loads(await asyncio.wait_for(ws.recv(), 10))
+            video = answer["sdp"].split("m=video")[1].split("m=")[0]
+            assert "a=inactive" in video
+            await pc.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type="answer"))
+            (peer,) = server.peers
+            async with asyncio.timeout(10):
+                while pc.connectionState != "connected":
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            assert peer.input_audio_frames == 0  # no video frame reached the server's readers
+            camera.stop()
+            await pc.close()

@@ -825,6 +825,10 @@ class Peer:
                 event_id=event.event_id,
                 fatal=True,
             )
+        for transceiver in pc.getTransceivers():
+            if transceiver.kind != "audio":
+                # No use for video: declined in the answer, so the client sends none to decode.
+                transceiver.direction = "inactive"
         if "audio" in kinds:
             # Added after setRemoteDescription and before createAnswer, so that it rides the offer's
             # audio transceiver even when the browser only receives (no microphone).
@@ -861,20 +865,17 @@ class Peer:
         channel.on("message", self._on_channel_message)
 
     def _on_remote_track(self, track: Any) -> None:
-        if track.kind == "audio":
-            self._spawn(self._consume_remote_audio(track), "microphone")
-        else:
-            # Nobody will read it, and an unread remote track queues frames without bound.
-            self._spawn(self._consume_remote_audio(track), "remote video")
+        self._spawn(self._consume_remote_media(track), "microphone" if track.kind == "audio" else "video")
 
-    async def _consume_remote_audio(self, track: Any) -> None:
-        """Always read the client's media: aiortc queues unread frames without bound. Audio goes to
-        the input buffer (server VAD, turns); nothing in this loop waits but `recv()`."""
+    async def _consume_remote_media(self, track: Any) -> None:
+        """Always read the client's media: aiortc queues unread frames without bound (video is
+        declined, so none should come). Audio goes to the input buffer (server VAD, turns); nothing
+        in this loop waits but `recv()`."""
         try:
             while True:
                 frame = await track.recv()
-                self.input_audio_frames += 1
                 if track.kind == "audio":
+                    self.input_audio_frames += 1
                     self._on_mic_frame(frame)
         except MediaStreamError:
             pass

@@ -409,3 +409,21 @@ def test_requests_that_arrive_together_prefill_together():
         p.stop()
     assert [s.request_ids for s in steps(p, "thinker", "prefill")] == [("first",), ("a", "b")]
     assert all(s.of(DoneOut)[0].status == "completed" for _, s in pair)
+
+
+@pytest.mark.parametrize("handoff", ["event", "after_step"])
+def test_a_scheduler_error_fails_what_the_thinker_admitted_instead_of_hanging_it(handoff):
+    p = make(EngineSettings(handoff=handoff))
+    real = p.thinker.prefill
+    p.thinker.prefill = lambda reqs: []  # a runner that breaks its contract: the loop itself raises
+    try:
+        r = request("r")
+        run(p, r, timeout=5)
+        assert r[1].of(DoneOut)[0].status == "failed"
+        assert "thinker loop" in str(r[1].of(ErrorOut)[0].error)
+        p.thinker.prefill = real
+        ok = request("ok")
+        run(p, ok)  # the stage keeps serving
+        assert ok[1].of(DoneOut)[0].status == "completed"
+    finally:
+        p.stop()

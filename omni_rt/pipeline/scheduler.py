@@ -251,9 +251,16 @@ class Pipeline:
                 try:
                     active, held = self._thinker_iteration(msgs, active, held)
                 except Exception as e:  # a scheduler bug: fail what this stage holds, keep serving
-                    for req in active:
-                        self._fail(req, self._stage_error("thinker", "loop", e))
-                        self._release(req, "thinker")
+                    # also what this iteration admitted and what waits in `held` (its Talker messages
+                    # are lost): the Talker would wait for them forever
+                    held_reqs = active + [m[1] for m in msgs if m[0] == "admit"] + [m[1] for m in held]
+                    err = self._stage_error("thinker", "loop", e)
+                    for req in dict.fromkeys(held_reqs):
+                        with self._lock:
+                            live = req in self._inflight
+                        if live:
+                            self._fail(req, err)
+                            self._release(req, "thinker")
                     active, held = [], []
         except InboxClosed:
             for req in active:

@@ -427,3 +427,14 @@ def test_a_scheduler_error_fails_what_the_thinker_admitted_instead_of_hanging_it
         assert ok[1].of(DoneOut)[0].status == "completed"
     finally:
         p.stop()
+
+
+def test_step_and_yield_logs_stay_bounded():
+    p = make(timings=FakeTimings(thinker_decode=0.001))
+    p.log_limit = 4
+    try:
+        for i in range(8):
+            run(p, request(f"r{i}", max_output_tokens=3))
+    finally:
+        p.stop()
+    assert 0 < len(p.yields) <= 4 and 0 < len(p.steps) <= 4

@@ -111,6 +111,8 @@ class _AudioSeq:
 
 
 class Pipeline:
+    log_limit = 20000  # records kept in `steps` and in `yields`; past it, the older half is dropped
+
     def __init__(
         self,
         thinker: ThinkerStage,
@@ -131,7 +133,7 @@ class Pipeline:
         self._inflight: set[Request] = set()  # submitted, not done yet
         self._stopping = False
         self.running = False
-        self.steps: list[StepRecord] = []  # bounded: see _record
+        self.steps: list[StepRecord] = []  # bounded: see _log
         self.yields: list[YieldRecord] = []
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -229,9 +231,12 @@ class Pipeline:
                 self._frame0.notify_all()
 
     def _record(self, stage: str, kind: str, t0: float, reqs: list[Request]) -> None:
-        self.steps.append(StepRecord(stage, kind, t0, self.clock(), tuple(r.id for r in reqs)))
-        if len(self.steps) > 20000:  # keep the log bounded on a long-running engine
-            del self.steps[:10000]
+        self._log(self.steps, StepRecord(stage, kind, t0, self.clock(), tuple(r.id for r in reqs)))
+
+    def _log(self, records: list, record: object) -> None:
+        records.append(record)
+        if len(records) > self.log_limit:  # keep the logs bounded on a long-running engine
+            del records[: len(records) // 2]
 
     def _stage_error(self, stage: str, kind: str, e: Exception) -> OmniRtError:
         if isinstance(e, OmniRtError):
@@ -388,7 +393,7 @@ class Pipeline:
                     woke_by = "cap"
                     break
                 self._frame0.wait(left)  # notified when a frame 0 leaves the Talker
-            self.yields.append(YieldRecord(t0, self.clock(), woke_by))
+            self._log(self.yields, YieldRecord(t0, self.clock(), woke_by))
 
     # -- Talker ----------------------------------------------------------------------------------------
 

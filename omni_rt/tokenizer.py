@@ -12,7 +12,8 @@ Chat layout (the ids the Talker's prompt builder relies on), per turn
 The tiny tokenizer is byte-level with each byte at its id in the real Qwen vocabulary (GPT-2 byte
 order: ids 0-255, so `\\n` = 198 and space = 220), the role words `system`/`user`/`assistant` as the real
 single ids 8948/872/77091, and the real special tokens at 151643-151675. Text encodes to more ids than
-with the real BPE (one per byte), but every prompt has the real model's layout and id range.
+with the real BPE (one per byte), but every prompt has the real model's layout and id range. Every other
+id decodes to a made-up word, so what a randomly initialised model says is visible as text.
 """
 
 from __future__ import annotations
@@ -88,11 +89,34 @@ def _bytes_to_unicode() -> list[str]:
     return chars  # id i -> this character; its byte is (printable + rest)[i]
 
 
+def _pseudo_words(space: str, first: int, end: int) -> dict[str, int]:
+    """A pronounceable word for every id in [first, end) that is not a role word: " kamipo", " tesu"....
+
+    Text never encodes to them (BPE without merges yields bytes only); they exist so that whatever a model
+    with random weights says decodes to visible words, and a transcript shows what streams. Each id is
+    written in base 75 with consonant-vowel syllables (75**3 covers the whole vocabulary), behind the
+    byte-level form of a space.
+    """
+    syllables = [c + v for c in "bdfghklmnprstvz" for v in "aeiou"]
+    taken = set(_ROLE_WORDS.values())
+    words = {}
+    for i in range(first, end):
+        if i in taken:
+            continue
+        a, rest = divmod(i, len(syllables) ** 2)
+        b, c = divmod(rest, len(syllables))
+        words[space + (syllables[a] if a else "") + syllables[b] + syllables[c]] = i
+    return words
+
+
 def _tiny_tokenizer() -> _HFTokenizer:
     # Added tokens take the id their content has in the model's vocabulary, so the specials and role
     # words are entered there at their real ids (the vocabulary may have gaps); BPE without merges
     # never produces them from bytes, only the added-token matcher does.
-    vocab = {ch: i for i, ch in enumerate(_bytes_to_unicode())}
+    byte_chars = _bytes_to_unicode()
+    vocab = {ch: i for i, ch in enumerate(byte_chars)}
+    space = byte_chars[220]  # the byte-level form of " " (id 220, as in Qwen's vocabulary)
+    vocab.update(_pseudo_words(space, len(byte_chars), min(SPECIAL_TOKENS)))
     vocab.update({s: i for i, s in SPECIAL_TOKENS.items()})
     vocab.update(_ROLE_WORDS)
     tok = _HFTokenizer(models.BPE(vocab=vocab, merges=[]))

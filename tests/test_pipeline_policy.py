@@ -438,3 +438,21 @@ def test_step_and_yield_logs_stay_bounded():
     finally:
         p.stop()
     assert 0 < len(p.yields) <= 4 and 0 < len(p.steps) <= 4
+
+
+def test_a_response_failed_during_its_last_chunk_gets_no_audio_done():
+    p = make(EngineSettings(first_chunk_frames=64, max_chunk_frames=64))  # one chunk, at the end
+    push = p.code2wav.push
+
+    def failing_push(req, frames):  # another stage (or the session) fails it while this chunk decodes
+        p._fail(req, StageError("failed elsewhere"))
+        return push(req, frames)
+
+    p.code2wav.push = failing_push
+    try:
+        r = request("r")
+        run(p, r)
+    finally:
+        p.stop()
+    assert r[1].of(DoneOut)[0].status == "failed"
+    assert not r[1].of(AudioDoneOut) and not r[1].of(AudioOut)

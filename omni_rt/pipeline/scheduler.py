@@ -597,7 +597,9 @@ class Pipeline:
                 self._fail(a.req, self._stage_error("code2wav", "decode", e))
                 self._code2wav_close(a, seqs)
                 continue
-            if a.ended and not a.pending:
+            if a.req.stopped:  # while its chunk decoded: the chunk was dropped, and so is the end
+                self._code2wav_close(a, seqs)
+            elif a.ended and not a.pending:
                 self._post(a.req, AudioDoneOut())
                 self._code2wav_close(a, seqs)
 

@@ -210,3 +210,70 @@ async def test_page_without_token_is_refused():
             assert engine.open_sessions == 0
         finally:
             await browser.close()
+
+
+async def test_page_recovers_from_refusals_reconnects_cleanly_and_works_by_keyboard():
+    from omni_rt.server import PeerSettings
+
+    engine = FakeEngine(step_s=0.05, frames_per_word=3, reply="one two three four five six")
+    # The server refuses long messages (pending_input_full), so the page sees a refused request.
+    settings = ServerSettings(port=0, peer=PeerSettings(max_pending_text_chars=20))
+    async with Server(engine, settings) as server, playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = await browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            await page.goto(server.url, timeout=15_000)
+            # Named controls; the connection state is announced.
+            assert await page.get_by_role("textbox", name="Message").count() == 1
+            assert await page.get_by_role("status").text_content() == "Not connected"
+            await page.click("#connect")
+            await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
+
+            # A network drop shows (WebRTC "disconnected": ICE consent lost), and so does the way back.
+            flip = """state => { const pc = window.omni.state.pc;
+                Object.defineProperty(pc, "connectionState", {get: () => state, configurable: true});
+                pc.dispatchEvent(new Event("connectionstatechange")); }"""
+            await page.evaluate(flip, "disconnected")
+            assert await page.get_by_role("status").text_content() == "Connection interrupted…"
+            await page.evaluate(flip, "connected")
+            assert await page.get_by_role("status").text_content() == "Connected"
+
+            # A refused request (an error for it, no response) leaves nothing pending: the next
+            # message is sent at once, with no stray response.cancel and no 2 s wait.
+            await page.fill("#text", "x" * 40)
+            await page.press("#text", "Enter")
+            await page.wait_for_function("!document.getElementById('toast').hidden", timeout=10_000)
+            await page.wait_for_function("window.omni.state.pending === null", timeout=5_000)
+            await page.fill("#text", "hi")
+            await page.press("#text", "Enter")
+            await page.wait_for_selector('body[data-audible="true"]', timeout=20_000)
+            await page.wait_for_function("window.omni.events.includes('response.done')", timeout=20_000)
+            assert engine.requests == ["hi"]
+
+            # Keyboard: the microphone switch shows where the focus is.
+            await page.focus("#mic")
+            await page.keyboard.press("Shift+Tab")
+            await page.keyboard.press("Tab")
+            outline = await page.eval_on_selector(".switch .slider", "e => getComputedStyle(e).outlineStyle")
+            assert outline != "none"
+
+            # Disconnect mid-reply: the old connection's audio graph and streaming bubble are let go.
+            await page.fill("#text", "again")
+            await page.press("#text", "Enter")
+            await page.wait_for_function("window.omni.state.response !== null", timeout=10_000)
+            await page.click("#connect")  # now "Disconnect"
+            await page.wait_for_selector('body[data-state="idle"]', timeout=10_000)
+            assert await page.evaluate("window.omni.state.analyser === null")
+            assert await page.locator(".msg.streaming").count() == 0
+            # And a new connection works as the first did.
+            await page.click("#connect")
+            await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
+            await page.evaluate("delete document.body.dataset.audible")
+            await page.fill("#text", "third")
+            await page.press("#text", "Enter")
+            await page.wait_for_selector('body[data-audible="true"]', timeout=20_000)
+            assert errors == []
+        finally:
+            await browser.close()

@@ -17,11 +17,13 @@ const AUDIBLE_PEAK = 0.02;
 
 const state = {
   ws: null, pc: null, dc: null, transceiver: null, micStream: null,
-  audioCtx: null, analyser: null, samples: null,
+  audioCtx: null, source: null, analyser: null, samples: null,
   response: null,        // {id, bubble, t0, firstAudibleMs}
   speaking: false,       // the track is playing a reply (it may outlast response.done)
   voice: null,           // the session's voice, as the server last said
-  pending: null,         // a request sent, its response not created yet: {t0}
+  pending: null,         // a request sent, its response not created yet: {t0, eventIds}
+  refused: null,         // the event ids of the last request the server refused (its errors toast once)
+  connected: false,      // WebRTC reached "connected" on this connection
   latencies: [],         // first-audible figures of this page's replies, ms
   doneWaiters: [],
   listen: "off",         // the spoken conversation: off | listening | speech | thinking | speaking
@@ -75,8 +77,12 @@ async function connect() {
   state.transceiver = pc.addTransceiver("audio", { direction: "sendrecv" });
   pc.ontrack = (e) => attachRemote(e.streams[0] || new MediaStream([e.track]));
   pc.onconnectionstatechange = () => {
-    if (pc.connectionState === "connected") onConnected();
-    if (pc.connectionState === "failed") teardown("Disconnected: WebRTC failed");
+    if (state.pc !== pc) return;
+    const s = pc.connectionState;
+    if (s === "connected" && !state.connected) onConnected();
+    else if (s === "connected") setStatus("connected", "Connected");  // back after an interruption
+    else if (s === "disconnected") setStatus("connecting", "Connection interrupted…");
+    else if (s === "failed") teardown("Disconnected: WebRTC failed");
   };
   const dc = pc.createDataChannel("events");
   state.dc = dc;
@@ -98,6 +104,7 @@ function iceGatheringComplete(pc, timeoutMs) {
 }
 
 function onConnected() {
+  state.connected = true;
   setStatus("connected", "Connected");
   ui.connect.disabled = false;
   ui.connect.textContent = "Disconnect";
@@ -112,14 +119,16 @@ function disconnect() {
 }
 
 function teardown(message) {
-  const { ws, pc, micStream } = state;
+  const { ws, pc, micStream, response } = state;
   state.ws = state.pc = state.dc = state.transceiver = state.micStream = null;
+  state.connected = false;
   if (ws) { ws.onclose = null; ws.close(); }
   if (pc) pc.close();
   if (micStream) micStream.getTracks().forEach((t) => t.stop());
+  if (response) endBubble(response.bubble, "incomplete");  // the reply was cut by the disconnect
+  detachRemote();
   state.response = state.pending = null;
   state.doneWaiters.splice(0).forEach((w) => w());
-  ui.player.srcObject = null;
   ui.mic.checked = false;
   setListen("off");
   ui.text.disabled = ui.speak.disabled = ui.mic.disabled = true;
@@ -133,14 +142,24 @@ function teardown(message) {
 function attachRemote(stream) {
   // Chromium only drains its jitter buffer for a stream something plays: the <audio> element plays
   // it (and is covered by echo cancellation); the analyser beside it only listens.
+  detachRemote();
   ui.player.srcObject = stream;
   ui.player.play().catch(() => {});
   const source = state.audioCtx.createMediaStreamSource(stream);
   const analyser = state.audioCtx.createAnalyser();
   analyser.fftSize = 512;
   source.connect(analyser);
+  state.source = source;
   state.analyser = analyser;
   state.samples = new Float32Array(analyser.fftSize);
+}
+
+// The old connection's stream leaves the audio graph (and the scope) with it.
+function detachRemote() {
+  if (state.source) state.source.disconnect();
+  state.source = state.analyser = state.samples = null;
+  ui.player.srcObject = null;
+  ui.scope.getContext("2d").clearRect(0, 0, ui.scope.width, ui.scope.height);
 }
 
 // -- events -------------------------------------------------------------------------------------------
@@ -202,13 +221,7 @@ function onEvent(ev) {
       const m = r.metrics || {};
       ui.ttfa.textContent = fmt(m.ttfa_ms);
       ui.ttft.textContent = fmt(m.ttft_ms);
-      if (state.response && state.response.id === r.id) {
-        const bubble = state.response.bubble;
-        bubble.classList.remove("streaming");
-        if (r.status !== "completed") bubble.dataset.status = r.status;
-        // A reply can be all audio: the tiny preset's random weights rarely make printable text.
-        if (!bubble.querySelector(".text").textContent) appendText(bubble, r.status === "cancelled" ? "(stopped)" : "♪");
-      }
+      if (state.response && state.response.id === r.id) endBubble(state.response.bubble, r.status);
       state.response = null;
       updateStop();
       // A reply with no audio (text only, failed) never says output_audio_buffer.stopped.
@@ -216,9 +229,19 @@ function onEvent(ev) {
       state.doneWaiters.splice(0).forEach((w) => w());
       break;
     }
-    case "error":
+    case "error": {
+      // An error for the request waiting for its response (a refused item or response.create):
+      // nothing is pending any more. The same request's later errors follow from the first.
+      const id = ev.error.event_id;
+      if (id && state.refused && state.refused.includes(id)) break;
+      if (id && state.pending && state.pending.eventIds && state.pending.eventIds.includes(id)) {
+        state.refused = state.pending.eventIds;
+        state.pending = null;
+        state.doneWaiters.splice(0).forEach((w) => w());
+      }
       toast(ev.error.message);
       break;
+    }
     case "session.created":
       state.voice = ev.session.audio.output.voice;
       break;
@@ -233,6 +256,7 @@ function onEvent(ev) {
   }
 }
 
+let requests = 0;  // numbers this page's event ids, so an error can be matched to its request
 async function speak(text) {
   if (state.response || state.pending) {
     // Barge-in: stop the current reply, then ask for the new one once it has ended.
@@ -241,12 +265,15 @@ async function speak(text) {
     await Promise.race([ended, new Promise((r) => setTimeout(r, 2000))]);
   }
   addBubble("user", text);
-  state.pending = { t0: performance.now() };
+  requests += 1;
+  const eventIds = [`item_${requests}`, `create_${requests}`];
+  state.pending = { t0: performance.now(), eventIds };
   send({
     type: "conversation.item.create",
+    event_id: eventIds[0],
     item: { type: "message", role: "user", content: [{ type: "input_text", text }] },
   });
-  send({ type: "response.create" });
+  send({ type: "response.create", event_id: eventIds[1] });
 }
 
 function sendVoice() {
@@ -349,6 +376,14 @@ function addDivider(text) {
 function appendText(bubble, delta) {
   bubble.querySelector(".text").textContent += delta;
   ui.transcript.scrollTop = ui.transcript.scrollHeight;
+}
+
+function endBubble(bubble, status) {
+  bubble.classList.remove("streaming");
+  if (status !== "completed") bubble.dataset.status = status;
+  // A reply can be all audio: the tiny preset's random weights rarely make printable text.
+  const empty = { completed: "♪", cancelled: "(stopped)", incomplete: "(disconnected)" };
+  if (!bubble.querySelector(".text").textContent) appendText(bubble, empty[status] || "—");
 }
 
 function setSpeaking(on) {

@@ -214,14 +214,13 @@ class Session:
             loop.call_soon_threadsafe(on_message, msg)
 
         req.sink = sink
-        self._current = self._last = resp
         try:
             self.engine._submit(req)
-        except OmniRtError as e:
-            self._current = None
+        except OmniRtError as e:  # never in the pipeline: nothing for cancel() to wait for
             yield ErrorEvent.from_exception(e, rid)
             yield ResponseDone(response_id=rid, status="failed", error=ErrorEvent.from_exception(e).error)
             return
+        self._current = self._last = resp
         try:
             async for ev in self._events(resp, rid, rate, t0):
                 yield ev

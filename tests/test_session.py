@@ -359,3 +359,16 @@ async def test_audio_seconds_are_the_audio_handed_out(rate):
     done = events[-1]
     assert done.status == "cancelled"
     assert done.metrics.audio_seconds == pytest.approx(len(audio(events)) / rate)
+
+
+async def test_a_response_the_pipeline_refused_does_not_block_cancel_or_close(monkeypatch):
+    async with fake_engine() as engine:
+        s = engine.session()
+
+        def refuse(req):
+            raise omni_rt.EngineClosedError("the engine is stopping")
+
+        monkeypatch.setattr(engine, "_submit", refuse)
+        events = await collect(s, "hi")
+        assert events[-1].status == "failed" and events[1].error.code == "EngineClosedError"
+        await asyncio.wait_for(s.close(), 2.0)  # nothing is running: it used to wait 60 s, then raise

@@ -347,3 +347,29 @@ async def test_offered_video_is_declined():
             assert peer.input_audio_frames == 0  # no video frame reached the server's readers
             camera.stop()
             await pc.close()
+
+
+async def test_a_bug_in_a_peer_task_closes_that_connection_not_silently():
+    # The track feeder dying would leave the reply unplayed and the client waiting for it forever:
+    # like a bug in the main loop, it costs this client its connection (1011), with an error first.
+    engine = FakeEngine(step_s=0.0, reply="a b c")
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            client = Client(ws)
+            await client.connect()
+            (peer,) = server.peers
+
+            async def broken(*args, **kwargs):
+                raise RuntimeError("a bug")
+
+            peer.track.write = broken
+            client.say("hi")
+            error = json.loads(await asyncio.wait_for(ws.recv(), 5))
+            assert error["type"] == "error" and error["error"]["code"] == "server_error"
+            with pytest.raises(websockets.ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 5)
+            assert ws.close_code == 1011
+            await client.close()
+        async with asyncio.timeout(5):
+            while server.peers or engine.open_sessions:
+                await asyncio.sleep(0.02)

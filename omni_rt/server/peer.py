@@ -113,6 +113,7 @@ class Peer:
         self._tasks: set[asyncio.Task] = set()
         self._closed = asyncio.Event()
         self._closing = False
+        self._task_failed = False  # one of this peer's tasks raised: the connection ends with 1011
 
         self.pc: RTCPeerConnection | None = None
         self.channel: Any = None  # the `events` RTCDataChannel once the client opens it
@@ -163,6 +164,10 @@ class Peer:
                     # The socket is what closes: the error goes there, where it is sure to arrive first.
                     await self._fail_now(exc, 1009 if exc.code == "message_too_large" else 1008)
                     return
+            if self._task_failed:
+                await self._fail_now(
+                    ProtocolError("server_error", "internal error", type="server_error"), 1011
+                )
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -200,8 +205,18 @@ class Peer:
     def _spawn(self, coro: Any, name: str) -> asyncio.Task:
         task = asyncio.create_task(coro, name=f"{self.session_id} {name}")
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
         return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        # A bug in a task (the track feeder, the microphone) would otherwise end it silently and
+        # leave the client waiting: it costs this client its connection, as a bug in run() does.
+        log.error("peer %s: %s failed", self.session_id, task.get_name(), exc_info=task.exception())
+        self._task_failed = True
+        self._shutdown()
 
     def _shutdown(self) -> None:
         """Ask the main loop to end (socket gone, WebRTC failed, client too slow)."""

@@ -52,11 +52,20 @@ async def _say(args: argparse.Namespace) -> int:
     import numpy as np
 
     import omni_rt
+    from omni_rt.errors import InvalidRequestError
 
+    try:
+        out = open(args.out, "wb")  # before the model loads: a bad path fails at once, not in a traceback
+    except OSError as e:
+        raise InvalidRequestError(f"cannot write {args.out}: {e.strerror or e}") from None
     t_load = time.perf_counter()
-    engine = omni_rt.Engine.load(
-        args.model, device=args.device, dtype=args.dtype, random_weights=args.random_weights
-    )
+    try:
+        engine = omni_rt.Engine.load(
+            args.model, device=args.device, dtype=args.dtype, random_weights=args.random_weights
+        )
+    except BaseException:
+        out.close()
+        raise
     load_s = time.perf_counter() - t_load
     tiny = args.model == "tiny"  # random weights never stop on their own: keep the default reply short
     max_tokens = args.max_tokens or (32 if tiny else 1024)
@@ -69,7 +78,7 @@ async def _say(args: argparse.Namespace) -> int:
     )
     text, samples, done = [], 0, None
     progress = not args.quiet and sys.stderr.isatty()
-    with wave.open(args.out, "wb") as wav:
+    with out, wave.open(out, "wb") as wav:
         wav.setnchannels(1)
         wav.setsampwidth(2)
         wav.setframerate(args.sample_rate)

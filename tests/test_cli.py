@@ -80,3 +80,9 @@ def test_say_answers_a_spoken_prompt(tmp_path):
     assert r.returncode == 0, r.stderr
     with wave.open(str(out)) as w:
         assert w.getnframes() == 4 * 1920 - 555
+
+
+def test_say_reports_an_unwritable_output_path(tmp_path, capsys):
+    assert cli.say(["hi", "--out", str(tmp_path / "missing" / "x.wav"), "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write" in err and "x.wav" in err

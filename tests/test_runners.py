@@ -349,3 +349,32 @@ async def test_engine_with_prefill_graphs_streams_what_eager_does(model, graphed
     eager_run = await serve(cuda_graphs=False)
     assert graphed_run[0] == eager_run[0]
     np.testing.assert_array_equal(graphed_run[1], eager_run[1])
+
+
+def test_every_code2wav_call_that_touches_its_state_runs_on_its_stream(model, monkeypatch):
+    # open/close reset a slot's device state: on the legacy default stream (which PyTorch's streams do
+    # not wait for) a reset could land after the next response's first chunk read the old state
+    runner = runners.Code2WavRunner(model, EngineSettings(max_sessions=1))
+    on_stream = []
+
+    class Stream:  # stands in for torch.cuda.stream(runner.stream)
+        def __init__(self, s):
+            assert s == "code2wav stream"
+
+        def __enter__(self):
+            on_stream.append(True)
+
+        def __exit__(self, *exc):
+            on_stream.pop()
+
+    monkeypatch.setattr(runners.torch.cuda, "stream", Stream)
+    runner.stream = "code2wav stream"
+    state = runner._streams[0]
+    resets = []
+    monkeypatch.setattr(state, "reset", lambda *a: resets.append(bool(on_stream)))
+    req = request(model, "Hi", slot=0)
+    runner.open(req)
+    runner.push(req, [[1] * 16])
+    runner.flush(req)
+    runner.close(req)
+    assert resets and all(resets)  # open, flush (the stream starts afresh), close

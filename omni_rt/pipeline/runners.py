@@ -655,6 +655,7 @@ class Code2WavRunner:
         _copy_state(state, self._work)
         return wav
 
+    @stage_call  # a reset writes the slot's device state: in stream order with the pushes around it
     def open(self, req: Request) -> None:
         self._streams[req.slot].reset()
 
@@ -668,6 +669,7 @@ class Code2WavRunner:
     def flush(self, req: Request) -> np.ndarray:
         return self._streams[req.slot].flush().float().cpu().numpy()
 
+    @stage_call
     def close(self, req: Request) -> None:
         self._streams[req.slot].reset()
 

@@ -270,6 +270,11 @@ class Session:
         if self._current is not None and not self._current.done.is_set():
             raise InvalidRequestError("a response is already in progress in this session: cancel() it first")
         if self._caches_of is not self.engine.pipeline:  # the engine restarted: its caches are new
+            if self.ids.audio in self.conversation:
+                raise InvalidRequestError(
+                    "this session's spoken turns were encoded into the stopped engine's caches and cannot "
+                    "be prefilled again: open a new session"
+                )
             self._thinker_cached = self._talker_cached = 0
             self._caches_of = self.engine.pipeline
         if (text is None and audio is None) == (input_ids is None):
@@ -299,6 +304,11 @@ class Session:
             if not all(isinstance(t, int | np.integer) and 0 <= t < cfg.thinker.vocab_size for t in new):
                 raise InvalidRequestError(f"input_ids must be token ids in [0, {cfg.thinker.vocab_size})")
             new = [int(t) for t in new]
+            if any(t in (self.ids.audio, self.ids.image, self.ids.video) for t in new):
+                # a clip's encoder output fills these; a verbatim prompt brings none (send audio=...)
+                raise InvalidRequestError(
+                    "input_ids has audio/image/video placeholders with nothing to fill them"
+                )
         if new[-3:] != [self.ids.im_start, self.ids.assistant, self.ids.newline]:
             raise InvalidRequestError(
                 "the prompt must end with the assistant header [<|im_start|>, assistant, \\n] "

@@ -372,3 +372,21 @@ async def test_a_response_the_pipeline_refused_does_not_block_cancel_or_close(mo
         events = await collect(s, "hi")
         assert events[-1].status == "failed" and events[1].error.code == "EngineClosedError"
         await asyncio.wait_for(s.close(), 2.0)  # nothing is running: it used to wait 60 s, then raise
+
+
+async def test_placeholders_with_nothing_to_fill_them_are_refused():
+    ids = CFG.ids
+    clip = (0.3 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000)).astype(np.float32)
+    header = [ids.im_start, ids.assistant, ids.newline]
+    engine = fake_engine(reply_len=4)
+    async with engine:
+        async with engine.session() as s:
+            for mm in (ids.audio, ids.image, ids.video):
+                turn = [ids.im_start, ids.user, ids.newline, ids.audio_start, mm, ids.audio_end, 5]
+                msg = _failed(await collect(s, input_ids=turn + [ids.im_end, ids.newline] + header))
+                assert "placeholder" in msg
+        s = engine.session()
+        assert (await collect(s, audio=clip))[-1].status == "completed"
+    async with engine:  # restarted: the spoken turn's encoded audio is gone with the old caches
+        assert "spoken" in _failed(await collect(s, "and now?"))
+        await s.close()

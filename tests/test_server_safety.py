@@ -493,3 +493,32 @@ async def test_repeated_security_headers_are_refused_not_a_server_error():
         assert await handshake_status(server, [host, origin, auth]) == 101
         for twice in (host, origin, auth):
             assert await handshake_status(server, [host, origin, auth, twice]) == 400, twice
+
+
+async def test_a_client_that_stops_reading_is_dropped_promptly():
+    # Audio as events piles up in front of a client that reads nothing: past the outbox it is
+    # dropped, its work stops, and its slot is free within seconds (the close handshake cannot
+    # complete through a full TCP window, so it is not waited for).
+    engine = FakeEngine(step_s=0.0, frames_per_word=25, reply=" ".join(["w"] * 3000))
+    async with Server(engine, ServerSettings(port=0)) as server:
+        ws = await websockets.connect(url(server), max_queue=1, ping_interval=None)
+        await ws.send(json.dumps(SAY))
+        await ws.send(json.dumps({"type": "response.create"}))
+        await wait_for(lambda: engine.running == 1)
+        await wait_for(lambda: not server.peers and engine.running == 0 and engine.open_sessions == 0, 8)
+        ws.transport.abort()
+        engine.reply, engine.frames_per_word = None, 1
+        await assert_serves(server)
+
+
+async def test_server_close_does_not_wait_for_a_client_that_stopped_reading():
+    engine = FakeEngine(step_s=0.0, frames_per_word=25, reply=" ".join(["w"] * 100))
+    server = Server(engine, ServerSettings(port=0))
+    await server.start()
+    ws = await websockets.connect(url(server), max_queue=1, ping_interval=None)
+    await ws.send(json.dumps(SAY))
+    await ws.send(json.dumps({"type": "response.create"}))
+    await wait_for(lambda: engine.steps == 100)  # all of it made; most of it stuck in front of the client
+    await asyncio.wait_for(server.close(), 4)  # Ctrl-C on `omni-rt serve`
+    assert not server.peers and engine.open_sessions == 0
+    ws.transport.abort()

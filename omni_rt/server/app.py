@@ -30,7 +30,7 @@ from websockets.datastructures import Headers, MultipleValuesError
 from websockets.http11 import Request, Response
 
 from omni_rt.server import protocol
-from omni_rt.server.peer import Peer, PeerSettings, ice_server
+from omni_rt.server.peer import CLOSE_TIMEOUT_S, Peer, PeerSettings, ice_server
 from omni_rt.server.protocol import ProtocolError
 
 log = logging.getLogger("omni_rt.server")
@@ -93,7 +93,14 @@ class Server:
         if self._server is None:
             return
         self._server.close()  # stops accepting, closes every socket: each peer then cleans up
-        await self._server.wait_closed()
+        try:
+            await asyncio.wait_for(self._server.wait_closed(), CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            # websockets' close handshake first waits, without a limit, for the socket to drain: a
+            # client that stopped reading would hold the shutdown until its ping times out. Cut it.
+            for connection in list(self._server.all_connections):
+                connection.transport.abort()
+            await self._server.wait_closed()
         await asyncio.gather(*(p.close() for p in list(self.peers)), return_exceptions=True)
         self._server = None
 

@@ -57,6 +57,7 @@ AUDIO_QUEUE_SIZE = 256  # PCM chunks between the session and the track (a few se
 MAX_CHANNEL_BUFFERED = 8 * 1024 * 1024  # bytes a data channel may hold unsent before the peer is dropped
 SESSION_SAMPLE_RATE = 24000  # what socket clients receive (the model's own rate); the track makes 48 kHz
 KEPT_ITEMS = 64  # assistant items remembered for conversation.item.truncate
+CLOSE_TIMEOUT_S = 2.0  # the close handshake; then the connection is cut
 _END = object()  # end of one response's audio in the audio queue
 
 
@@ -198,9 +199,17 @@ class Peer:
                 await self._session_stack.aclose()
                 self._session_stack = None
                 self.session = None
-            await self.ws.close()
+            await self._close_socket()
         finally:
             self._closed.set()
+
+    async def _close_socket(self, code: int = 1000) -> None:
+        """The close handshake, bounded: websockets' close() first waits for the socket to drain,
+        without a limit, and a client that stops reading never drains it."""
+        try:
+            await asyncio.wait_for(self.ws.close(code), CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            self.ws.transport.abort()
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task:
         task = asyncio.create_task(coro, name=f"{self.session_id} {name}")
@@ -313,7 +322,7 @@ class Peer:
         """Give queued events (the error that explains the close) a moment to leave, then close."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._outbox.join(), 1.0)
-        await self.ws.close(code)
+        await self._close_socket(code)
 
     async def _fail_now(self, exc: ProtocolError, code: int) -> None:
         self._send_socket(json.dumps(protocol.error(exc)))

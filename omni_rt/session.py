@@ -468,9 +468,14 @@ def _speech_features(audio: Any, rate: int):
     if rate != SAMPLE_RATE:
         if rate not in OUTPUT_SAMPLE_RATES:
             raise InvalidRequestError(f"unsupported audio sample rate {rate}; send 16, 24 or 48 kHz PCM")
-        pcm = np.asarray(audio)
+        try:
+            pcm = np.asarray(audio)
+        except (TypeError, ValueError, RuntimeError) as e:  # e.g. a tensor on a GPU
+            raise InvalidRequestError(f"audio must be a numpy array of PCM samples: {e}") from None
         if pcm.dtype == np.int16:
             pcm = pcm.astype(np.float32) / 32768.0
+        elif not np.issubdtype(pcm.dtype, np.floating):  # as log_mel checks 16 kHz input
+            raise InvalidRequestError(f"audio must be float or int16 PCM, got dtype {pcm.dtype}")
         if pcm.ndim != 1:
             raise InvalidRequestError(f"audio must be mono [samples], got shape {pcm.shape}")
         audio = StreamingResampler(rate, SAMPLE_RATE).push(pcm)

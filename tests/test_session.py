@@ -390,3 +390,13 @@ async def test_placeholders_with_nothing_to_fill_them_are_refused():
     async with engine:  # restarted: the spoken turn's encoded audio is gone with the old caches
         assert "spoken" in _failed(await collect(s, "and now?"))
         await s.close()
+
+
+@pytest.mark.parametrize("rate", [24000, 48000])
+async def test_resampled_speech_input_is_checked_like_16khz_input(rate):
+    # int32 PCM was resampled unscaled (full-scale garbage), strings escaped as a ValueError
+    async with fake_engine(reply_len=3) as engine, engine.session() as s:
+        for clip in (np.zeros(rate, np.int32), np.array(["a"] * rate), np.zeros(rate, np.complex64)):
+            assert "float or int16" in _failed(await collect(s, audio=clip, audio_sample_rate=rate))
+        ok = await collect(s, audio=np.zeros(rate, np.int16), audio_sample_rate=rate)
+        assert ok[-1].status == "completed"

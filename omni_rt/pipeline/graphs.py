@@ -19,7 +19,7 @@ owns a slot (or point the static inputs at a scratch slot).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -93,41 +93,3 @@ def capture(
     if not enabled or not static_inputs or static_inputs[0].device.type != "cuda":
         return fn
     return Graphed(fn, static_inputs, warmup=warmup, pool=pool, stream=stream, generators=generators)
-
-
-class GraphBuckets:
-    """One graph per static shape key (batch size, chunk frames), captured on first use, shared pool.
-
-    make_inputs(key) -> static input tensors for that key. With `enabled=False` (or on the CPU) calls
-    run eagerly.
-    """
-
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        make_inputs: Callable[[Hashable], Tensors],
-        *,
-        enabled: bool = True,
-        warmup: int = 2,
-    ) -> None:
-        self.fn = fn
-        self.make_inputs = make_inputs
-        self.enabled = enabled and torch.cuda.is_available()
-        self.warmup = warmup
-        self.pool = GraphPool() if self.enabled else None
-        self.graphs: dict[Hashable, Callable[..., Any]] = {}
-
-    def __call__(self, key: Hashable, *inputs: torch.Tensor) -> Any:
-        g = self.graphs.get(key)
-        if g is None:
-            if not self.enabled or inputs[0].device.type != "cuda":
-                return self.fn(*inputs)
-            g = capture(self.fn, self.make_inputs(key), warmup=self.warmup, pool=self.pool)
-            self.graphs[key] = g
-        return g(*inputs)
-
-    def capture_all(self, keys: Sequence[Hashable]) -> None:
-        """Capture every bucket up front (at engine start), so no request pays for a capture."""
-        for key in keys:
-            if key not in self.graphs and self.enabled:
-                self.graphs[key] = capture(self.fn, self.make_inputs(key), warmup=self.warmup, pool=self.pool)

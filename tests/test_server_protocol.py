@@ -404,7 +404,7 @@ async def test_a_cancel_that_fails_is_an_error_not_a_lost_connection(served, mon
 
 
 def test_ice_server_urls():
-    from omni_rt.server.peer import ice_server
+    from omni_rt.server.webrtc import ice_server
 
     stun = ice_server("stun:stun.example:3478")
     assert (stun.urls, stun.username, stun.credential) == ("stun:stun.example:3478", None, None)

@@ -373,3 +373,39 @@ async def test_a_bug_in_a_peer_task_closes_that_connection_not_silently():
         async with asyncio.timeout(5):
             while server.peers or engine.open_sessions:
                 await asyncio.sleep(0.02)
+
+
+async def test_negotiation_mistakes_and_a_client_gone_mid_offer():
+    engine = FakeEngine(step_s=0.0, reply="ok")
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            client = Client(ws)
+            await client.connect()
+            # A second offer is refused; the first connection keeps working.
+            offer = {"type": "webrtc.offer", "sdp": client.pc.localDescription.sdp, "event_id": "o2"}
+            await ws.send(json.dumps(offer))
+            error = (await client.until("error"))[-1]  # on the channel, as every event once it is open
+            assert (error["error"]["code"], error["error"]["event_id"]) == ("renegotiation_unsupported", "o2")
+            # A data channel of another name is closed; events stay on "events".
+            other = client.pc.createDataChannel("oai-events")
+            async with asyncio.timeout(5):
+                while other.readyState != "closed":
+                    await asyncio.sleep(0.05)
+            client.say("hi")
+            assert (await client.until("response.done"))[-1]["response"]["status"] == "completed"
+            await client.close()
+
+        # Offers whose client is gone before the answer: nothing is left behind.
+        for _ in range(5):
+            ws = await websockets.connect(f"ws://127.0.0.1:{server.port}/ws")
+            await ws.recv()
+            pc = Client(ws).pc
+            pc.addTransceiver("audio", direction="sendrecv")
+            pc.createDataChannel("events")
+            await pc.setLocalDescription(await pc.createOffer())
+            await ws.send(json.dumps({"type": "webrtc.offer", "sdp": pc.localDescription.sdp}))
+            ws.transport.abort()
+            await pc.close()
+        async with asyncio.timeout(10):
+            while server.peers or engine.open_sessions:
+                await asyncio.sleep(0.05)

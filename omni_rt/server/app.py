@@ -30,8 +30,9 @@ from websockets.datastructures import Headers, MultipleValuesError
 from websockets.http11 import Request, Response
 
 from omni_rt.server import protocol
-from omni_rt.server.peer import CLOSE_TIMEOUT_S, Peer, PeerSettings, ice_server
+from omni_rt.server.peer import CLOSE_TIMEOUT_S, Peer, PeerSettings
 from omni_rt.server.protocol import ProtocolError
+from omni_rt.server.webrtc import ice_server
 
 log = logging.getLogger("omni_rt.server")
 

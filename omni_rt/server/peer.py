@@ -2,8 +2,8 @@
 
 A client opens the WebSocket `/ws`. The server opens a Session for it at once and says
 `session.created`. The client may then send `webrtc.offer` to get audio over WebRTC (an outgoing track,
-its microphone heard, and a data channel named `events`), or stay on the socket alone, where audio
-comes as base64 PCM16 in `response.output_audio.delta` events.
+its microphone heard, and a data channel named `events`; the offer/answer rules are `webrtc.py`'s), or
+stay on the socket alone, where audio comes as base64 PCM16 in `response.output_audio.delta` events.
 
 Speech input: microphone frames and `input_audio_buffer.append` audio go to one `InputAudioBuffer`
 (`speech.py`: 16 kHz, server VAD). Its turns become user items and, with server VAD, responses
@@ -26,10 +26,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote
 
 import numpy as np
-from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
+from aiortc import RTCPeerConnection
 from aiortc.mediastreams import MediaStreamError
 
 from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn
@@ -40,7 +39,7 @@ from omni_rt.events import (
     InputAudioBufferSpeechStarted,
     InputAudioBufferSpeechStopped,
 )
-from omni_rt.server import protocol
+from omni_rt.server import protocol, webrtc
 from omni_rt.server.protocol import ProtocolError
 from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, TurnDetection
 from omni_rt.server.track import FRAME_SAMPLES, AudioOutputTrack, Idle
@@ -817,9 +816,7 @@ class Peer:
             raise ProtocolError(
                 "renegotiation_unsupported", "this connection already has WebRTC", event_id=event.event_id
             )
-        config = RTCConfiguration(iceServers=[ice_server(url) for url in self.settings.ice_servers])
-        pc = RTCPeerConnection(configuration=config)
-        self.pc = pc
+        pc = self.pc = webrtc.peer_connection(self.settings.ice_servers)  # set first: close() closes it
         pc.on("datachannel", self._on_datachannel)
         pc.on("track", self._on_remote_track)
 
@@ -829,57 +826,25 @@ class Peer:
                 log.info("peer %s: WebRTC %s", self.session_id, pc.connectionState)
                 self._shutdown()
 
+        track = AudioOutputTrack(
+            idle=self.settings.idle, on_started=self._on_audio_started, on_stopped=self._on_audio_stopped
+        )
         try:
-            await pc.setRemoteDescription(RTCSessionDescription(sdp=event.sdp, type="offer"))
-        except Exception as exc:
+            answer, sends = await webrtc.answer_offer(pc, event.sdp, track)
+        except ValueError as exc:
+            track.stop()
             raise ProtocolError(
-                "invalid_sdp",
-                f"the offer could not be used: {exc}",
-                param="sdp",
-                event_id=event.event_id,
-                fatal=True,
+                "invalid_sdp", str(exc), param="sdp", event_id=event.event_id, fatal=True
             ) from None
-        kinds = {t.kind for t in pc.getTransceivers()}
-        has_channel = "m=application" in event.sdp
-        if "audio" not in kinds and not has_channel:
-            raise ProtocolError(
-                "invalid_sdp",
-                "the offer has no audio and no data channel",
-                param="sdp",
-                event_id=event.event_id,
-                fatal=True,
-            )
-        for transceiver in pc.getTransceivers():
-            if transceiver.kind != "audio":
-                # No use for video: declined in the answer, so the client sends none to decode.
-                transceiver.direction = "inactive"
-        if "audio" in kinds:
-            # Added after setRemoteDescription and before createAnswer, so that it rides the offer's
-            # audio transceiver even when the browser only receives (no microphone).
-            self.track = AudioOutputTrack(
-                idle=self.settings.idle, on_started=self._on_audio_started, on_stopped=self._on_audio_stopped
-            )
-            pc.addTrack(self.track)
-        try:
-            answer = await pc.createAnswer()
-            await pc.setLocalDescription(answer)
-        except Exception as exc:
-            raise ProtocolError(
-                "invalid_sdp",
-                f"no answer to this offer: {exc}",
-                param="sdp",
-                event_id=event.event_id,
-                fatal=True,
-            ) from None
-        if self.track is not None and not _sends(pc, self.track):
-            # The offer's audio is send-only (a microphone, nothing to play): nobody will read the
+        if sends:
+            self.track = track
+            self._spawn(self._feed_track(track), "track feeder")
+        else:
+            # No audio, or send-only audio (a microphone, nothing to play): nobody would read the
             # track, so the reply's audio goes as events instead of piling up in front of it.
-            self.track.stop()
-            self.track = None
-        if self.track is not None:
-            self._spawn(self._feed_track(self.track), "track feeder")
+            track.stop()
         # Signaling always goes on the socket: the data channel does not exist until this answer lands.
-        self._send_socket(json.dumps(protocol.webrtc_answer(pc.localDescription.sdp)))
+        self._send_socket(json.dumps(protocol.webrtc_answer(answer)))
 
     def _on_datachannel(self, channel: Any) -> None:
         if channel.label != "events" or self.channel is not None:
@@ -922,26 +887,6 @@ class Peer:
 
     def _on_audio_stopped(self, response_id: str) -> None:
         self.send(protocol.output_audio_buffer("stopped", response_id))
-
-
-def ice_server(url: str) -> RTCIceServer:
-    """`stun:host:port`, or `turn:USER:PASSWORD@host:port[?transport=udp]` with its credentials inline."""
-    scheme, sep, rest = url.partition(":")
-    if not sep or scheme not in ("stun", "stuns", "turn", "turns"):
-        raise ValueError(f"not a STUN/TURN URL: {url!r}")
-    if "@" not in rest:
-        return RTCIceServer(urls=url)
-    credentials, _, address = rest.rpartition("@")
-    username, _, password = credentials.partition(":")
-    return RTCIceServer(urls=f"{scheme}:{address}", username=unquote(username), credential=unquote(password))
-
-
-def _sends(pc: RTCPeerConnection, track: AudioOutputTrack) -> bool:
-    """Whether the answer lets `track` be sent (its transceiver's direction includes send)."""
-    for transceiver in pc.getTransceivers():
-        if transceiver.sender.track is track:
-            return transceiver.currentDirection in ("sendrecv", "sendonly")
-    return False
 
 
 def _session_error(ev: Any) -> ProtocolError:

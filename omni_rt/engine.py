@@ -76,6 +76,7 @@ class Engine:
         self.name = name
         self._stages = stages
         self._pipeline: Pipeline | None = None
+        self._lifecycle = asyncio.Lock()  # start and stop run one at a time, in the order called
         self._free_slots = list(range(self.settings.max_sessions))
 
     # -- loading ---------------------------------------------------------------------------------------
@@ -156,19 +157,21 @@ class Engine:
         return self._pipeline is not None and self._pipeline.running
 
     async def start(self) -> None:
-        if self.running:
-            return
-        # building runners allocates the caches: off the event loop
-        thinker, talker, code2wav = await asyncio.to_thread(self._stages, self.settings)
-        self._pipeline = Pipeline(thinker, talker, code2wav, self.settings, self.cfg.ids)
-        self._pipeline.start()
+        async with self._lifecycle:
+            if self.running:
+                return
+            # building runners allocates the caches: off the event loop
+            thinker, talker, code2wav = await asyncio.to_thread(self._stages, self.settings)
+            self._pipeline = Pipeline(thinker, talker, code2wav, self.settings, self.cfg.ids)
+            self._pipeline.start()
 
     async def stop(self) -> None:
         """Stop the stage threads (in-flight responses end failed) and drop the caches."""
-        p, self._pipeline = self._pipeline, None
-        if p is not None:
-            await asyncio.to_thread(p.stop)
-            p.thinker = p.talker = p.code2wav = None  # the runners hold the caches
+        async with self._lifecycle:
+            p, self._pipeline = self._pipeline, None
+            if p is not None:
+                await asyncio.to_thread(p.stop)
+                p.thinker = p.talker = p.code2wav = None  # the runners hold the caches
 
     async def __aenter__(self) -> Engine:
         await self.start()

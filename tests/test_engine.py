@@ -419,3 +419,13 @@ def test_load_rejects_bad_settings_with_a_config_error(kw, match):
 def test_load_applies_overrides_over_given_settings():
     e = omni_rt.Engine.load("tiny", settings=omni_rt.EngineSettings(max_context=64), max_sessions=2)
     assert (e.settings.max_context, e.settings.max_sessions) == (64, 2)
+
+
+async def test_concurrent_start_and_stop_leave_one_pipeline_then_none(engine):
+    # two start() calls racing (a lifespan hook and a lazy start) built two pipelines: one was orphaned,
+    # its threads and caches never stopped
+    await asyncio.gather(engine.start(), engine.start())
+    assert sum(t.name == "omni-rt-thinker" for t in threading.enumerate()) == 1
+    await asyncio.gather(engine.stop(), engine.start())  # a stop and a start: in the order called
+    await engine.stop()
+    assert not [t for t in threading.enumerate() if t.name.startswith("omni-rt-")]

@@ -277,3 +277,46 @@ async def test_page_recovers_from_refusals_reconnects_cleanly_and_works_by_keybo
             assert errors == []
         finally:
             await browser.close()
+
+
+async def test_page_mic_toggle_races_and_a_refused_voice_change():
+    engine = FakeEngine(step_s=0.05, frames_per_word=3, reply=" ".join(["la"] * 200))
+    async with Server(engine, ServerSettings(port=0)) as server, playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = await browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            await page.goto(server.url, timeout=15_000)
+            await page.click("#connect")
+            await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
+
+            # On and off before the microphone opened: it must end off, not live behind an unchecked box.
+            await page.evaluate(
+                "() => { const mic = document.getElementById('mic'); mic.click(); mic.click(); }"
+            )
+            await asyncio.sleep(1.0)
+            assert await page.evaluate("document.getElementById('mic').checked") is False
+            assert await page.evaluate("window.omni.state.micStream === null")
+            assert await page.evaluate("window.omni.state.transceiver.sender.track === null")
+            # On, then disconnected before the microphone opened: nothing is left capturing.
+            await page.evaluate(
+                "() => { document.getElementById('mic').click(); document.getElementById('connect').click(); }"
+            )
+            await page.wait_for_selector('body[data-state="idle"]', timeout=10_000)
+            await asyncio.sleep(1.0)
+            assert await page.evaluate("window.omni.state.micStream === null")
+            await page.click("#connect")
+            await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
+
+            # The server refuses a new voice while a reply is in progress: the choice goes back.
+            await page.fill("#text", "talk")
+            await page.press("#text", "Enter")
+            await page.wait_for_function("window.omni.state.response !== null", timeout=10_000)
+            await page.select_option("#voice", "chelsie")
+            await page.wait_for_function("!document.getElementById('toast').hidden", timeout=10_000)
+            await page.wait_for_function("document.getElementById('voice').value === 'ethan'", timeout=5_000)
+            assert engine.sessions[-1].voice == "ethan"
+            assert errors == []
+        finally:
+            await browser.close()

@@ -23,6 +23,7 @@ const state = {
   voice: null,           // the session's voice, as the server last said
   pending: null,         // a request sent, its response not created yet: {t0, eventIds}
   refused: null,         // the event ids of the last request the server refused (its errors toast once)
+  voiceEventId: null,    // the last session.update that asked for a voice
   connected: false,      // WebRTC reached "connected" on this connection
   latencies: [],         // first-audible figures of this page's replies, ms
   doneWaiters: [],
@@ -233,6 +234,7 @@ function onEvent(ev) {
       // An error for the request waiting for its response (a refused item or response.create):
       // nothing is pending any more. The same request's later errors follow from the first.
       const id = ev.error.event_id;
+      if (id && id === state.voiceEventId && state.voice) ui.voice.value = state.voice;  // kept its voice
       if (id && state.refused && state.refused.includes(id)) break;
       if (id && state.pending && state.pending.eventIds && state.pending.eventIds.includes(id)) {
         state.refused = state.pending.eventIds;
@@ -277,28 +279,40 @@ async function speak(text) {
 }
 
 function sendVoice() {
-  send({ type: "session.update", session: { type: "realtime", audio: { output: { voice: ui.voice.value } } } });
+  requests += 1;
+  state.voiceEventId = `voice_${requests}`;
+  const session = { type: "realtime", audio: { output: { voice: ui.voice.value } } };
+  send({ type: "session.update", event_id: state.voiceEventId, session });
 }
 
 // -- microphone ----------------------------------------------------------------------------------------
 
 async function setMic(on) {
-  if (!state.transceiver) return;
+  const transceiver = state.transceiver;
+  if (!transceiver) return;
   if (on) {
+    let stream;
     try {
-      state.micStream = await navigator.mediaDevices.getUserMedia({
+      stream = await navigator.mediaDevices.getUserMedia({
         audio: { echoCancellation: true, noiseSuppression: true, autoGainControl: true },
       });
     } catch (err) {
       ui.mic.checked = false;
       return toast(`Microphone unavailable: ${err.message}`);
     }
-    await state.transceiver.sender.replaceTrack(state.micStream.getAudioTracks()[0]);
+    // Switched off again, or disconnected, while the browser opened it: close it, never leave it live.
+    if (!ui.mic.checked || state.transceiver !== transceiver) {
+      stream.getTracks().forEach((t) => t.stop());
+      return;
+    }
+    if (state.micStream) state.micStream.getTracks().forEach((t) => t.stop());
+    state.micStream = stream;
+    await transceiver.sender.replaceTrack(stream.getAudioTracks()[0]);
     setListen(state.speaking ? "speaking" : "listening");
   } else {
-    await state.transceiver.sender.replaceTrack(null);
     if (state.micStream) state.micStream.getTracks().forEach((t) => t.stop());
     state.micStream = null;
+    await transceiver.sender.replaceTrack(null);
     setListen("off");
   }
 }

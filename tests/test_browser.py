@@ -317,6 +317,14 @@ async def test_page_mic_toggle_races_and_a_refused_voice_change():
             await page.wait_for_function("!document.getElementById('toast').hidden", timeout=10_000)
             await page.wait_for_function("document.getElementById('voice').value === 'ethan'", timeout=5_000)
             assert engine.sessions[-1].voice == "ethan"
+
+            # The connection drops while the user types: the keyboard focus is not lost with the
+            # disabled message box; it moves to the Connect button.
+            await page.focus("#text")
+            (peer,) = server.peers
+            peer.ws.transport.abort()
+            await page.wait_for_selector('body[data-state="error"]', timeout=10_000)
+            assert await page.evaluate("document.activeElement.id") == "connect"
             assert errors == []
         finally:
             await browser.close()

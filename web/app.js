@@ -132,10 +132,12 @@ function teardown(message) {
   state.doneWaiters.splice(0).forEach((w) => w());
   ui.mic.checked = false;
   setListen("off");
+  const hadFocus = [ui.text, ui.speak, ui.stop, ui.mic].includes(document.activeElement);
   ui.text.disabled = ui.speak.disabled = ui.mic.disabled = true;
   ui.text.placeholder = "Connect first…";
   ui.connect.disabled = false;
   ui.connect.textContent = "Connect";
+  if (hadFocus) ui.connect.focus();  // a disabled control drops the keyboard focus to the page
   setSpeaking(false);
   setStatus(message.startsWith("Not") ? "idle" : "error", message);
 }

@@ -331,6 +331,38 @@ async def test_microphone_turn_over_webrtc_gets_a_spoken_reply():
         assert peer.input_audio_frames > 50 and client.frames  # the reply came back on the track
 
 
+async def test_a_turn_that_ends_while_the_voice_changes_is_answered_in_the_new_voice(monkeypatch):
+    # A new voice reopens the session; the microphone keeps being heard meanwhile. A turn that ends
+    # then waits for the new session rather than going to the one being closed.
+    from server_fakes import FakeSession
+
+    engine = FakeEngine(step_s=0.0, reply="ok")
+    voices: list[str] = []
+    respond, opened = FakeSession.respond, FakeEngine.session
+
+    def recording_respond(self, *args, **kwargs):
+        voices.append(self.voice)
+        return respond(self, *args, **kwargs)
+
+    @contextlib.asynccontextmanager
+    async def slow_session(self, **kwargs):
+        if kwargs.get("voice") == "chelsie":
+            await asyncio.sleep(2.5)  # the engine is busy; the turn ends meanwhile
+        async with opened(self, **kwargs) as session:
+            yield session
+
+    monkeypatch.setattr(FakeSession, "respond", recording_respond)
+    monkeypatch.setattr(FakeEngine, "session", slow_session)
+    async with Server(engine, ServerSettings(port=0)) as server, with_mic(server) as (client, mic):
+        mic.play(spoken_turn(48000, lead_s=0.3))
+        client.send({"type": "session.update", "session": {"audio": {"output": {"voice": "chelsie"}}}})
+        events = await client.until("input_audio_buffer.committed", "session.updated", "response.done")
+        t = types(events)
+        assert t.index("input_audio_buffer.committed") < t.index("session.updated")  # it did end meanwhile
+        assert events[-1]["type"] == "response.done" and events[-1]["response"]["status"] == "completed"
+        assert voices == ["chelsie"]
+
+
 @pytest.fixture
 def taken_frames(monkeypatch) -> tuple[list[tuple[float, str | None]], list[float]]:
     """(time, response id) of each frame the server's track sends, and the times of its clear()."""

@@ -396,7 +396,9 @@ class Peer:
             self.voice = voice or self.voice
             self.instructions = instructions if instructions is not None else self.instructions
             # A Session's voice and system prompt are fixed when it opens: open a fresh one (the
-            # conversation starts over, as it would with a new system prompt anyway).
+            # conversation starts over, as it would with a new system prompt anyway). Meanwhile
+            # there is no session: a spoken turn that ends now waits for the new one.
+            self.session = None
             if self._session_stack is not None:
                 await self._session_stack.aclose()
                 self._session_stack = None
@@ -407,6 +409,8 @@ class Peer:
                     "session_unavailable", str(exc), type="server_error", event_id=event.event_id, fatal=True
                 ) from None
         self.send(protocol.session_updated(self._session_object()))
+        if self._respond_when_idle and self._response is None:
+            self._start_response(self._max_tokens(), list(self.output_modalities))
 
     def _on_item_create(self, event: protocol.ConversationItemCreate) -> None:
         item = event.item
@@ -599,9 +603,9 @@ class Peer:
                     self.send(protocol.error(exc))
                     continue
                 if detection is not None and detection.create_response:
-                    if self._response is None:
+                    if self._response is None and self.session is not None:
                         self._start_response(self._max_tokens(), list(self.output_modalities))
-                    else:  # still stopping (or not interrupted): answer when it has ended
+                    else:  # still stopping (or not interrupted), or a new voice: answer when ready
                         self._respond_when_idle = True
 
     def _on_audio_commit(self, event: protocol.InputAudioBufferCommit) -> None:

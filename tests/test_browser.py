@@ -328,3 +328,30 @@ async def test_page_mic_toggle_races_and_a_refused_voice_change():
             assert errors == []
         finally:
             await browser.close()
+
+
+async def test_reply_after_reply_stays_prompt():
+    # Replies a second or so apart, as in a conversation. With a track that sends nothing between
+    # replies and contiguous timestamps, Chromium's jitter buffer takes each gap for network delay and
+    # grows its target: the third reply was heard ~0.8 s after it left (the first two in ~25 ms).
+    engine = FakeEngine(step_s=0.01, frames_per_word=3, reply="a b c d e f g h")
+    async with Server(engine, ServerSettings(port=0)) as server, playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = await browser.new_page()
+            await page.goto(server.url, timeout=15_000)
+            await page.click("#connect")
+            await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
+            for i in range(4):
+                await page.evaluate("delete document.body.dataset.audible")
+                stopped = await page.evaluate("window.omni.events.filter(e => e.endsWith('.stopped')).length")
+                await page.fill("#text", f"reply {i}")
+                await page.press("#text", "Enter")
+                await page.wait_for_function(
+                    f"window.omni.events.filter(e => e.endsWith('.stopped')).length > {stopped}", timeout=20_000
+                )
+                await asyncio.sleep(1.2)  # the user thinks, then asks again
+            latencies = await page.evaluate("window.omni.latencies")
+            assert len(latencies) == 4 and max(latencies) < 400, latencies
+        finally:
+            await browser.close()

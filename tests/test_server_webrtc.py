@@ -203,7 +203,9 @@ def tiny():
 async def test_tiny_engine_reply_over_webrtc(tiny, sent_frames):
     """The done-when test on the real engine: audio duration, pts, pacing and metrics end to end."""
     engine = RecordingEngine(tiny)
-    settings = ServerSettings(port=0, peer=PeerSettings(max_output_tokens=16, max_audio_frames=20))
+    # idle="nothing": only the reply's frames go out, so they are what is counted and paced here.
+    peer = PeerSettings(max_output_tokens=16, max_audio_frames=20, idle="nothing")
+    settings = ServerSettings(port=0, peer=peer)
     async with tiny, Server(engine, settings) as server:
         async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
             client = Client(ws)

@@ -18,7 +18,8 @@ const AUDIBLE_PEAK = 0.02;
 const state = {
   ws: null, pc: null, dc: null, transceiver: null, micStream: null,
   audioCtx: null, source: null, analyser: null, samples: null,
-  response: null,        // {id, bubble, t0, firstAudibleMs}
+  response: null,        // {id, bubble}
+  audible: null,         // the reply whose first sound is awaited: {t0}; it may outlast response.done
   speaking: false,       // the track is playing a reply (it may outlast response.done)
   voice: null,           // the session's voice, as the server last said
   pending: null,         // a request sent, its response not created yet: {t0, eventIds}
@@ -128,7 +129,7 @@ function teardown(message) {
   if (micStream) micStream.getTracks().forEach((t) => t.stop());
   if (response) endBubble(response.bubble, "incomplete");  // the reply was cut by the disconnect
   detachRemote();
-  state.response = state.pending = null;
+  state.response = state.pending = state.audible = null;
   state.doneWaiters.splice(0).forEach((w) => w());
   ui.mic.checked = false;
   setListen("off");
@@ -182,7 +183,8 @@ function onEvent(ev) {
     case "response.created": {
       const t0 = state.pending ? state.pending.t0 : performance.now();
       state.pending = null;
-      state.response = { id: ev.response.id, t0, firstAudibleMs: null, bubble: addBubble("assistant", "") };
+      state.response = { id: ev.response.id, bubble: addBubble("assistant", "") };
+      state.audible = { t0 };
       state.response.bubble.classList.add("streaming");
       updateStop();
       break;
@@ -215,6 +217,7 @@ function onEvent(ev) {
       // The server dropped the reply's unplayed audio (barge-in, stop): the ~100 ms the browser's
       // jitter buffer still holds is muted too, so the cut is heard at once.
       ui.player.muted = true;
+      state.audible = null;  // what is still heard of it is not a first sound
       window.omni.cuts += 1;
       setSpeaking(false);
       if (state.listen === "speaking") setListen("listening");
@@ -336,11 +339,12 @@ setInterval(() => {
   state.analyser.getFloatTimeDomainData(state.samples);
   let peak = 0;
   for (const v of state.samples) peak = Math.max(peak, Math.abs(v));
-  const r = state.response;
-  if (r && r.firstAudibleMs === null && peak > AUDIBLE_PEAK) {
-    r.firstAudibleMs = performance.now() - r.t0;
-    state.latencies.push(r.firstAudibleMs);
-    ui.audible.textContent = fmt(r.firstAudibleMs);
+  // Measured until the reply is heard, not until response.done: its audio may be heard after that.
+  if (state.audible && peak > AUDIBLE_PEAK) {
+    const ms = performance.now() - state.audible.t0;
+    state.audible = null;
+    state.latencies.push(ms);
+    ui.audible.textContent = fmt(ms);
     ui.median.textContent = fmt(median(state.latencies));
     ui.count.textContent = state.latencies.length;
     document.body.dataset.audible = "true";

@@ -292,8 +292,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--idle",
         choices=("nothing", "silence"),
-        default="nothing",
-        help="what the audio track sends between replies (default: nothing, the lowest latency)",
+        default="silence",
+        help="what the audio track sends between replies (default: silence; nothing makes Chromium's "
+        "jitter buffer grow when replies come less than ~3 s apart)",
     )
     args = p.parse_args(argv)
     if args.max_sessions < 1:

@@ -68,7 +68,7 @@ class PeerSettings:
     voice: str = "ethan"
     instructions: str | None = None
     ice_servers: Sequence[str] = ()
-    idle: Idle = "nothing"
+    idle: Idle = "silence"  # see AudioOutputTrack: "nothing" grows the browser's jitter buffer
     max_message_bytes: int = protocol.MAX_MESSAGE_BYTES
     max_output_tokens: int = 1024  # a client may ask for fewer, never more
     # The Talker stops at its end-of-speech code; this caps a reply that never gets there (random

@@ -60,9 +60,12 @@ def _make_resampler(in_rate: int) -> StreamResampler | None:
 class AudioOutputTrack(MediaStreamTrack):
     """One outgoing mono audio track. Feed it with `write()`; end each response with `end_response()`.
 
-    `idle="nothing"` sends no packets while there is nothing to say (the browser's jitter buffer then
-    starts each reply nearly empty: lowest latency); `idle="silence"` keeps a continuous stream of silent
-    frames, which some relays and recorders want.
+    `idle="silence"` keeps a continuous stream of silent frames between replies (what the server
+    uses). `idle="nothing"` sends no packets then: the first reply is heard ~40 ms sooner, but `pts` runs
+    on across the gap, so Chromium's jitter buffer (NetEq) counts a gap of under ~3 s as network delay
+    and raises its target by about that much (measured: the third of replies 1.2 s apart was heard
+    ~0.7 s late; `tests/test_browser.py`). Advancing `pts` over the gap instead makes NetEq conceal the
+    gap as loss, which is worse. Without DTX (aiortc has none) silence is what keeps playout prompt.
 
     `on_started(response_id)` is called when the first frame of a response goes out and
     `on_stopped(response_id)` when its last frame has gone out. They run inside `recv()`, so they must

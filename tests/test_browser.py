@@ -348,7 +348,8 @@ async def test_reply_after_reply_stays_prompt():
                 await page.fill("#text", f"reply {i}")
                 await page.press("#text", "Enter")
                 await page.wait_for_function(
-                    f"window.omni.events.filter(e => e.endsWith('.stopped')).length > {stopped}", timeout=20_000
+                    f"window.omni.events.filter(e => e.endsWith('.stopped')).length > {stopped}",
+                    timeout=20_000,
                 )
                 await asyncio.sleep(1.2)  # the user thinks, then asks again
             latencies = await page.evaluate("window.omni.latencies")

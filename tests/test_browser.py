@@ -1,6 +1,7 @@
 """The demo page in real headless Chromium (Debian's, driven by Playwright; no browser download)."""
 
 import asyncio
+import contextlib
 import os
 import shutil
 import wave
@@ -33,6 +34,23 @@ CHROMIUM_ARGS = [
 ]
 
 pytestmark = pytest.mark.skipif(not shutil.which(CHROMIUM), reason=f"no Chromium at {CHROMIUM}")
+
+
+@contextlib.asynccontextmanager
+async def open_page(server: Server, args: list[str] = CHROMIUM_ARGS):
+    """Chromium on the server's page, connected; yields the page and the errors it throws."""
+    async with playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        try:
+            page = await browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            await page.goto(server.url, timeout=15_000)
+            await page.click("#connect")
+            await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
+            yield page, errors
+        finally:
+            await browser.close()
 
 
 async def test_page_connects_speaks_and_measures_latency():
@@ -116,42 +134,32 @@ async def test_page_answers_speech_and_cuts_playback_on_barge_in(tmp_path):
     # still generating when turn two comes (5 s), so the barge-in cancels it rather than cutting playout
     engine = FakeEngine(step_s=0.05, frames_per_word=3, reply=" ".join(["la"] * 100))
     args = [*CHROMIUM_ARGS, f"--use-file-for-fake-audio-capture={wav}%noloop"]
-    async with Server(engine, ServerSettings(port=0)) as server, playwright_api.async_playwright() as pw:
-        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
-        try:
-            page = await browser.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            await page.goto(server.url, timeout=15_000)
-            await page.click("#connect")
-            await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
-            assert await page.text_content("#listen") == "mic off"
-            await page.click("label.switch")  # the file starts playing when capture starts
-            await page.wait_for_selector('body[data-listen="speech"]', timeout=10_000)
-            assert await page.text_content("#listen") == "speech detected"
-            await page.wait_for_selector('body[data-listen="speaking"]', timeout=10_000)
-            await page.wait_for_selector('body[data-audible="true"]', timeout=10_000)  # the reply is heard
-            # "thinking" lasts as long as the first audio takes (a few ms here): read the history
-            listens = await page.evaluate("window.omni.listens")
-            assert listens[:4] == ["listening", "speech", "thinking", "speaking"]
-            # Turn two interrupts: the server cuts and cancels the reply, the page mutes what it holds.
-            await page.wait_for_function("window.omni.cuts >= 1", timeout=10_000)
-            await page.wait_for_selector('.msg.assistant[data-status="cancelled"]', timeout=10_000)
-            events = await page.evaluate("window.omni.events")
-            first_cut = events.index("output_audio_buffer.cleared")
-            assert (
-                "input_audio_buffer.speech_started"
-                in events[events.index("output_audio_buffer.started") : first_cut]
-            )
-            assert await page.locator(".msg.user.spoken").count() >= 1
-            assert len(engine.audio_requests) >= 1 and engine.audio_requests[0][1] == 16000
-            turn_s = len(engine.audio_requests[0][0]) / 16000
-            assert 1.2 < turn_s < 2.5  # prefix + the 1 s turn + the silence window
-            assert errors == []
-            OUT.mkdir(exist_ok=True)
-            await page.screenshot(path=str(OUT / "browser-speech.png"))
-        finally:
-            await browser.close()
+    async with Server(engine, ServerSettings(port=0)) as server, open_page(server, args) as (page, errors):
+        assert await page.text_content("#listen") == "mic off"
+        await page.click("label.switch")  # the file starts playing when capture starts
+        await page.wait_for_selector('body[data-listen="speech"]', timeout=10_000)
+        assert await page.text_content("#listen") == "speech detected"
+        await page.wait_for_selector('body[data-listen="speaking"]', timeout=10_000)
+        await page.wait_for_selector('body[data-audible="true"]', timeout=10_000)  # the reply is heard
+        # "thinking" lasts as long as the first audio takes (a few ms here): read the history
+        listens = await page.evaluate("window.omni.listens")
+        assert listens[:4] == ["listening", "speech", "thinking", "speaking"]
+        # Turn two interrupts: the server cuts and cancels the reply, the page mutes what it holds.
+        await page.wait_for_function("window.omni.cuts >= 1", timeout=10_000)
+        await page.wait_for_selector('.msg.assistant[data-status="cancelled"]', timeout=10_000)
+        events = await page.evaluate("window.omni.events")
+        first_cut = events.index("output_audio_buffer.cleared")
+        assert (
+            "input_audio_buffer.speech_started"
+            in events[events.index("output_audio_buffer.started") : first_cut]
+        )
+        assert await page.locator(".msg.user.spoken").count() >= 1
+        assert len(engine.audio_requests) >= 1 and engine.audio_requests[0][1] == 16000
+        turn_s = len(engine.audio_requests[0][0]) / 16000
+        assert 1.2 < turn_s < 2.5  # prefix + the 1 s turn + the silence window
+        assert errors == []
+        OUT.mkdir(exist_ok=True)
+        await page.screenshot(path=str(OUT / "browser-speech.png"))
 
 
 @pytest.fixture(scope="module")
@@ -218,116 +226,93 @@ async def test_page_recovers_from_refusals_reconnects_cleanly_and_works_by_keybo
     engine = FakeEngine(step_s=0.05, frames_per_word=3, reply="one two three four five six")
     # The server refuses long messages (pending_input_full), so the page sees a refused request.
     settings = ServerSettings(port=0, peer=PeerSettings(max_pending_text_chars=20))
-    async with Server(engine, settings) as server, playwright_api.async_playwright() as pw:
-        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        try:
-            page = await browser.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            await page.goto(server.url, timeout=15_000)
-            # Named controls; the connection state is announced.
-            assert await page.get_by_role("textbox", name="Message").count() == 1
-            assert await page.get_by_role("status").text_content() == "Not connected"
-            await page.click("#connect")
-            await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
+    async with Server(engine, settings) as server, open_page(server) as (page, errors):
+        # Named controls; the connection state is announced.
+        assert await page.get_by_role("textbox", name="Message").count() == 1
+        assert await page.get_by_role("status").text_content() == "Connected"
 
-            # A network drop shows (WebRTC "disconnected": ICE consent lost), and so does the way back.
-            flip = """state => { const pc = window.omni.state.pc;
-                Object.defineProperty(pc, "connectionState", {get: () => state, configurable: true});
-                pc.dispatchEvent(new Event("connectionstatechange")); }"""
-            await page.evaluate(flip, "disconnected")
-            assert await page.get_by_role("status").text_content() == "Connection interrupted…"
-            await page.evaluate(flip, "connected")
-            assert await page.get_by_role("status").text_content() == "Connected"
+        # A network drop shows (WebRTC "disconnected": ICE consent lost), and so does the way back.
+        flip = """state => { const pc = window.omni.state.pc;
+            Object.defineProperty(pc, "connectionState", {get: () => state, configurable: true});
+            pc.dispatchEvent(new Event("connectionstatechange")); }"""
+        await page.evaluate(flip, "disconnected")
+        assert await page.get_by_role("status").text_content() == "Connection interrupted…"
+        await page.evaluate(flip, "connected")
+        assert await page.get_by_role("status").text_content() == "Connected"
 
-            # A refused request (an error for it, no response) leaves nothing pending: the next
-            # message is sent at once, with no stray response.cancel and no 2 s wait.
-            await page.fill("#text", "x" * 40)
-            await page.press("#text", "Enter")
-            await page.wait_for_function("!document.getElementById('toast').hidden", timeout=10_000)
-            await page.wait_for_function("window.omni.state.pending === null", timeout=5_000)
-            await page.fill("#text", "hi")
-            await page.press("#text", "Enter")
-            await page.wait_for_selector('body[data-audible="true"]', timeout=20_000)
-            await page.wait_for_function("window.omni.events.includes('response.done')", timeout=20_000)
-            assert engine.requests == ["hi"]
+        # A refused request (an error for it, no response) leaves nothing pending: the next
+        # message is sent at once, with no stray response.cancel and no 2 s wait.
+        await page.fill("#text", "x" * 40)
+        await page.press("#text", "Enter")
+        await page.wait_for_function("!document.getElementById('toast').hidden", timeout=10_000)
+        await page.wait_for_function("window.omni.state.pending === null", timeout=5_000)
+        await page.fill("#text", "hi")
+        await page.press("#text", "Enter")
+        await page.wait_for_selector('body[data-audible="true"]', timeout=20_000)
+        await page.wait_for_function("window.omni.events.includes('response.done')", timeout=20_000)
+        assert engine.requests == ["hi"]
 
-            # Keyboard: the microphone switch shows where the focus is.
-            await page.focus("#mic")
-            await page.keyboard.press("Shift+Tab")
-            await page.keyboard.press("Tab")
-            outline = await page.eval_on_selector(".switch .slider", "e => getComputedStyle(e).outlineStyle")
-            assert outline != "none"
+        # Keyboard: the microphone switch shows where the focus is.
+        await page.focus("#mic")
+        await page.keyboard.press("Shift+Tab")
+        await page.keyboard.press("Tab")
+        outline = await page.eval_on_selector(".switch .slider", "e => getComputedStyle(e).outlineStyle")
+        assert outline != "none"
 
-            # Disconnect mid-reply: the old connection's audio graph and streaming bubble are let go.
-            await page.fill("#text", "again")
-            await page.press("#text", "Enter")
-            await page.wait_for_function("window.omni.state.response !== null", timeout=10_000)
-            await page.click("#connect")  # now "Disconnect"
-            await page.wait_for_selector('body[data-state="idle"]', timeout=10_000)
-            assert await page.evaluate("window.omni.state.analyser === null")
-            assert await page.locator(".msg.streaming").count() == 0
-            # And a new connection works as the first did.
-            await page.click("#connect")
-            await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
-            await page.evaluate("delete document.body.dataset.audible")
-            await page.fill("#text", "third")
-            await page.press("#text", "Enter")
-            await page.wait_for_selector('body[data-audible="true"]', timeout=20_000)
-            assert errors == []
-        finally:
-            await browser.close()
+        # Disconnect mid-reply: the old connection's audio graph and streaming bubble are let go.
+        await page.fill("#text", "again")
+        await page.press("#text", "Enter")
+        await page.wait_for_function("window.omni.state.response !== null", timeout=10_000)
+        await page.click("#connect")  # now "Disconnect"
+        await page.wait_for_selector('body[data-state="idle"]', timeout=10_000)
+        assert await page.evaluate("window.omni.state.analyser === null")
+        assert await page.locator(".msg.streaming").count() == 0
+        # And a new connection works as the first did.
+        await page.click("#connect")
+        await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
+        await page.evaluate("delete document.body.dataset.audible")
+        await page.fill("#text", "third")
+        await page.press("#text", "Enter")
+        await page.wait_for_selector('body[data-audible="true"]', timeout=20_000)
+        assert errors == []
 
 
 async def test_page_mic_toggle_races_and_a_refused_voice_change():
     engine = FakeEngine(step_s=0.05, frames_per_word=3, reply=" ".join(["la"] * 200))
-    async with Server(engine, ServerSettings(port=0)) as server, playwright_api.async_playwright() as pw:
-        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        try:
-            page = await browser.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            await page.goto(server.url, timeout=15_000)
-            await page.click("#connect")
-            await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
+    async with Server(engine, ServerSettings(port=0)) as server, open_page(server) as (page, errors):
+        # On and off before the microphone opened: it must end off, not live behind an unchecked box.
+        await page.evaluate("() => { const mic = document.getElementById('mic'); mic.click(); mic.click(); }")
+        await asyncio.sleep(1.0)
+        assert await page.evaluate("document.getElementById('mic').checked") is False
+        assert await page.evaluate("window.omni.state.micStream === null")
+        assert await page.evaluate("window.omni.state.transceiver.sender.track === null")
+        # On, then disconnected before the microphone opened: nothing is left capturing.
+        await page.evaluate(
+            "() => { document.getElementById('mic').click(); document.getElementById('connect').click(); }"
+        )
+        await page.wait_for_selector('body[data-state="idle"]', timeout=10_000)
+        await asyncio.sleep(1.0)
+        assert await page.evaluate("window.omni.state.micStream === null")
+        await page.click("#connect")
+        await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
 
-            # On and off before the microphone opened: it must end off, not live behind an unchecked box.
-            await page.evaluate(
-                "() => { const mic = document.getElementById('mic'); mic.click(); mic.click(); }"
-            )
-            await asyncio.sleep(1.0)
-            assert await page.evaluate("document.getElementById('mic').checked") is False
-            assert await page.evaluate("window.omni.state.micStream === null")
-            assert await page.evaluate("window.omni.state.transceiver.sender.track === null")
-            # On, then disconnected before the microphone opened: nothing is left capturing.
-            await page.evaluate(
-                "() => { document.getElementById('mic').click(); document.getElementById('connect').click(); }"
-            )
-            await page.wait_for_selector('body[data-state="idle"]', timeout=10_000)
-            await asyncio.sleep(1.0)
-            assert await page.evaluate("window.omni.state.micStream === null")
-            await page.click("#connect")
-            await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
+        # The server refuses a new voice while a reply is in progress: the choice goes back.
+        await page.fill("#text", "talk")
+        await page.press("#text", "Enter")
+        await page.wait_for_function("window.omni.state.response !== null", timeout=10_000)
+        await page.select_option("#voice", "chelsie")
+        await page.wait_for_function("!document.getElementById('toast').hidden", timeout=10_000)
+        await page.wait_for_function("document.getElementById('voice').value === 'ethan'", timeout=5_000)
+        assert engine.sessions[-1].voice == "ethan"
 
-            # The server refuses a new voice while a reply is in progress: the choice goes back.
-            await page.fill("#text", "talk")
-            await page.press("#text", "Enter")
-            await page.wait_for_function("window.omni.state.response !== null", timeout=10_000)
-            await page.select_option("#voice", "chelsie")
-            await page.wait_for_function("!document.getElementById('toast').hidden", timeout=10_000)
-            await page.wait_for_function("document.getElementById('voice').value === 'ethan'", timeout=5_000)
-            assert engine.sessions[-1].voice == "ethan"
-
-            # The connection drops while the user types: the keyboard focus is not lost with the
-            # disabled message box; it moves to the Connect button.
-            await page.focus("#text")
-            (peer,) = server.peers
-            peer.ws.transport.abort()
-            await page.wait_for_selector('body[data-state="error"]', timeout=10_000)
-            assert await page.evaluate("document.activeElement.id") == "connect"
-            assert errors == []
-        finally:
-            await browser.close()
+        # The connection drops while the user types: the keyboard focus is not lost with the
+        # disabled message box; it moves to the Connect button.
+        await page.focus("#text")
+        (peer,) = server.peers
+        peer.ws.transport.abort()
+        await page.wait_for_selector('body[data-state="error"]', timeout=10_000)
+        assert await page.evaluate("document.activeElement.id") == "connect"
+        assert errors == []
 
 
 async def test_reply_after_reply_stays_prompt():
@@ -335,24 +320,17 @@ async def test_reply_after_reply_stays_prompt():
     # replies and contiguous timestamps, Chromium's jitter buffer takes each gap for network delay and
     # grows its target: the third reply was heard ~0.8 s after it left (the first two in ~25 ms).
     engine = FakeEngine(step_s=0.01, frames_per_word=3, reply="a b c d e f g h")
-    async with Server(engine, ServerSettings(port=0)) as server, playwright_api.async_playwright() as pw:
-        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        try:
-            page = await browser.new_page()
-            await page.goto(server.url, timeout=15_000)
-            await page.click("#connect")
-            await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
-            for i in range(4):
-                await page.evaluate("delete document.body.dataset.audible")
-                stopped = await page.evaluate("window.omni.events.filter(e => e.endsWith('.stopped')).length")
-                await page.fill("#text", f"reply {i}")
-                await page.press("#text", "Enter")
-                await page.wait_for_function(
-                    f"window.omni.events.filter(e => e.endsWith('.stopped')).length > {stopped}",
-                    timeout=20_000,
-                )
-                await asyncio.sleep(1.2)  # the user thinks, then asks again
-            latencies = await page.evaluate("window.omni.latencies")
-            assert len(latencies) == 4 and max(latencies) < 400, latencies
-        finally:
-            await browser.close()
+    async with Server(engine, ServerSettings(port=0)) as server, open_page(server) as (page, errors):
+        for i in range(4):
+            await page.evaluate("delete document.body.dataset.audible")
+            stopped = await page.evaluate("window.omni.events.filter(e => e.endsWith('.stopped')).length")
+            await page.fill("#text", f"reply {i}")
+            await page.press("#text", "Enter")
+            await page.wait_for_function(
+                f"window.omni.events.filter(e => e.endsWith('.stopped')).length > {stopped}",
+                timeout=20_000,
+            )
+            await asyncio.sleep(1.2)  # the user thinks, then asks again
+        latencies = await page.evaluate("window.omni.latencies")
+        assert len(latencies) == 4 and max(latencies) < 400, latencies
+        assert errors == []

@@ -473,3 +473,38 @@ def test_input_buffer_downmixes_resamples_and_keeps_time_per_source():
         20,
     )
     assert detection.create_response is False and detection.interrupt_response is True
+
+
+async def test_input_audio_faster_than_real_time_is_limited():
+    # Resampling and VAD run on the event loop that serves every connection: a client may send a
+    # recording in a burst, but not stream audio at hundreds of times real time.
+    peer = PeerSettings(turn_detection=None, max_turn_ms=120_000, max_pending_audio_ms=120_000)
+    settings = ServerSettings(port=0, peer=peer)
+    async with Server(FakeEngine(step_s=0.0), settings) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            await recv(ws)
+            chunk = pcm16_b64(speech_like(2.0, RATE_IN))
+            for i in range(40):  # 80 s of audio, sent in well under a second
+                await ws.send(
+                    json.dumps({"type": "input_audio_buffer.append", "audio": chunk, "event_id": f"a{i}"})
+                )
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            events = await until(ws, "conversation.item.done")
+            errors = [e["error"] for e in events if e["type"] == "error"]
+            assert errors and {e["code"] for e in errors} == {"rate_limited"}
+            await ws.send(json.dumps({"type": "response.create"}))
+            await until(ws, "response.done")
+            ((turn, rate),) = server.engine.audio_requests
+            assert 29 < len(turn) / rate < 40  # the burst (and what came since at 4x), not all 80 s
+
+
+def test_input_rate_allows_a_burst_then_four_times_real_time():
+    from omni_rt.server.speech import InputRate
+
+    now = [0.0]
+    rate = InputRate(burst_ms=1000, speed=4.0, clock=lambda: now[0])
+    assert rate.take(600) and rate.take(400) and not rate.take(20)
+    now[0] += 0.1  # 100 ms later: 400 ms more may come
+    assert rate.take(400) and not rate.take(20)
+    now[0] += 60.0  # a long pause refills the burst, no more
+    assert rate.take(1000) and not rate.take(20)

@@ -41,7 +41,7 @@ from omni_rt.events import (
 )
 from omni_rt.server import protocol, webrtc
 from omni_rt.server.protocol import ProtocolError
-from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, TurnDetection
+from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, InputRate, TurnDetection
 from omni_rt.server.track import FRAME_SAMPLES, AudioOutputTrack, Idle
 from omni_rt.server.track import SAMPLE_RATE as TRACK_RATE
 
@@ -130,6 +130,7 @@ class Peer:
 
         self.turn_detection = settings.turn_detection
         self.input = InputAudioBuffer(self.turn_detection, settings.max_turn_ms)
+        self._input_rate = InputRate()  # appends and microphone frames together
         self._input_item_id: str | None = None  # the user item the turn being spoken will become
         self._input_full_reported = False  # the microphone overran a buffer without VAD: said once
         self._input_failed = False  # speech input hit a bug: the microphone is read and dropped
@@ -550,6 +551,14 @@ class Peer:
 
     def _on_audio_append(self, event: protocol.InputAudioBufferAppend) -> None:
         self.input_audio_frames += 1
+        ms = len(event.audio) * 3 / 4 / 2 * 1000 / protocol.INPUT_SAMPLE_RATE  # before decoding it
+        if not self._input_rate.take(ms):
+            raise ProtocolError(
+                "rate_limited",
+                "input audio is coming faster than 4x real time (after a 30 s burst): it is dropped",
+                param="audio",
+                event_id=event.event_id,
+            )
         try:
             self._on_input_events(self.input.push(event.pcm(), protocol.INPUT_SAMPLE_RATE))
         except ProtocolError as exc:
@@ -558,8 +567,8 @@ class Peer:
 
     def _on_mic_frame(self, frame: Any) -> None:
         """One decoded WebRTC frame (48 kHz stereo s16 from aiortc) into the input buffer."""
-        if self._input_failed:
-            return
+        if self._input_failed or not self._input_rate.take(1000 * frame.samples / frame.sample_rate):
+            return  # a client sending RTP faster than real time: the excess is not heard
         try:
             samples = frame.to_ndarray()  # packed: [1, samples * channels]; planar: [channels, samples]
             channels = len(frame.layout.channels)

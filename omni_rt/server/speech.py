@@ -10,6 +10,7 @@ reading the remote track.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,27 @@ class TurnDetection:
             "create_response": self.create_response,
             "interrupt_response": self.interrupt_response,
         }
+
+
+class InputRate:
+    """How fast a connection's input audio may come: a burst of `burst_ms` (a recording sent at once),
+    then `speed` times real time. Resampling and VAD run on the event loop that serves every
+    connection, so audio sent at hundreds of times real time would take it over."""
+
+    def __init__(self, burst_ms: float = 30_000, speed: float = 4.0, clock: Any = time.monotonic) -> None:
+        self.burst_ms, self.speed, self._clock = burst_ms, speed, clock
+        self._budget_ms = burst_ms
+        self._t = clock()
+
+    def take(self, ms: float) -> bool:
+        """Whether `ms` of audio may come now (and if so, counts it)."""
+        now = self._clock()
+        self._budget_ms = min(self.burst_ms, self._budget_ms + (now - self._t) * 1000 * self.speed)
+        self._t = now
+        if ms > self._budget_ms:
+            return False
+        self._budget_ms -= ms
+        return True
 
 
 class InputAudioBuffer:

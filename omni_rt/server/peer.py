@@ -619,9 +619,8 @@ class Peer:
 
     def _on_audio_commit(self, event: protocol.InputAudioBufferCommit) -> None:
         try:
-            self._commit_turn(
-                self.input.commit()
-            )  # a manual commit adds the turn; response.create answers it
+            # A manual commit adds the turn; response.create answers it.
+            self._commit_turn(self.input.commit())
         except ProtocolError as exc:
             exc.event_id = event.event_id
             raise

@@ -432,7 +432,7 @@ class Peer:
             raise ProtocolError(
                 "pending_input_full",
                 f"at most {self.settings.max_pending_text_chars} characters of user text wait for a "
-                "response: send response.create",
+                f"response ({pending} with this message): send response.create, or a shorter message",
                 event_id=event.event_id,
             )
         item_id = item.id or protocol.new_id("item")

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from omni_rt.engine import Engine
 
 NATIVE_RATE = 24000
+STOP_TIMEOUT_S = 60.0  # the longest a stopping response may take before the pipeline counts as stuck
 _response_ids = itertools.count(1)
 
 
@@ -168,20 +169,13 @@ class Session:
         starting = _Starting()  # until it is submitted: cancel() marks it
         self._starting.add(starting)
         try:
-            last = self._last
-            if last is not None and not last.done.is_set() and not last.cancel_requested:
-                # A caller that broke out of the previous response's loop dropped its iterator; the event
-                # loop closes it (and so cancels the response) in a task it has already scheduled: let it run.
-                for _ in range(3):  # finalizer callback → aclose task → its first step
-                    await asyncio.sleep(0)
-            if last is not None and last.cancel_requested and not last.done.is_set():
-                # a response the caller walked away from is still stopping: let it finish (within a frame),
-                # so this turn builds on the conversation as it ends up
-                await asyncio.wait_for(last.done.wait(), timeout=60.0)
             yield ResponseCreated(response_id=rid)
             try:
                 # features of a spoken turn: signal processing, off the event loop
                 audio = await asyncio.to_thread(_speech_features, *audio) if audio[0] is not None else None
+                # the last await before _build: a previous response that is still stopping can commit
+                # its turn only until here, so this turn builds on the conversation as it ends up
+                await self._settle_last()
                 if starting.cancelled:  # cancel() came while this turn was being prepared
                     yield ResponseDone(response_id=rid, status="cancelled")
                     return
@@ -231,6 +225,21 @@ class Session:
             if self._current is resp:
                 self._current = None
 
+    async def _settle_last(self) -> None:
+        """Wait for a previous response the caller walked away from to stop (within a frame)."""
+        last = self._last
+        if last is not None and not last.done.is_set() and not last.cancel_requested:
+            # A caller that broke out of the previous response's loop dropped its iterator; the event loop
+            # closes it (and so cancels the response) in a task it has already scheduled: let it run. If it
+            # has not run yet, the response is still the current one and _build refuses this turn.
+            for _ in range(3):  # finalizer callback → aclose task → its first step
+                await asyncio.sleep(0)
+        if last is not None and last.cancel_requested and not last.done.is_set():
+            try:
+                await asyncio.wait_for(last.done.wait(), timeout=STOP_TIMEOUT_S)
+            except TimeoutError:
+                raise StageError(f"the previous response did not stop within {STOP_TIMEOUT_S:g} s") from None
+
     async def cancel(self) -> None:
         """Barge-in: stop the current response now (within one codec frame) and keep the session.
 
@@ -244,9 +253,9 @@ class Session:
         resp.cancel_requested = True
         self.engine._pipeline_cancel(resp.req)
         try:
-            await asyncio.wait_for(resp.done.wait(), timeout=60.0)
+            await asyncio.wait_for(resp.done.wait(), timeout=STOP_TIMEOUT_S)
         except TimeoutError:
-            raise StageError("the pipeline did not stop the response within 60 s") from None
+            raise StageError(f"the pipeline did not stop the response within {STOP_TIMEOUT_S:g} s") from None
 
     # -- internals -------------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ checked on the tiny model.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -400,3 +401,53 @@ async def test_resampled_speech_input_is_checked_like_16khz_input(rate):
             assert "float or int16" in _failed(await collect(s, audio=clip, audio_sample_rate=rate))
         ok = await collect(s, audio=np.zeros(rate, np.int16), audio_sample_rate=rate)
         assert ok[-1].status == "completed"
+
+
+async def test_a_stuck_pipeline_is_a_typed_error_for_cancel_and_the_next_respond(monkeypatch):
+    from omni_rt import session as session_module
+
+    monkeypatch.setattr(session_module, "STOP_TIMEOUT_S", 0.2)
+    stuck, entered = threading.Event(), threading.Event()
+    step = FakeTalker.step
+
+    def stuck_step(self, *args):  # the Talker hangs in its steps until released
+        entered.set()
+        stuck.wait(10)
+        return step(self, *args)
+
+    monkeypatch.setattr(FakeTalker, "step", stuck_step)
+    async with fake_engine(reply_len=10_000) as engine, engine.session() as s:
+        try:
+            old = s.respond("Go", max_output_tokens=5000, max_audio_frames=5000)
+            async for ev in old:
+                if ev.type == "response.output_audio.delta":
+                    break  # frame 0 came from the prefill
+            assert await asyncio.to_thread(entered.wait, 5)  # the Talker is stuck in this response's step
+            await old.aclose()  # the caller walks away
+            # the next turn waits for it to stop, then fails (it used to raise a bare TimeoutError)
+            events = await collect(s, "Next")
+            assert types(events) == ["response.created", "error", "response.done"]
+            assert events[1].error.code == "StageError" and events[-1].status == "failed"
+            with pytest.raises(omni_rt.StageError):
+                await s.cancel()
+        finally:
+            stuck.set()
+
+
+async def test_a_dropped_response_closed_late_still_ends_before_the_next_turn_is_built():
+    # the loop may close a dropped iterator only after the next respond() has yielded response.created:
+    # the next turn must still wait for it and build on its turn (it was built on the conversation
+    # before it, and that turn's late commit then overwrote the session's state mid-response)
+    async with fake_engine(reply_len=10_000) as engine, engine.session() as s:
+        old = s.respond("Go", max_output_tokens=5000, max_audio_frames=5000)
+        async for ev in old:
+            if ev.type == "response.output_audio.delta":
+                break
+        new = s.respond("Next", max_output_tokens=3)
+        assert (await new.__anext__()).type == "response.created"
+        await old.aclose()  # the finalizer of the dropped iterator runs only now
+        done = [ev async for ev in new][-1]
+        assert done.status == "completed"
+        go = TOK.chat_prompt([("user", "Go")])
+        assert s.conversation[: len(go)] == go
+        assert done.usage.cached_tokens >= len(go)

@@ -341,10 +341,10 @@ async def test_metrics_time_the_generation_not_the_reader():
         async for ev in s.respond("Hello"):
             events.append(ev)
             if ev.type == "response.output_text.delta" and len(events) == 2:
-                await asyncio.sleep(0.5)  # the pipeline finishes meanwhile
+                await asyncio.sleep(1.5)  # the pipeline finishes meanwhile (well within, even on a busy CPU)
     m = events[-1].metrics
-    assert m.total_ms > 500  # the caller got response.done after its nap
-    assert m.rtf * m.audio_seconds < 0.4  # the pipeline was done long before
+    assert m.total_ms > 1500  # the caller got response.done after its nap
+    assert m.rtf * m.audio_seconds < 1.0  # generation time: the pipeline was done long before
     assert m.audio_seconds == pytest.approx(len(audio(events)) / 24000)
 
 

@@ -179,6 +179,48 @@ def token_agreement(a: Sequence[Sample], b: Sequence[Sample]) -> float | None:
     return sum(fracs) / len(fracs) if fracs else None
 
 
+@torch.no_grad()
+def teacher_forced_agreement(
+    model: Any, prompts: dict[int, list[int]], samples: Sequence[Sample], sampling: Any
+) -> float | None:
+    """Greedy next-token agreement of the plain path with a row's replies, position by position.
+
+    For the first request of each prompt, the model as it stands (the caller removes the kernels first)
+    reads the prompt and the row's reply in one eager forward; at each reply position its greedy choice,
+    after the engine's logits processing (the repetition penalty over all that came before), is compared
+    with the token the row emitted. Averaged over prompts. Unlike the free-running `token_agreement`, a
+    flipped near-tie (random weights' logits are nearly flat: one bf16 ulp decides) costs one position,
+    not every later one: issue 2's per-position measure, applied to the fast path.
+    """
+    from omni_rt.model.offline import StageSampler
+    from omni_rt.model.sampling import sample_next
+
+    thinker = model.thinker
+    dev = thinker.lm_head.weight.device
+    fracs = []
+    for s in {s.prompt_len: s for s in reversed(samples)}.values():
+        prompt, reply = prompts.get(s.prompt_len), s.token_ids
+        if prompt is None or not reply:
+            continue
+        ids = torch.tensor(prompt + reply[:-1], device=dev)[None]  # [1, T]
+        cache = thinker.allocate_cache(1, ids.shape[1])  # exactly T rows: the plain unmasked prefill
+        logits, _ = thinker(
+            ids,
+            torch.arange(ids.shape[1], device=dev)[None],
+            cache,
+            torch.zeros(1, dtype=torch.long, device=dev),
+        )
+        pick = StageSampler(sampling.thinker, thinker.cfg.vocab_size, device=dev)
+        pick.observe(torch.tensor(prompt, device=dev)[None])
+        agree = 0
+        for i, tok in enumerate(reply):
+            choice = sample_next(logits[:, len(prompt) - 1 + i], pick.params, pick.seen, None, pick.suppress)
+            agree += int(choice.item() == tok)
+            pick.observe(torch.tensor([[tok]], device=dev))
+        fracs.append(agree / len(reply))
+    return sum(fracs) / len(fracs) if fracs else None
+
+
 async def determinism_check(
     engine: Any, ids: list[int], args: argparse.Namespace, sampling: Any
 ) -> dict[str, Any]:
@@ -242,22 +284,22 @@ def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
         ("+ cuda graphs", ("cuda_graphs",)),
         ("+ prefill graphs", ("prefill_graphs",)),
         ("+ triton MoE decode", ("moe_backend",)),
+        ("+ fused kernels", ("fused_kernels",)),
         ("+ event hand-off", ("handoff",)),
         ("+ talker prefill overlap", ("talker_overlap_prefill",)),
         ("+ frame 0 in prefill", ("frame0_in_prefill",)),
         ("+ 1-frame first chunk", ("first_chunk_frames", "chunk_growth", "max_chunk_frames")),
         ("+ yield to talker", ("yield_to_talker_ms",)),
     ]
+    gpu_only = {("cuda_graphs",), ("prefill_graphs",)}  # CUDA graphs: nothing to show on a CPU
+    needs_kernels = {("moe_backend",), ("fused_kernels",)}  # Triton kernels: a row only where they run
     covered = {f for _, fields in known for f in fields}
     steps: list[tuple[str, dict[str, Any]]] = []
     for name, fields in known:
-        if fields == ("moe_backend",):
-            if kernel_ok:  # not an EngineSettings value: the bench installs the kernel (see _settings)
-                steps.append((name, {"moe_backend": "triton"}))
-            continue
         change = {f: on[f] for f in fields if f in differ}
-        gpu_only = fields in {("cuda_graphs",), ("prefill_graphs",)}  # CUDA graphs: nothing to show on a CPU
-        if change and not (device == "cpu" and gpu_only):
+        if fields in needs_kernels and not kernel_ok:
+            continue
+        if change and not (device == "cpu" and fields in gpu_only):
             steps.append((name, change))
     steps += [(f"+ {f.replace('_', ' ')}", {f: on[f]}) for f in sorted(differ - covered)]
     plan, acc = [("all off", {})], {}
@@ -268,39 +310,10 @@ def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
     return plan
 
 
-def _settings(base: dict[str, Any], overrides: dict[str, Any]) -> tuple[Any, bool]:
-    """(EngineSettings.all_off(**base | overrides), whether to install the Triton MoE kernel).
-
-    The kernel is always installed by the benchmark on the loaded model (`kernels.moe_decode.install`),
-    not left to a setting: later rows wrap the first row's model in new Engines (no second build), so a
-    setting applied at `Engine.load` would never reach them.
-    """
+def _settings(base: dict[str, Any], overrides: dict[str, Any]) -> Any:
     from omni_rt.config import EngineSettings
 
-    o = base | overrides
-    want_triton = o.get("moe_backend") == "triton"
-    if want_triton:
-        o.pop("moe_backend")
-    return EngineSettings.all_off(**o), want_triton
-
-
-def _kernels() -> Any:
-    """`omni_rt.kernels.moe_decode`; from a source tree that is not installed (the GPU machine runs the
-    checkout as is), the `kernels/` folder beside `omni_rt/`."""
-    try:
-        from omni_rt.kernels import moe_decode
-
-        return moe_decode
-    except ImportError:
-        import importlib.util
-
-        path = Path(__file__).resolve().parents[1] / "kernels" / "moe_decode.py"
-        if not path.is_file():
-            raise
-        spec = importlib.util.spec_from_file_location("omni_rt.kernels.moe_decode", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
+    return EngineSettings.all_off(**(base | overrides))
 
 
 def _engine_model(engine: Any) -> torch.nn.Module | None:
@@ -653,12 +666,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ids_cfg = TokenIds()
     prompts = [chat_prompt(args.system_len, int(n), args.seed, ids_cfg) for n in args.prompts.split(",") if n]
     sampling = Sampling.greedy(seed=args.seed)
-    kernel_ok = False
-    if args.device.startswith("cuda"):
-        try:
-            kernel_ok = _kernels().triton_available()
-        except ImportError as exc:
-            print(f"[bench] no Triton MoE row: {exc}", file=sys.stderr)
+    from omni_rt.engine import apply_kernels, triton_runs
+
+    kernel_ok = triton_runs(torch.device(args.device))
+    if args.device.startswith("cuda") and not kernel_ok:
+        print("[bench] the Triton kernels cannot run here: no kernel rows", file=sys.stderr)
     plan = row_plan("cpu" if args.device == "cpu" else "cuda", kernel_ok)
     if args.rows != "all":
         keep = {int(i) for i in args.rows.split(",") if i and i != "none"}
@@ -690,19 +702,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     first = None  # the first row's engine: later rows reuse its model
     row_samples: dict[str, list[Sample]] = {}
     for idx, (name, overrides) in enumerate(plan):
-        settings, via_hook = _settings(base, overrides)
+        settings = _settings(base, overrides)
         t_load = time.perf_counter()
         engine = _load_engine(args, settings, first)
+        if first is not None:  # a model shared with earlier rows: their kernels off, this row's on
+            apply_kernels(first.model, settings)
         load_s = time.perf_counter() - t_load
-        model = _engine_model(engine)
-        if via_hook:
-            install = _kernels().install
-            if model is None:
-                rows.append(
-                    {"row": name, "skipped": "moe_backend='triton' is no setting and no model to hook"}
-                )
-                continue
-            install(model, "triton")  # stays installed: every later (cumulative) row keeps the kernel
         print(f"[bench] {name}: engine ready in {load_s:.1f} s", file=sys.stderr, flush=True)
         last = idx == len(plan) - 1
         t_row = time.perf_counter()
@@ -711,11 +716,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         row_s = time.perf_counter() - t_row
         row_samples[name] = samples
-        rows.append(
-            summarise(
-                name, samples, settings=overrides, load_s=load_s, kernel_via_hook=via_hook, stage_steps=steps
-            )
-        )
+        rows.append(summarise(name, samples, settings=overrides, load_s=load_s, stage_steps=steps))
         brief = ", ".join(f"{k} {v['count']}x{v['median_ms']:.2f}ms" for k, v in steps.items())
         print(f"[bench]   steps: {brief}", file=sys.stderr, flush=True)
         print(f"[bench] {name}: {row_s:.1f} s", file=sys.stderr, flush=True)
@@ -733,13 +734,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 r["token_agreement_vs_all_off"] = token_agreement(
                     row_samples[r["row"]], row_samples["all off"]
                 )
+    # per position, against the plain path itself (no kernels, no graphs), given each row's own text
+    if first is not None and row_samples:
+        apply_kernels(first.model, _settings(base, {}))
+        by_len = {len(p): p for p in prompts}
+        for r in rows:
+            if r["row"] in row_samples:
+                r["teacher_forced_agreement"] = teacher_forced_agreement(
+                    first.model, by_len, row_samples[r["row"]], sampling
+                )
 
     determinism = None
     if args.determinism and first is not None and plan:
-        settings, via_hook = _settings(base, plan[-1][1] | {"deterministic": True})
+        settings = _settings(base, plan[-1][1] | {"deterministic": True})
         engine = _load_engine(args, settings, first)
-        if via_hook and _engine_model(engine) is not None:
-            _kernels().install(_engine_model(engine), "triton")
+        apply_kernels(first.model, settings)
         determinism = asyncio.run(determinism_check(engine, prompts[len(prompts) // 2], args, sampling))
         meta["determinism"] = determinism
 
@@ -774,6 +783,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     if agree:
         print("greedy text agreement with 'all off': " + "; ".join(agree))
+    forced = [
+        f"{r['row']}: {100 * r['teacher_forced_agreement']:.1f} %"
+        for r in rows
+        if r.get("teacher_forced_agreement") is not None
+    ]
+    if forced:
+        print("greedy next-token agreement with the plain path, per position: " + "; ".join(forced))
     if determinism is not None:
         print(
             f"deterministic mode (all on): {determinism['identical_runs']}/{determinism['runs']} runs "

@@ -74,15 +74,19 @@ class EngineSettings(_Settings):
         description="the Talker's overlapped prefix prefill waits (at most 20 ms) until the Thinker's prefill "
         "is enqueued, so the two threads do not fight over the GIL and the launch queue",
     )
-    moe_backend: Literal["auto", "loop", "gather", "grouped_mm", "triton"] = Field(
+    moe_backend: Literal["auto", "plain", "loop", "gather", "grouped_mm", "triton"] = Field(
         "auto",
-        description="expert FFN backend: a SparseMoe impl of omni_rt.model.layers, or 'triton' (GPU): the "
-        "fused decode kernel of omni_rt.kernels.moe_decode for up to 16 token rows, grouped_mm above",
+        description="expert FFN backend. 'auto': the Triton decode kernel (omni_rt.kernels.moe_decode, up to 16 "
+        "token rows, grouped_mm above) where the model runs on a CUDA device and Triton imports, else 'plain'; "
+        "'plain': plain PyTorch (grouped_mm on CUDA in bf16, the loop elsewhere); 'loop' | 'gather' | "
+        "'grouped_mm': that SparseMoe impl of omni_rt.model.layers; 'triton': the kernel, an error where it "
+        "cannot run",
     )
-    fused_kernels: bool = Field(
-        False,
-        description="GPU: Triton kernels for RMSNorm, q/k norm + RoPE + cache write, the router, decode "
-        "attention and SnakeBeta (omni_rt.kernels.fused); off until measured on a GPU",
+    fused_kernels: bool | None = Field(
+        None,
+        description="Triton kernels for RMSNorm, q/k norm + RoPE + cache write, the router, decode attention "
+        "and SnakeBeta (omni_rt.kernels.fused). None: on where the model runs on a CUDA device and Triton "
+        "imports; True: on, an error where they cannot run; False: off (plain PyTorch)",
     )
     deterministic: bool = Field(
         False,
@@ -120,6 +124,8 @@ class EngineSettings(_Settings):
             cuda_graphs=False,
             prefill_graphs=False,
             prefill_launch_order=False,
+            moe_backend="plain",
+            fused_kernels=False,
         )
         return cls(**(base | overrides))
 

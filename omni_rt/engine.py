@@ -13,6 +13,7 @@ the engine starts (one slot per session, `EngineSettings.max_sessions`) and drop
 from __future__ import annotations
 
 import asyncio
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -43,19 +44,60 @@ def _checkpoint_tokenizer(directory: Path, cfg: OmniConfig):
     return Tokenizer.tiny(cfg.ids)
 
 
-def _install_kernels(omni: Any, moe: bool, fused: bool) -> None:
-    """The Triton kernels a setting asks for; a ConfigError where they cannot run (no Triton, no GPU)."""
+def triton_runs(device: Any) -> bool:
+    """Whether the Triton kernels can run for a model on `device` (compiled: a CUDA device and Triton)."""
+    if device.type != "cuda":
+        return False
+    try:
+        from omni_rt.kernels.moe_decode import triton_available
+    except ImportError as e:  # a source checkout without the omni_rt/kernels link, or no Triton
+        warnings.warn(f"the Triton kernels are not importable ({e}); plain PyTorch instead", stacklevel=3)
+        return False
+    return triton_available()
+
+
+def kernel_choice(settings: EngineSettings, device: Any) -> tuple[bool, bool]:
+    """(Triton MoE decode kernel, fused kernels) that `settings` give a model on `device` ("auto"/None:
+    where they can run); a ConfigError when a setting demands them where they cannot run."""
+    runs = triton_runs(device)
+    moe = settings.moe_backend == "triton" or (settings.moe_backend == "auto" and runs)
+    fused = bool(settings.fused_kernels) or (settings.fused_kernels is None and runs)
+    if (moe or fused) and not runs:
+        try:  # demanded explicitly: the interpreter (TRITON_INTERPRET=1) still runs them on a CPU
+            from omni_rt.kernels.moe_decode import triton_available
+
+            ok = triton_available()
+        except ImportError:
+            ok = False
+        if not ok:
+            what = "moe_backend='triton'" if moe else "fused_kernels=True"
+            raise ConfigError(f"{what}: cannot use the Triton kernels here (needs Triton and a CUDA device)")
+    return moe, fused
+
+
+def apply_kernels(omni: Any, settings: EngineSettings) -> tuple[bool, bool]:
+    """Install on `omni` exactly the Triton kernels `settings` ask for, removing any others (a model
+    shared by engines of different settings, as in the benchmark); call before graphs are captured,
+    which keep whatever launches they recorded. Returns `kernel_choice`."""
+    moe, fused = kernel_choice(settings, omni.device)
     try:
         if moe:
             from omni_rt.kernels import moe_decode
 
             moe_decode.install(omni, "triton")
+        else:
+            for m in omni.modules():
+                if hasattr(m, "experts_fn"):
+                    m.experts_fn = None  # back to the module's own impl
         if fused:
             from omni_rt.kernels import fused as fused_kernels
 
             fused_kernels.install_all(omni)
+        elif "omni_rt.kernels.fused" in sys.modules:  # never imported: nothing of it can be installed
+            sys.modules["omni_rt.kernels.fused"].uninstall_all(omni)
     except (ImportError, RuntimeError) as e:
         raise ConfigError(f"cannot use the Triton kernels here: {e}") from None
+    return moe, fused
 
 
 class Engine:
@@ -136,12 +178,15 @@ class Engine:
             raise ConfigError(
                 f"dtype must name a floating-point torch dtype (float32, bfloat16, ...), got {dtype!r}"
             )
-        kernel_moe = settings.moe_backend == "triton"  # a kernel installed below, not a layers.py impl
+        kernel_choice(
+            settings, torch.device(device)
+        )  # a demanded kernel that cannot run: fail before the build
+        layers_impl = settings.moe_backend  # "auto"/"plain"/"triton": layers.py's own choice underneath
         omni = OmniModel.build(
             cfg, device=device, dtype=dtype, weights=weights, seed=seed,
-            moe_impl="auto" if kernel_moe else settings.moe_backend,
+            moe_impl="auto" if layers_impl in ("auto", "plain", "triton") else layers_impl,
         )  # fmt: skip
-        _install_kernels(omni, kernel_moe, settings.fused_kernels)  # before the runners capture graphs
+        apply_kernels(omni, settings)  # before the runners capture graphs
 
         def stages(s: EngineSettings):
             from omni_rt.pipeline.runners import build_runners

@@ -3,7 +3,8 @@
     PYTHONUNBUFFERED=1 python scripts/gpu_profile.py --out $OUT/gpu_profile.json
 
 Profiles (torch.profiler, CUDA activity) 5 eager calls each of: one Thinker decode step (batch 1, MoE
-through the Triton kernel and through grouped_mm), one Talker step, and one code-predictor frame. For
+through the Triton kernel and through grouped_mm), one Talker step, and one code-predictor frame, then the same with the fused kernels
+(`kernels/fused.py`) on top of the Triton MoE kernel, then the 57-token Thinker prefill. For
 each: kernel launches per call, summed kernel time per call (the GPU-busy time a CUDA graph could at
 best reach, launch gaps removed), and the kernels with the most total time. With the graphed times from
 `scripts/gpu_stages.py` this says whether a step is launch-bound (graph ≈ kernel sum, many tiny kernels)
@@ -58,7 +59,7 @@ def _prof(name: str, fn, res: dict) -> None:
             per_kernel[ev.name].append(ev.time_range.elapsed_us())
     n = sum(len(v) for v in per_kernel.values()) / CALLS
     busy_us = sum(sum(v) for v in per_kernel.values()) / CALLS
-    top = sorted(((sum(v) / CALLS, len(v) / CALLS, k) for k, v in per_kernel.items()), reverse=True)[:12]
+    top = sorted(((sum(v) / CALLS, len(v) / CALLS, k) for k, v in per_kernel.items()), reverse=True)[:16]
     res[name] = dict(
         kernels_per_call=n,
         kernel_us_per_call=busy_us,
@@ -105,9 +106,19 @@ def main(argv=None) -> int:
     prof("thinker decode step [grouped_mm]", thinker_step, res)
     prof("talker step [grouped_mm]", talker_step, res)
     prof("code predictor frame", lambda: tk.predict_frame(hid, code0), res)
+    def thinker_prefill():
+        return th(prompt, torch.arange(T, device=dev)[None], tcache, slots, last_only=True)[0]
+
+    prof("thinker prefill, 57 tokens [grouped_mm]", thinker_prefill, res)
     md.install(model, "triton")
     prof("thinker decode step [triton]", thinker_step, res)
     prof("talker step [triton]", talker_step, res)
+    from omni_rt.kernels import fused
+
+    fused.install_all(model)
+    prof("thinker decode step [triton + fused]", thinker_step, res)
+    prof("talker step [triton + fused]", talker_step, res)
+    prof("code predictor frame [fused]", lambda: tk.predict_frame(hid, code0), res)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     return 0

@@ -88,15 +88,18 @@ def test_row_plan_adds_one_optimisation_per_row_and_ends_all_on():
     for (_, prev), (_, cur) in zip(plan, plan[1:], strict=False):
         assert set(prev.items()) < set(cur.items())  # cumulative: each row keeps all earlier switches
     assert plan[-1][0].endswith("(all on)")
-    all_on = EngineSettings.all_off(**{k: v for k, v in plan[-1][1].items() if k != "moe_backend"})
+    all_on = EngineSettings.all_off(**plan[-1][1])
     assert all_on.model_dump() == EngineSettings().model_dump()  # the last row is every optimisation on
-    assert plan[-1][1]["moe_backend"] == "triton"
+    names = [n for n, _ in plan]
+    assert names.index("+ triton MoE decode") + 1 == names.index("+ fused kernels")
     cpu = dict(bench.row_plan("cpu", kernel_ok=False))
     assert "+ cuda graphs" not in cpu and "+ prefill graphs" not in cpu
-    assert all("moe_backend" not in v for v in cpu.values())
+    assert all("moe_backend" not in v and "fused_kernels" not in v for v in cpu.values())
     cpu_last = bench.row_plan("cpu", kernel_ok=False)[-1][1]
-    # on the CPU the last row is all on but for the GPU-only graphs
-    gpu_only_off = EngineSettings(cuda_graphs=False, prefill_graphs=False)
+    # on the CPU the last row is all on but for the GPU-only graphs and kernels
+    gpu_only_off = EngineSettings(
+        cuda_graphs=False, prefill_graphs=False, moe_backend="plain", fused_kernels=False
+    )
     assert EngineSettings.all_off(**cpu_last).model_dump() == gpu_only_off.model_dump()
 
 
@@ -143,6 +146,7 @@ def test_bench_smoke_tiny_cpu(tmp_path):
     assert steps["thinker.decode"]["count"] >= 2 and steps["code2wav.chunk"]["count"] >= 1
     # greedy text of every row equals the plain path's (the optimisations change timing, not results)
     assert d["rows"][1]["token_agreement_vs_all_off"] == 1.0
+    assert d["rows"][1]["teacher_forced_agreement"] == 1.0  # per position, against the plain path
     det = d["meta"]["determinism"]
     # slots for the determinism check's sessions even with no concurrency rows
     assert det["bit_identical"] and det["runs"] == 5 and det["text_tokens"] == 3
@@ -168,10 +172,26 @@ def test_rows_out_of_range_names_the_rows():
         bench.main(["--preset", "tiny", "--device", "cpu", "--rows", "99", "--reference", "off"])
 
 
-def test_kernels_found_installed_or_from_the_source_tree(monkeypatch):
-    assert callable(bench._kernels().install)
-    import sys
+def test_teacher_forced_agreement_counts_positions_not_the_rest_of_the_reply():
+    from omni_rt.config import Sampling
+    from omni_rt.model.config import preset
+    from omni_rt.model.offline import generate_offline
+    from omni_rt.model.omni import OmniModel
 
-    monkeypatch.setitem(sys.modules, "omni_rt.kernels", None)  # as on a machine without the mapping
-    mod = bench._kernels()
-    assert callable(mod.install) and callable(mod.moe_decode_triton)
+    model = OmniModel.build(preset("tiny"), weights="random", seed=5)
+    greedy = Sampling.greedy()
+    prompt = bench.chat_prompt(20, 8)
+    with torch.no_grad():
+        text, _, _ = generate_offline(
+            model, prompt, "ethan", greedy.thinker, greedy.talker, 12, 1, ignore_eos=True
+        )
+    sample = lambda ids: bench.Sample(len(prompt), 1.0, 1.0, 1.0, len(ids), 1.0, 1.0, 1.0, token_ids=ids)  # noqa: E731
+    prompts = {len(prompt): prompt}
+    assert bench.teacher_forced_agreement(model, prompts, [sample(text)], greedy) == 1.0
+    wrong_last = text[:-1] + [(text[-1] + 1) % 1000 + 2000]
+    assert bench.teacher_forced_agreement(model, prompts, [sample(wrong_last)], greedy) == pytest.approx(
+        11 / 12
+    )
+    # a wrong token in the middle costs that position; the plain path then reads the row's context
+    wrong_mid = text[:5] + [(text[5] + 1) % 1000 + 2000] + text[6:]
+    assert bench.teacher_forced_agreement(model, prompts, [sample(wrong_mid)], greedy) < 1.0

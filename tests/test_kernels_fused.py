@@ -426,3 +426,28 @@ def test_install_all_keeps_a_whole_greedy_reply(tiny_model):
     assert got[0] == ref[0]
     assert torch.equal(got[1], ref[1])
     torch.testing.assert_close(got[2], ref[2], rtol=1e-4, atol=1e-5)
+
+
+def test_apply_kernels_installs_what_settings_ask_and_removes_the_rest(tiny_model):
+    # the benchmark shares one model between engines of different settings: each gets exactly its kernels
+    from omni_rt.config import EngineSettings
+    from omni_rt.engine import apply_kernels, kernel_choice
+
+    cpu = torch.device("cpu")
+    assert kernel_choice(EngineSettings(), cpu) == (False, False)  # "auto": compiled Triton needs CUDA
+    assert kernel_choice(EngineSettings(moe_backend="triton", fused_kernels=True), cpu) == (True, True)
+
+    def installed():
+        moe = [m.experts_fn is not None for m in tiny_model.modules() if hasattr(m, "experts_fn")]
+        hooks = [m for m in tiny_model.modules() if "forward" in m.__dict__ or "route" in m.__dict__]
+        return all(moe) and bool(moe), bool(hooks)
+
+    try:
+        apply_kernels(tiny_model, EngineSettings(moe_backend="triton", fused_kernels=True))
+        assert installed() == (True, True)
+        apply_kernels(tiny_model, EngineSettings(moe_backend="triton", fused_kernels=False))
+        assert installed() == (True, False)
+        apply_kernels(tiny_model, EngineSettings.all_off())
+        assert installed() == (False, False)
+    finally:
+        apply_kernels(tiny_model, EngineSettings.all_off())

@@ -43,12 +43,15 @@ def install_all(
     enabled: bool | Collection[str] = True,
     *,
     max_rows: int | None = 16,
+    prefill: bool = True,
     fuse_gate: bool = False,
 ) -> dict[str, int]:
     """Install the `enabled` kernels (True: all of KERNELS, False: none) on `model`; modules patched per kernel.
 
-    max_rows: the decode kernels (all but snake) run for calls of at most this many token
-    rows (B*T) and leave larger ones (prefill) to the plain code; None: every call. fuse_gate: the router
+    max_rows: decode attention runs for calls of at most this many token rows (B*T) and leaves larger
+    ones (prefill) to SDPA; None: every call. prefill: the row-wise kernels (RMSNorm, q/k norm + RoPE +
+    cache write, router) run for calls of any size, prefill included (they work row by row, so a long
+    prompt is just more programs); False: they too stop at `max_rows`. fuse_gate: the router
     computes the gate logits itself (one launch) instead of taking them from the module's gate (two;
     ids then bit-equal to `SparseMoe.route`). Off by default: measured on an H200 (docs/performance.md),
     the gate GEMM plus the kernel took 8.5 µs per Thinker layer, the kernel with the gate inside 25.8. Installing twice replaces the earlier hooks.
@@ -63,12 +66,13 @@ def install_all(
     for name in KERNELS:
         if name not in names:
             continue
+        row_max = None if prefill else max_rows
         if name == "rmsnorm":
-            done[name] = install_rmsnorm(model, max_rows)
+            done[name] = install_rmsnorm(model, row_max)
         elif name == "attention":
-            done[name] = install_attention(model, max_rows)
+            done[name] = install_attention(model, row_max)
         elif name == "router":
-            done[name] = install_router(model, fuse_gate=fuse_gate, max_rows=max_rows)
+            done[name] = install_router(model, fuse_gate=fuse_gate, max_rows=row_max)
         elif name == "decode_attention":
             done[name] = install_decode_attention(model, max_rows)
         else:

@@ -451,3 +451,32 @@ def test_apply_kernels_installs_what_settings_ask_and_removes_the_rest(tiny_mode
         assert installed() == (False, False)
     finally:
         apply_kernels(tiny_model, EngineSettings.all_off())
+
+
+def test_row_wise_kernels_keep_a_bf16_prefill_bit_for_bit():
+    # install_all runs RMSNorm, q/k norm + RoPE + cache write and the router at prefill too: in bf16 they
+    # round where the plain path rounds, so a 2 x 24-token prefill keeps its logits and cache exactly
+    from omni_rt.kernels import fused
+
+    from omni_rt.model.omni import OmniModel
+
+    model = OmniModel.build(preset("tiny"), weights="random", seed=2, dtype=torch.bfloat16)
+    th = model.thinker
+    ids = torch.randint(0, th.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(4))
+    pos, slots = torch.arange(24).expand(2, 24), torch.tensor([0, 1])
+
+    def prefill():
+        cache = th.allocate_cache(2, 32)
+        with torch.no_grad():
+            logits, _ = th(ids, pos, cache, slots, kv_len=32)
+        return logits, cache
+
+    ref_logits, ref_cache = prefill()
+    counts = fused.install_all(model, enabled={"rmsnorm", "attention", "router"})
+    assert counts["router"] == len(th.model.layers) + len(model.talker.model.layers)
+    try:
+        logits, cache = prefill()
+    finally:
+        fused.uninstall_all(model)
+    assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)
+    assert torch.equal(logits, ref_logits)

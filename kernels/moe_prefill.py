@@ -41,6 +41,10 @@ IEEE fp32 (`input_precision="ieee"`, not TF32) and every rounding is the identit
 
 Rounding uses `_triton.round_to` (integer round-to-nearest-even) so that Triton's interpreter, whose
 fp32->bf16 cast truncates, gives the GPU's bits; the CPU tests run the kernels there (TRITON_INTERPRET=1).
+The interpreter's tl.dot also multiplies 16-bit floats as their raw bit patterns (numpy has no bf16), so
+there the operands are widened to fp32 first (`_mma`, exact); compiled code feeds them to the tensor cores.
+Only Triton 3.6 features are used (tl.histogram without its newer mask=, tl.cumsum, tl.dot's acc= and
+input_precision=); the bf16 kernels compile for sm_90a with Triton 3.6 and 3.9 without register spills.
 """
 
 from __future__ import annotations
@@ -284,7 +288,7 @@ def moe_prefill_align(
     n_experts: int,
     block_m: int = 16,
     *,
-    block_p: int = 1024,
+    block_p: int = 1024,  # ids per histogram step; >= 32 * num_warps
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_pairs [NB*block_m] int32, block_expert [NB] int32, block_rows [NB] int32) on the device.
@@ -312,7 +316,7 @@ def moe_prefill_align(
         p,
         nb,
         BM=block_m,
-        BLOCK_P=max(min(block_p, next_pow2(p)), 32 * num_warps),  # at least a lane per thread
+        BLOCK_P=block_p,  # fixed, not sized from P: one compiled variant for every N
         BLOCK_E=max(next_pow2(n_experts), 16),
         BLOCK_B=64,
         num_warps=num_warps,

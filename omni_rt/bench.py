@@ -182,43 +182,49 @@ def token_agreement(a: Sequence[Sample], b: Sequence[Sample]) -> float | None:
 @torch.no_grad()
 def teacher_forced_agreement(
     model: Any, prompts: dict[int, list[int]], samples: Sequence[Sample], sampling: Any
-) -> float | None:
+) -> dict[str, Any] | None:
     """Greedy next-token agreement of the plain path with a row's replies, position by position.
 
     For the first request of each prompt, the model as it stands (the caller removes the kernels first)
     reads the prompt and the row's reply in one eager forward; at each reply position its greedy choice,
     after the engine's logits processing (the repetition penalty over all that came before), is compared
-    with the token the row emitted. Averaged over prompts. Unlike the free-running `token_agreement`, a
-    flipped near-tie (random weights' logits are nearly flat: one bf16 ulp decides) costs one position,
-    not every later one: issue 2's per-position measure, applied to the fast path.
+    with the token the row emitted. Unlike the free-running `token_agreement`, a flipped near-tie (random
+    weights' logits are nearly flat) costs one position, not every later one: issue 2's per-position
+    measure, applied to the fast path. Returns {"agreement" (averaged over prompts), "positions",
+    "max_mismatch_ulps"}: the largest gap, in bf16 ulps of the plain path's top score, between the plain
+    path's choice and the row's token where they differ (<= 1-2: a tie under bf16 rounding).
     """
     from omni_rt.model.offline import StageSampler
-    from omni_rt.model.sampling import sample_next
+    from omni_rt.model.sampling import process_logits
 
     thinker = model.thinker
     dev = thinker.lm_head.weight.device
-    fracs = []
+    fracs, positions, worst = [], 0, 0.0
     for s in {s.prompt_len: s for s in reversed(samples)}.values():
         prompt, reply = prompts.get(s.prompt_len), s.token_ids
         if prompt is None or not reply:
             continue
         ids = torch.tensor(prompt + reply[:-1], device=dev)[None]  # [1, T]
         cache = thinker.allocate_cache(1, ids.shape[1])  # exactly T rows: the plain unmasked prefill
-        logits, _ = thinker(
-            ids,
-            torch.arange(ids.shape[1], device=dev)[None],
-            cache,
-            torch.zeros(1, dtype=torch.long, device=dev),
-        )
+        slot = torch.zeros(1, dtype=torch.long, device=dev)
+        logits, _ = thinker(ids, torch.arange(ids.shape[1], device=dev)[None], cache, slot)  # [1, T, V]
         pick = StageSampler(sampling.thinker, thinker.cfg.vocab_size, device=dev)
         pick.observe(torch.tensor(prompt, device=dev)[None])
         agree = 0
         for i, tok in enumerate(reply):
-            choice = sample_next(logits[:, len(prompt) - 1 + i], pick.params, pick.seen, None, pick.suppress)
-            agree += int(choice.item() == tok)
+            scores, _ = process_logits(logits[:, len(prompt) - 1 + i], pick.params, pick.seen, pick.suppress)
+            top = scores[0].max()
+            if scores[0, tok] == top:
+                agree += 1
+            else:
+                ulp = 2.0 ** (torch.floor(torch.log2(top.abs().clamp_min(1e-30))).item() - 7)
+                worst = max(worst, (top - scores[0, tok]).item() / ulp)
             pick.observe(torch.tensor([[tok]], device=dev))
         fracs.append(agree / len(reply))
-    return sum(fracs) / len(fracs) if fracs else None
+        positions += len(reply)
+    if not fracs:
+        return None
+    return {"agreement": sum(fracs) / len(fracs), "positions": positions, "max_mismatch_ulps": worst}
 
 
 async def determinism_check(
@@ -784,9 +790,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if agree:
         print("greedy text agreement with 'all off': " + "; ".join(agree))
     forced = [
-        f"{r['row']}: {100 * r['teacher_forced_agreement']:.1f} %"
+        f"{r['row']}: {100 * tf['agreement']:.1f} % (mismatches within {tf['max_mismatch_ulps']:.1f} ulp)"
         for r in rows
-        if r.get("teacher_forced_agreement") is not None
+        if (tf := r.get("teacher_forced_agreement")) is not None
     ]
     if forced:
         print("greedy next-token agreement with the plain path, per position: " + "; ".join(forced))

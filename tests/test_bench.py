@@ -146,7 +146,8 @@ def test_bench_smoke_tiny_cpu(tmp_path):
     assert steps["thinker.decode"]["count"] >= 2 and steps["code2wav.chunk"]["count"] >= 1
     # greedy text of every row equals the plain path's (the optimisations change timing, not results)
     assert d["rows"][1]["token_agreement_vs_all_off"] == 1.0
-    assert d["rows"][1]["teacher_forced_agreement"] == 1.0  # per position, against the plain path
+    forced = d["rows"][1]["teacher_forced_agreement"]  # per position, against the plain path
+    assert forced["agreement"] == 1.0 and forced["positions"] == 3
     det = d["meta"]["determinism"]
     # slots for the determinism check's sessions even with no concurrency rows
     assert det["bit_identical"] and det["runs"] == 5 and det["text_tokens"] == 3
@@ -187,11 +188,12 @@ def test_teacher_forced_agreement_counts_positions_not_the_rest_of_the_reply():
         )
     sample = lambda ids: bench.Sample(len(prompt), 1.0, 1.0, 1.0, len(ids), 1.0, 1.0, 1.0, token_ids=ids)  # noqa: E731
     prompts = {len(prompt): prompt}
-    assert bench.teacher_forced_agreement(model, prompts, [sample(text)], greedy) == 1.0
+    same = bench.teacher_forced_agreement(model, prompts, [sample(text)], greedy)
+    assert same == {"agreement": 1.0, "positions": 12, "max_mismatch_ulps": 0.0}
     wrong_last = text[:-1] + [(text[-1] + 1) % 1000 + 2000]
-    assert bench.teacher_forced_agreement(model, prompts, [sample(wrong_last)], greedy) == pytest.approx(
-        11 / 12
-    )
+    got = bench.teacher_forced_agreement(model, prompts, [sample(wrong_last)], greedy)
+    assert got["agreement"] == pytest.approx(11 / 12) and got["max_mismatch_ulps"] > 2  # no near-tie
     # a wrong token in the middle costs that position; the plain path then reads the row's context
     wrong_mid = text[:5] + [(text[5] + 1) % 1000 + 2000] + text[6:]
-    assert bench.teacher_forced_agreement(model, prompts, [sample(wrong_mid)], greedy) < 1.0
+    got = bench.teacher_forced_agreement(model, prompts, [sample(wrong_mid)], greedy)
+    assert got["agreement"] < 1.0

@@ -293,12 +293,14 @@ def triton_available() -> bool:
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def make_experts_fn(backend: str, *, decode_max_tokens: int = 16) -> ExpertsFn:
+def make_experts_fn(backend: str, *, decode_max_tokens: int = 16, prefill_kernel: bool = False) -> ExpertsFn:
     """The expert function for a `moe_backend` setting ("loop" | "grouped_mm" | "triton").
 
     "triton" runs the kernel when at most `decode_max_tokens` tokens come in (decode) and falls back to
-    grouped GEMM for more (prefill), where a GEMV-per-pair kernel would re-read each expert per token.
-    The choice is by static shape, so it is fixed per captured graph and never syncs.
+    grouped GEMM for more (prefill), where a GEMV-per-pair kernel would re-read each expert per token;
+    with `prefill_kernel` the larger calls run `kernels.moe_prefill` instead (a grouped GEMM that reads
+    each selected expert once). The choice is by static shape, so it is fixed per captured graph and never
+    syncs.
     """
     if backend == "loop":
         return moe_loop
@@ -308,10 +310,15 @@ def make_experts_fn(backend: str, *, decode_max_tokens: int = 16) -> ExpertsFn:
         raise ValueError(f"unknown moe_backend {backend!r}; choose one of {BACKENDS}")
     if not triton_available():
         raise RuntimeError("moe_backend='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1)")
+    prefill = None
+    if prefill_kernel:
+        from omni_rt.kernels.moe_prefill import moe_prefill_triton as prefill
 
     def experts(hidden, topk_ids, topk_weights, gate_up_proj, down_proj):
         if hidden.shape[0] <= decode_max_tokens:
             return moe_decode_triton(hidden, topk_ids, topk_weights, gate_up_proj, down_proj)
+        if prefill is not None:
+            return prefill(hidden, topk_ids, topk_weights, gate_up_proj, down_proj)
         if hidden.device.type == "cuda":
             return moe_grouped_mm(hidden, topk_ids, topk_weights, gate_up_proj, down_proj)
         return moe_loop(hidden, topk_ids, topk_weights, gate_up_proj, down_proj)

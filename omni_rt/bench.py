@@ -290,6 +290,7 @@ def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
         ("+ cuda graphs", ("cuda_graphs",)),
         ("+ prefill graphs", ("prefill_graphs",)),
         ("+ triton MoE decode", ("moe_backend",)),
+        ("+ triton MoE prefill", ("moe_prefill_kernel",)),
         ("+ fused kernels", ("fused_kernels",)),
         ("+ event hand-off", ("handoff",)),
         ("+ talker prefill overlap", ("talker_overlap_prefill",)),
@@ -298,7 +299,11 @@ def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
         ("+ yield to talker", ("yield_to_talker_ms",)),
     ]
     gpu_only = {("cuda_graphs",), ("prefill_graphs",)}  # CUDA graphs: nothing to show on a CPU
-    needs_kernels = {("moe_backend",), ("fused_kernels",)}  # Triton kernels: a row only where they run
+    needs_kernels = {
+        ("moe_backend",),
+        ("moe_prefill_kernel",),
+        ("fused_kernels",),
+    }  # Triton kernels: a row only where they run
     covered = {f for _, fields in known for f in fields}
     steps: list[tuple[str, dict[str, Any]]] = []
     for name, fields in known:

@@ -82,6 +82,12 @@ class EngineSettings(_Settings):
         "'grouped_mm': that SparseMoe impl of omni_rt.model.layers; 'triton': the kernel, an error where it "
         "cannot run",
     )
+    moe_prefill_kernel: bool | None = Field(
+        None,
+        description="with the Triton MoE decode kernel: prefill-sized MoE calls (over 16 token rows) run the "
+        "Triton grouped GEMM of omni_rt.kernels.moe_prefill instead of torch's grouped_mm. None: where "
+        "Triton runs on a CUDA device; True: on, an error where it cannot run; False: grouped_mm",
+    )
     fused_kernels: bool | None = Field(
         None,
         description="Triton kernels for RMSNorm, q/k norm + RoPE + cache write, the router, decode attention "
@@ -125,6 +131,7 @@ class EngineSettings(_Settings):
             prefill_graphs=False,
             prefill_launch_order=False,
             moe_backend="plain",
+            moe_prefill_kernel=False,
             fused_kernels=False,
         )
         return cls(**(base | overrides))

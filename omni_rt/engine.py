@@ -56,35 +56,51 @@ def triton_runs(device: Any) -> bool:
     return triton_available()
 
 
-def kernel_choice(settings: EngineSettings, device: Any) -> tuple[bool, bool]:
-    """(Triton MoE decode kernel, fused kernels) that `settings` give a model on `device` ("auto"/None:
-    where they can run); a ConfigError when a setting demands them where they cannot run."""
+def kernel_choice(settings: EngineSettings, device: Any) -> tuple[bool, bool, bool]:
+    """(Triton MoE decode kernel, Triton MoE prefill kernel, fused kernels) that `settings` give a model
+    on `device` ("auto"/None: where they can run); a ConfigError when a setting demands them where they
+    cannot run. The prefill kernel rides with the decode kernel (one expert function for both)."""
     runs = triton_runs(device)
+
+    def wanted(value: bool | None) -> bool:
+        return bool(value) or (value is None and runs)
+
     moe = settings.moe_backend == "triton" or (settings.moe_backend == "auto" and runs)
-    fused = bool(settings.fused_kernels) or (settings.fused_kernels is None and runs)
-    if (moe or fused) and not runs:
-        try:  # demanded explicitly: the interpreter (TRITON_INTERPRET=1) still runs them on a CPU
+    prefill = moe and wanted(settings.moe_prefill_kernel)
+    fused = wanted(settings.fused_kernels)
+    demanded = [
+        name
+        for name, on in (
+            ("moe_backend='triton'", settings.moe_backend == "triton"),
+            ("moe_prefill_kernel=True", settings.moe_prefill_kernel is True),
+            ("fused_kernels=True", settings.fused_kernels is True),
+        )
+        if on
+    ]
+    if demanded and not runs:
+        try:  # the interpreter (TRITON_INTERPRET=1) still runs them on a CPU
             from omni_rt.kernels.moe_decode import triton_available
 
             ok = triton_available()
         except ImportError:
             ok = False
         if not ok:
-            what = "moe_backend='triton'" if moe else "fused_kernels=True"
-            raise ConfigError(f"{what}: cannot use the Triton kernels here (needs Triton and a CUDA device)")
-    return moe, fused
+            raise ConfigError(
+                f"{', '.join(demanded)}: cannot use the Triton kernels here (needs Triton and a CUDA device)"
+            )
+    return moe, prefill, fused
 
 
-def apply_kernels(omni: Any, settings: EngineSettings) -> tuple[bool, bool]:
+def apply_kernels(omni: Any, settings: EngineSettings) -> tuple[bool, bool, bool]:
     """Install on `omni` exactly the Triton kernels `settings` ask for, removing any others (a model
     shared by engines of different settings, as in the benchmark); call before graphs are captured,
     which keep whatever launches they recorded. Returns `kernel_choice`."""
-    moe, fused = kernel_choice(settings, omni.device)
+    moe, prefill, fused = kernel_choice(settings, omni.device)
     try:
         if moe:
             from omni_rt.kernels import moe_decode
 
-            moe_decode.install(omni, "triton")
+            moe_decode.install(omni, "triton", prefill_kernel=prefill)
         else:
             for m in omni.modules():
                 if hasattr(m, "experts_fn"):
@@ -97,7 +113,7 @@ def apply_kernels(omni: Any, settings: EngineSettings) -> tuple[bool, bool]:
             sys.modules["omni_rt.kernels.fused"].uninstall_all(omni)
     except (ImportError, RuntimeError) as e:
         raise ConfigError(f"cannot use the Triton kernels here: {e}") from None
-    return moe, fused
+    return moe, prefill, fused
 
 
 class Engine:

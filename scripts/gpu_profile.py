@@ -4,7 +4,8 @@
 
 Profiles (torch.profiler, CUDA activity) 5 eager calls each of: one Thinker decode step (batch 1, MoE
 through the Triton kernel and through grouped_mm), one Talker step, and one code-predictor frame, then the same with the fused kernels
-(`kernels/fused.py`) on top of the Triton MoE kernel, then the 57-token Thinker prefill. For
+(`kernels/fused.py`) on top of the Triton MoE kernel; the 57-token Thinker prefill plain, with the
+fused row-wise kernels, and with the Triton MoE prefill kernel too. For
 each: kernel launches per call, summed kernel time per call (the GPU-busy time a CUDA graph could at
 best reach, launch gaps removed), and the kernels with the most total time. With the graphed times from
 `scripts/gpu_stages.py` this says whether a step is launch-bound (graph ≈ kernel sum, many tiny kernels)
@@ -106,6 +107,7 @@ def main(argv=None) -> int:
     prof("thinker decode step [grouped_mm]", thinker_step, res)
     prof("talker step [grouped_mm]", talker_step, res)
     prof("code predictor frame", lambda: tk.predict_frame(hid, code0), res)
+
     def thinker_prefill():
         return th(prompt, torch.arange(T, device=dev)[None], tcache, slots, last_only=True)[0]
 
@@ -119,6 +121,9 @@ def main(argv=None) -> int:
     prof("thinker decode step [triton + fused]", thinker_step, res)
     prof("talker step [triton + fused]", talker_step, res)
     prof("code predictor frame [fused]", lambda: tk.predict_frame(hid, code0), res)
+    prof("thinker prefill, 57 tokens [grouped_mm + fused]", thinker_prefill, res)
+    md.install(model, "triton", prefill_kernel=True)
+    prof("thinker prefill, 57 tokens [triton prefill + fused]", thinker_prefill, res)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     return 0

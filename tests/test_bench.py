@@ -91,14 +91,20 @@ def test_row_plan_adds_one_optimisation_per_row_and_ends_all_on():
     all_on = EngineSettings.all_off(**plan[-1][1])
     assert all_on.model_dump() == EngineSettings().model_dump()  # the last row is every optimisation on
     names = [n for n, _ in plan]
-    assert names.index("+ triton MoE decode") + 1 == names.index("+ fused kernels")
+    kernel_rows = ["+ triton MoE decode", "+ triton MoE prefill", "+ fused kernels"]
+    assert names[names.index(kernel_rows[0]) :][:3] == kernel_rows
     cpu = dict(bench.row_plan("cpu", kernel_ok=False))
     assert "+ cuda graphs" not in cpu and "+ prefill graphs" not in cpu
-    assert all("moe_backend" not in v and "fused_kernels" not in v for v in cpu.values())
+    kernel_fields = {"moe_backend", "moe_prefill_kernel", "fused_kernels"}
+    assert all(not kernel_fields & set(v) for v in cpu.values())
     cpu_last = bench.row_plan("cpu", kernel_ok=False)[-1][1]
     # on the CPU the last row is all on but for the GPU-only graphs and kernels
     gpu_only_off = EngineSettings(
-        cuda_graphs=False, prefill_graphs=False, moe_backend="plain", fused_kernels=False
+        cuda_graphs=False,
+        prefill_graphs=False,
+        moe_backend="plain",
+        moe_prefill_kernel=False,
+        fused_kernels=False,
     )
     assert EngineSettings.all_off(**cpu_last).model_dump() == gpu_only_off.model_dump()
 

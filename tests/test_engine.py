@@ -388,7 +388,7 @@ def test_kernel_settings_are_a_config_error_where_triton_cannot_run():
     code = (
         "import omni_rt\n"
         "from omni_rt.errors import ConfigError\n"
-        "for kw in ({'moe_backend': 'triton'}, {'fused_kernels': True}):\n"
+        "for kw in ({'moe_backend': 'triton'}, {'fused_kernels': True}, {'moe_prefill_kernel': True}):\n"
         "    try:\n"
         "        omni_rt.Engine.load('tiny', **kw)\n"
         "    except ConfigError as e:\n"

@@ -434,8 +434,10 @@ def test_apply_kernels_installs_what_settings_ask_and_removes_the_rest(tiny_mode
     from omni_rt.engine import apply_kernels, kernel_choice
 
     cpu = torch.device("cpu")
-    assert kernel_choice(EngineSettings(), cpu) == (False, False)  # "auto": compiled Triton needs CUDA
-    assert kernel_choice(EngineSettings(moe_backend="triton", fused_kernels=True), cpu) == (True, True)
+    assert kernel_choice(EngineSettings(), cpu) == (False, False, False)  # "auto": compiled Triton needs CUDA
+    demand = EngineSettings(moe_backend="triton", moe_prefill_kernel=True, fused_kernels=True)
+    assert kernel_choice(demand, cpu) == (True, True, True)
+    assert kernel_choice(EngineSettings(moe_backend="triton", fused_kernels=True), cpu) == (True, False, True)
 
     def installed():
         moe = [m.experts_fn is not None for m in tiny_model.modules() if hasattr(m, "experts_fn")]

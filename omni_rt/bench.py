@@ -367,9 +367,13 @@ async def bench_engine(
     conc: dict[int, tuple[list[Sample], float]] = {}
     steps: dict[str, dict[str, float]] = {}
     async with engine:
+        t0 = time.perf_counter()
         for i, ids in enumerate(prompts):
             warm = args.warmup if (i == 0 or not args.warmup_once) else 0
             for r in range(warm + args.requests):
+                over = args.row_budget_s and time.perf_counter() - t0 > args.row_budget_s
+                if over and r > warm:  # a slow row: every prompt still gets one timed request
+                    break
                 async with engine.session(voice=args.voice) as s:
                     sample = await timed_request(s, ids, args.text_tokens, args.frames, sampling)
                 if r >= warm:
@@ -636,6 +640,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1, help="warm-up requests per prompt")
     ap.add_argument(
         "--warmup-once", action="store_true", help="warm up on the first prompt only (saves GPU time)"
+    )
+    ap.add_argument(
+        "--row-budget-s",
+        type=float,
+        default=0.0,
+        help="stop a row's timed requests after this many seconds, one per prompt at least (0: no limit; "
+        "the slow rows then show fewer requests in the n column)",
     )
     ap.add_argument("--text-tokens", type=int, default=64)
     ap.add_argument("--frames", type=int, default=64)

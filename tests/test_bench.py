@@ -203,3 +203,15 @@ def test_teacher_forced_agreement_counts_positions_not_the_rest_of_the_reply():
     wrong_mid = text[:5] + [(text[5] + 1) % 1000 + 2000] + text[6:]
     got = bench.teacher_forced_agreement(model, prompts, [sample(wrong_mid)], greedy)
     assert got["agreement"] < 1.0
+
+
+def test_row_budget_keeps_one_timed_request_per_prompt(tmp_path):
+    out = tmp_path / "b.json"
+    argv = [
+        "--preset", "tiny", "--device", "cpu", "--requests", "3", "--warmup", "0", "--text-tokens", "2",
+        "--frames", "2", "--prompts", "8,24", "--rows", "0", "--concurrency", "", "--reference", "off",
+        "--no-determinism", "--row-budget-s", "0.001", "--json", str(out),
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["requests"] == 2  # the budget is spent after the first request: one per prompt, not 3

@@ -297,6 +297,7 @@ def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
         ("+ frame 0 in prefill", ("frame0_in_prefill",)),
         ("+ 1-frame first chunk", ("first_chunk_frames", "chunk_growth", "max_chunk_frames")),
         ("+ yield to talker", ("yield_to_talker_ms",)),
+        ("+ yield until first audio", ("yield_until",)),
     ]
     gpu_only = {("cuda_graphs",), ("prefill_graphs",)}  # CUDA graphs: nothing to show on a CPU
     needs_kernels = {

@@ -57,6 +57,12 @@ class EngineSettings(_Settings):
     yield_to_talker_ms: float = Field(
         12.0, ge=0.0, le=1000.0, description="longest the Thinker's next step waits for a pending frame 0"
     )
+    yield_until: Literal["frame0", "first_audio"] = Field(
+        "first_audio",
+        description="what the Thinker's yield (`yield_to_talker_ms`) waits for: the response's frame 0 leaving "
+        "the Talker, or its first PCM chunk leaving Code2Wav (the first chunk then runs without the Thinker's "
+        "decode beside it on the GPU)",
+    )
     cuda_graphs: bool = Field(True, description="capture per-token/per-frame steps in CUDA graphs (GPU only)")
     prefill_graphs: bool = Field(
         True,
@@ -127,6 +133,7 @@ class EngineSettings(_Settings):
             chunk_growth=False,
             max_chunk_frames=4,
             yield_to_talker_ms=0.0,
+            yield_until="frame0",
             cuda_graphs=False,
             prefill_graphs=False,
             prefill_launch_order=False,

@@ -126,8 +126,8 @@ def test_first_audio_before_last_text_delta():
 def test_thinker_second_step_starts_at_frame0_when_talker_is_fast():
     # frame 0 takes ~4 ms; a roomy cap keeps the test deterministic on a loaded machine
     p = make(
-        EngineSettings(yield_to_talker_ms=100),
-        FakeTimings(thinker_prefill=0.02, talker_last=0.002, predict=0.002),
+        EngineSettings(yield_to_talker_ms=100, yield_until="frame0"),
+        FakeTimings(thinker_prefill=0.02, talker_last=0.002, predict=0.002, code2wav_chunk=0.03),
     )
     try:
         req, sink = request("r")
@@ -139,6 +139,23 @@ def test_thinker_second_step_starts_at_frame0_when_talker_is_fast():
     decode1 = steps(p, "thinker", "decode")[0]
     # the Thinker's second step waited for frame 0, and no longer than the cap
     assert decode1.t_start >= frame0.t_end
+    assert decode1.t_start < steps(p, "code2wav", "chunk")[0].t_end  # not for the first audio
+    assert p.yields[0].t_end - p.yields[0].t_start < 0.1
+
+
+def test_thinker_second_step_waits_for_the_first_audio_when_asked():
+    p = make(
+        EngineSettings(yield_to_talker_ms=100, yield_until="first_audio"),
+        FakeTimings(thinker_prefill=0.02, talker_last=0.002, predict=0.002, code2wav_chunk=0.03),
+    )
+    try:
+        run(p, request("r"))
+    finally:
+        p.stop()
+    assert len(p.yields) == 1 and p.yields[0].woke_by == "frame0"
+    first_chunk = steps(p, "code2wav", "chunk")[0]
+    decode1 = steps(p, "thinker", "decode")[0]
+    assert decode1.t_start >= first_chunk.t_end  # the first PCM chunk ran without the Thinker beside it
     assert p.yields[0].t_end - p.yields[0].t_start < 0.1
 
 

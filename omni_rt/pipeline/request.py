@@ -89,7 +89,8 @@ class Request:
     samples: int = 0  # 24 kHz samples emitted (Code2Wav)
     error: BaseException | None = None
     cancelled: bool = False
-    # frame 0 is pending: the Talker has the first token and can make frame 0 without more text
+    # frame 0 is pending: the Talker has the first token and can make frame 0 without more text; with
+    # `yield_until="first_audio"` the flag stays up until the first PCM chunk is out
     frame0_pending: bool = False
     talker_prefilled: bool = False  # the Talker's prompt prefix is in its cache (multi-turn reuse)
     yielded: bool = False  # the Thinker has already waited once for this request's frame 0

@@ -371,7 +371,8 @@ class Pipeline:
             self.talker_inbox.put(m)
 
     def _yield_to_talker(self, batch: list[Request]) -> None:
-        """Let a pending frame 0 go first: wait for it, at most `yield_to_talker_ms`, on a Condition."""
+        """Let a pending frame 0 go first: wait for it (or for the first PCM chunk, `yield_until`), at most
+        `yield_to_talker_ms`, on a Condition."""
         cap = self.settings.yield_to_talker_ms / 1000.0
         if cap <= 0:
             return
@@ -541,7 +542,7 @@ class Pipeline:
             index = s.req.frames
             s.req.frames += 1
             self.code2wav_inbox.put(("frame", s.req, codes, index))
-            if index == 0:
+            if index == 0 and self.settings.yield_until == "frame0":
                 self._clear_frame0(s.req)  # wakes a Thinker yielding to this frame
             if s.codes_sampled >= s.req.max_audio_frames:
                 self._talker_finish(s, seqs)
@@ -624,10 +625,13 @@ class Pipeline:
             self._record("code2wav", "chunk", t0, [a.req])
             if a.req.stopped:
                 return  # cancelled while decoding: drop the chunk
-            if a.req.t_first_pcm is None:
+            first = a.req.t_first_pcm is None
+            if first:
                 a.req.t_first_pcm = self.clock()
             a.req.samples += len(pcm)
             self._post(a.req, AudioOut(pcm, a.next_frame, n))
+            if first:
+                self._clear_frame0(a.req)  # wakes a Thinker yielding until the first audio (yield_until)
             a.next_frame += n
             a.chunk += 1
 

@@ -292,6 +292,7 @@ def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
         ("+ triton MoE decode", ("moe_backend",)),
         ("+ triton MoE prefill", ("moe_prefill_kernel",)),
         ("+ fused kernels", ("fused_kernels",)),
+        ("+ packed projections", ("packed_projections",)),
         ("+ event hand-off", ("handoff",)),
         ("+ talker prefill overlap", ("talker_overlap_prefill",)),
         ("+ frame 0 in prefill", ("frame0_in_prefill",)),
@@ -299,7 +300,8 @@ def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
         ("+ yield to talker", ("yield_to_talker_ms",)),
         ("+ yield until first audio", ("yield_until",)),
     ]
-    gpu_only = {("cuda_graphs",), ("prefill_graphs",)}  # CUDA graphs: nothing to show on a CPU
+    # CUDA graphs and packed projections: off on a CPU by default (nothing to show there)
+    gpu_only = {("cuda_graphs",), ("prefill_graphs",), ("packed_projections",)}
     needs_kernels = {
         ("moe_backend",),
         ("moe_prefill_kernel",),

@@ -55,7 +55,11 @@ class EngineSettings(_Settings):
     chunk_growth: bool = Field(True, description="double the Code2Wav chunk after each chunk")
     max_chunk_frames: int = Field(16, ge=1, le=256, description="cap on a grown Code2Wav chunk")
     yield_to_talker_ms: float = Field(
-        12.0, ge=0.0, le=1000.0, description="longest the Thinker's next step waits for a pending frame 0"
+        20.0,
+        ge=0.0,
+        le=1000.0,
+        description="longest the Thinker's next step waits for a pending frame 0 (or first audio, `yield_until`); "
+        "on an H200 the first PCM chunk is out ~10 ms after the first token",
     )
     yield_until: Literal["frame0", "first_audio"] = Field(
         "first_audio",
@@ -93,6 +97,11 @@ class EngineSettings(_Settings):
         description="with the Triton MoE decode kernel: prefill-sized MoE calls (over 16 token rows) run the "
         "Triton grouped GEMM of omni_rt.kernels.moe_prefill instead of torch's grouped_mm. None: where "
         "Triton runs on a CUDA device; True: on, an error where it cannot run; False: grouped_mm",
+    )
+    packed_projections: bool | None = Field(
+        None,
+        description="one GEMM for each attention's q/k/v and each dense MLP's gate/up (omni_rt.kernels.packed; "
+        "plain PyTorch, weights packed in place). None: on a CUDA device; True: on; False: off",
     )
     fused_kernels: bool | None = Field(
         None,
@@ -140,6 +149,7 @@ class EngineSettings(_Settings):
             moe_backend="plain",
             moe_prefill_kernel=False,
             fused_kernels=False,
+            packed_projections=False,
         )
         return cls(**(base | overrides))
 

@@ -17,7 +17,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
@@ -56,18 +56,31 @@ def triton_runs(device: Any) -> bool:
     return triton_available()
 
 
-def kernel_choice(settings: EngineSettings, device: Any) -> tuple[bool, bool, bool]:
-    """(Triton MoE decode kernel, Triton MoE prefill kernel, fused kernels) that `settings` give a model
-    on `device` ("auto"/None: where they can run); a ConfigError when a setting demands them where they
-    cannot run. The prefill kernel rides with the decode kernel (one expert function for both)."""
+class KernelChoice(NamedTuple):
+    """The fast-path pieces installed on a model from outside (`apply_kernels`)."""
+
+    moe: bool  # Triton MoE decode kernel
+    moe_prefill: bool  # Triton MoE prefill kernel (rides with the decode kernel)
+    fused: bool  # fused Triton kernels (RMSNorm, q/k norm + RoPE + cache, router, decode attention, ...)
+    packed: bool  # packed projections (one GEMM for q/k/v and for gate/up; plain PyTorch)
+
+
+def kernel_choice(settings: EngineSettings, device: Any) -> KernelChoice:
+    """What `settings` give a model on `device` ("auto"/None: the Triton kernels where Triton runs on a
+    CUDA device, packed projections on any CUDA device); a ConfigError when a setting demands Triton
+    kernels where they cannot run."""
     runs = triton_runs(device)
 
-    def wanted(value: bool | None) -> bool:
-        return bool(value) or (value is None and runs)
+    def wanted(value: bool | None, where: bool) -> bool:
+        return bool(value) or (value is None and where)
 
     moe = settings.moe_backend == "triton" or (settings.moe_backend == "auto" and runs)
-    prefill = moe and wanted(settings.moe_prefill_kernel)
-    fused = wanted(settings.fused_kernels)
+    choice = KernelChoice(
+        moe=moe,
+        moe_prefill=moe and wanted(settings.moe_prefill_kernel, runs),
+        fused=wanted(settings.fused_kernels, runs),
+        packed=wanted(settings.packed_projections, device.type == "cuda"),
+    )
     demanded = [
         name
         for name, on in (
@@ -88,32 +101,38 @@ def kernel_choice(settings: EngineSettings, device: Any) -> tuple[bool, bool, bo
             raise ConfigError(
                 f"{', '.join(demanded)}: cannot use the Triton kernels here (needs Triton and a CUDA device)"
             )
-    return moe, prefill, fused
+    return choice
 
 
-def apply_kernels(omni: Any, settings: EngineSettings) -> tuple[bool, bool, bool]:
-    """Install on `omni` exactly the Triton kernels `settings` ask for, removing any others (a model
+def apply_kernels(omni: Any, settings: EngineSettings) -> KernelChoice:
+    """Install on `omni` exactly the fast-path pieces `settings` ask for, removing any others (a model
     shared by engines of different settings, as in the benchmark); call before graphs are captured,
     which keep whatever launches they recorded. Returns `kernel_choice`."""
-    moe, prefill, fused = kernel_choice(settings, omni.device)
+    choice = kernel_choice(settings, omni.device)
     try:
-        if moe:
+        if choice.moe:
             from omni_rt.kernels import moe_decode
 
-            moe_decode.install(omni, "triton", prefill_kernel=prefill)
+            moe_decode.install(omni, "triton", prefill_kernel=choice.moe_prefill)
         else:
             for m in omni.modules():
                 if hasattr(m, "experts_fn"):
                     m.experts_fn = None  # back to the module's own impl
-        if fused:
+        if choice.fused:
             from omni_rt.kernels import fused as fused_kernels
 
             fused_kernels.install_all(omni)
         elif "omni_rt.kernels.fused" in sys.modules:  # never imported: nothing of it can be installed
             sys.modules["omni_rt.kernels.fused"].uninstall_all(omni)
+        if choice.packed:
+            from omni_rt.kernels import packed
+
+            packed.install_packed(omni)
+        elif "omni_rt.kernels.packed" in sys.modules:
+            sys.modules["omni_rt.kernels.packed"].uninstall_packed(omni)
     except (ImportError, RuntimeError) as e:
         raise ConfigError(f"cannot use the Triton kernels here: {e}") from None
-    return moe, prefill, fused
+    return choice
 
 
 class Engine:

@@ -91,11 +91,11 @@ def test_row_plan_adds_one_optimisation_per_row_and_ends_all_on():
     all_on = EngineSettings.all_off(**plan[-1][1])
     assert all_on.model_dump() == EngineSettings().model_dump()  # the last row is every optimisation on
     names = [n for n, _ in plan]
-    kernel_rows = ["+ triton MoE decode", "+ triton MoE prefill", "+ fused kernels"]
-    assert names[names.index(kernel_rows[0]) :][:3] == kernel_rows
+    kernel_rows = ["+ triton MoE decode", "+ triton MoE prefill", "+ fused kernels", "+ packed projections"]
+    assert names[names.index(kernel_rows[0]) :][:4] == kernel_rows
     cpu = dict(bench.row_plan("cpu", kernel_ok=False))
     assert "+ cuda graphs" not in cpu and "+ prefill graphs" not in cpu
-    kernel_fields = {"moe_backend", "moe_prefill_kernel", "fused_kernels"}
+    kernel_fields = {"moe_backend", "moe_prefill_kernel", "fused_kernels", "packed_projections"}
     assert all(not kernel_fields & set(v) for v in cpu.values())
     cpu_last = bench.row_plan("cpu", kernel_ok=False)[-1][1]
     # on the CPU the last row is all on but for the GPU-only graphs and kernels
@@ -105,6 +105,7 @@ def test_row_plan_adds_one_optimisation_per_row_and_ends_all_on():
         moe_backend="plain",
         moe_prefill_kernel=False,
         fused_kernels=False,
+        packed_projections=False,
     )
     assert EngineSettings.all_off(**cpu_last).model_dump() == gpu_only_off.model_dump()
 

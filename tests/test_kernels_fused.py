@@ -434,10 +434,11 @@ def test_apply_kernels_installs_what_settings_ask_and_removes_the_rest(tiny_mode
     from omni_rt.engine import apply_kernels, kernel_choice
 
     cpu = torch.device("cpu")
-    assert kernel_choice(EngineSettings(), cpu) == (False, False, False)  # "auto": compiled Triton needs CUDA
+    assert kernel_choice(EngineSettings(), cpu) == (False, False, False, False)  # "auto": these need CUDA
     demand = EngineSettings(moe_backend="triton", moe_prefill_kernel=True, fused_kernels=True)
-    assert kernel_choice(demand, cpu) == (True, True, True)
-    assert kernel_choice(EngineSettings(moe_backend="triton", fused_kernels=True), cpu) == (True, False, True)
+    assert kernel_choice(demand, cpu) == (True, True, True, False)
+    demand = EngineSettings(moe_backend="triton", fused_kernels=True, packed_projections=True)
+    assert kernel_choice(demand, cpu) == (True, False, True, True)
 
     def installed():
         moe = [m.experts_fn is not None for m in tiny_model.modules() if hasattr(m, "experts_fn")]
@@ -482,3 +483,19 @@ def test_row_wise_kernels_keep_a_bf16_prefill_bit_for_bit():
         fused.uninstall_all(model)
     assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)
     assert torch.equal(logits, ref_logits)
+
+
+def test_fused_kernels_take_the_packed_projections_strided_views():
+    # packed q/k/v are column slices of one GEMM's output (row stride > width): the fused q/k norm +
+    # RoPE + cache kernel reads them by stride, with the same results as the plain path
+    from omni_rt.kernels import fused, packed
+
+    from omni_rt.model.omni import OmniModel
+
+    model = OmniModel.build(preset("tiny"), weights="random", seed=1)
+    ref_logits = _thinker_decode(model, model.thinker.allocate_cache(2, 8))
+    fused.install_all(model)
+    packed.install_packed(model)
+    cache = model.thinker.allocate_cache(2, 8)
+    logits = _thinker_decode(model, cache)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)

@@ -263,8 +263,9 @@ class Attention(nn.Module):
         if cfg.use_qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        # set from outside to swap in fused kernels: q/k norm + RoPE + cache write (signature of
-        # `qk_norm_rope_cache`), and the attention itself (signature of `attend`)
+        # set from outside to swap in fused kernels: the q/k/v projections (x -> (q, k, v)), q/k norm +
+        # RoPE + cache write (signature of `qk_norm_rope_cache`), and the attention (signature of `attend`)
+        self.proj_fn: ProjFn | None = None
         self.qkv_fn: QkvFn | None = None
         self.attn_fn: AttnFn | None = None
 
@@ -286,7 +287,10 @@ class Attention(nn.Module):
         computed once per forward by the caller to save kernels; built here when absent.
         """
         b, t, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, heads * D]
+        if self.proj_fn is not None:
+            q, k, v = self.proj_fn(self, x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, T, heads * D]
         q = (self.qkv_fn or qk_norm_rope_cache)(self, q, k, v, cos, sin, cache, slots, positions)
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [S, KV, L, D]
         kv_len = cache.max_len if kv_len is None else kv_len
@@ -337,6 +341,7 @@ def qk_norm_rope_cache(
 
 
 QkvFn = Callable[..., torch.Tensor]  # the signature of `qk_norm_rope_cache`
+ProjFn = Callable[["Attention", torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def attention_mask(positions: torch.Tensor, kv_len: int, rep: int) -> torch.Tensor:

@@ -211,7 +211,7 @@ def test_row_budget_keeps_one_timed_request_per_prompt(tmp_path):
     argv = [
         "--preset", "tiny", "--device", "cpu", "--requests", "3", "--warmup", "0", "--text-tokens", "2",
         "--frames", "2", "--prompts", "8,24", "--rows", "0", "--concurrency", "", "--reference", "off",
-        "--no-determinism", "--row-budget-s", "0.001", "--json", str(out),
+        "--no-determinism", "--row-budget-s", "0.001", "--json", str(out), "--png", str(tmp_path / "b.png"),
     ]  # fmt: skip
     assert bench.main(argv) == 0
     row = json.loads(out.read_text())["rows"][0]

@@ -609,17 +609,22 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def _commit() -> str:
+    """HEAD's short hash, "+dirty" when tracked files differ from it (a copied tree whose .git is stale
+    says so instead of naming a commit it does not run); OMNI_RT_COMMIT overrides."""
     if os.environ.get("OMNI_RT_COMMIT"):
         return os.environ["OMNI_RT_COMMIT"]
-    try:
+
+    def git(*args: str) -> str:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).parent,
+            ["git", *args], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
         )
-        return out.stdout.strip() or "unknown"
+        return out.stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        if not head:
+            return "unknown"
+        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except Exception:  # noqa: BLE001 - no git (e.g. an installed wheel)
         return "unknown"
 

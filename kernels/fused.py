@@ -5,7 +5,7 @@
     fused.install_all(model, enabled={"router"})    # a subset (the GPU script measures each one's share)
     fused.uninstall_all(model)                      # back to the plain path
 
-Intended behind `EngineSettings.fused_kernels: bool` (install after the weights are loaded and before any
+Behind `EngineSettings.fused_kernels` (`omni_rt.engine.apply_kernels`; install after the weights are loaded and before any
 CUDA graph is captured: graphs keep whatever launches they recorded). Each hook replaces a module
 instance's method (`forward`, or `SparseMoe.route`) or fills the seam the model declares
 (`Attention.qkv_fn`, `Attention.attn_fn`), and falls back to the plain code for inputs it does not cover, so prefill keeps the

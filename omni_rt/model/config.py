@@ -216,7 +216,8 @@ class OmniConfig:
     speakers: dict[str, int] = field(default_factory=lambda: {"chelsie": 2301, "ethan": 2302, "aiden": 2303})
     num_code_groups: int = 16
     accept_hidden_layer: int = 24  # Talker reads Thinker hidden_states[24] at multimodal positions
-    audio_config: dict[str, Any] = field(default_factory=dict)  # the audio encoder's (thinker.audio_tower), verbatim
+    # the audio encoder's config (thinker.audio_tower), verbatim
+    audio_config: dict[str, Any] = field(default_factory=dict)
 
     def __hash__(self) -> int:  # dict field: hash by identity of the shapes that matter
         return hash((self.thinker, self.talker, self.code_predictor, self.code2wav, self.ids))

@@ -92,6 +92,9 @@ class Session:
         self.conversation: list[int] = []  # every token so far, ending with the last reply
         self._thinker_cached = 0  # conversation[:n] is in the Thinker's cache
         self._talker_cached = 0  # user-turn tokens in the Talker's cache (its positions 0..n-1)
+        # the Thinker's hidden states of a spoken turn the Talker never prefilled (its reply was cut before
+        # that): the next turn's Talker prompt reads them at that turn's audio positions
+        self._talker_hidden = None
         self._caches_of = engine.pipeline  # the run whose caches hold them (a restart starts empty)
         self._current: _Response | None = None
         self._last: _Response | None = None  # the previous response, until the pipeline lets go of it
@@ -285,6 +288,7 @@ class Session:
                     "be prefilled again: open a new session"
                 )
             self._thinker_cached = self._talker_cached = 0
+            self._talker_hidden = None
             self._caches_of = self.engine.pipeline
         if (text is None and audio is None) == (input_ids is None):
             raise InvalidRequestError("give text and/or audio, or input_ids")
@@ -358,6 +362,7 @@ class Session:
             t0=t0,
             ignore_eos=ignore_eos,
             audio_features=None if audio is None else [audio],
+            carried_hidden=self._talker_hidden,
         )
         return req, rate
 
@@ -386,6 +391,9 @@ class Session:
         self._thinker_cached = len(self.conversation) - 1  # the last sampled token was never fed
         if req.talker_prefilled:
             self._talker_cached = count_user_tokens(req.prompt_ids, self.ids.im_start, self.ids.user)
+            self._talker_hidden = None
+        elif req.thinker_hidden is not None:  # a spoken turn cut before the Talker's prefill: keep its
+            self._talker_hidden = req.thinker_hidden  # hidden states (and any carried) for the next turn
 
     async def _events(self, resp: _Response, rid: str, rate: int, t0: float) -> AsyncIterator[Event]:
         req = resp.req

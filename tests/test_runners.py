@@ -378,3 +378,47 @@ def test_every_code2wav_call_that_touches_its_state_runs_on_its_stream(model, mo
     runner.flush(req)
     runner.close(req)
     assert resets and all(resets)  # open, flush (the stream starts afresh), close
+
+
+def test_a_cut_spoken_turn_reaches_the_next_talker_prompt_through_carried_hidden(model):
+    """A spoken turn whose reply was cut before the Talker prefilled it: the next (text) turn's Talker
+    prompt must read that turn's audio positions from the Thinker's hidden states carried over, exactly
+    as a prompt built from the whole conversation's hidden states, not from zeros."""
+    import numpy as np
+
+    from omni_rt.audio.features import audio_token_count, log_mel
+    from omni_rt.model.speech_input import speech_prompt
+    from omni_rt.model.talker import talker_prompt_prefix
+
+    s = EngineSettings(**SETTINGS).model_copy(update={"cuda_graphs": False})
+    thinker, talker = ThinkerRunner(model, s), TalkerRunner(model, s)
+    t = np.arange(8000) / 16000
+    features = log_mel((0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 16000)
+    count = int(audio_token_count(features.shape[1], int(model.cfg.audio_config.get("n_window", 50))))
+    turn1 = request(model, "", 0)
+    turn1.prompt_ids = speech_prompt(model.cfg.ids, [count], text_ids=[65, 66])
+    turn1.audio_features = [features]
+    with torch.no_grad():
+        thinker._prefill_logits([turn1])
+    spoken = turn1.thinker_hidden  # [P1, H], the Talker never saw it
+    reply = [70, 71]
+    history = turn1.prompt_ids + reply + [model.cfg.ids.im_end, model.cfg.ids.newline]
+    turn2 = request(model, "And now?", 0, history=history)
+    turn2.carried_hidden = spoken
+    whole = torch.zeros(len(turn2.prompt_ids), spoken.shape[1])
+    whole[: spoken.shape[0]] = spoken
+    embed = model.thinker.embed
+    speaker = turn2.speaker_id
+    with torch.no_grad():
+        want = talker_prompt_prefix(model.talker, embed, turn2.prompt_ids, speaker, whole)
+        zeros = talker_prompt_prefix(model.talker, embed, turn2.prompt_ids, speaker, torch.zeros_like(whole))
+        got = talker.prompt_prefix(turn2)
+    assert not torch.allclose(want, zeros)  # the audio positions do read the hidden states
+    torch.testing.assert_close(got, want)
+    # a spoken second turn keeps the carried rows beside its own
+    turn3 = request(model, "", 0, history=history)
+    turn3.prompt_ids = speech_prompt(model.cfg.ids, [count], text_ids=[67], history=history)
+    turn3.audio_features, turn3.carried_hidden = [features], spoken
+    with torch.no_grad():
+        thinker._prefill_logits([turn3])
+    torch.testing.assert_close(turn3.thinker_hidden[: spoken.shape[0]], spoken)

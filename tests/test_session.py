@@ -451,3 +451,27 @@ async def test_a_dropped_response_closed_late_still_ends_before_the_next_turn_is
         go = TOK.chat_prompt([("user", "Go")])
         assert s.conversation[: len(go)] == go
         assert done.usage.cached_tokens >= len(go)
+
+
+async def test_hidden_states_of_a_turn_the_talker_never_prefilled_go_to_the_next_turn():
+    # a spoken turn cut before the Talker's prefill: its Thinker hidden states ride on the session until a
+    # turn's Talker prefill has them in its cache (tests/test_runners.py checks what the runners do with them)
+    async with fake_engine() as engine, engine.session() as s:
+
+        def build(text):
+            req, _ = s._build("r", 0.0, text, None, None, None, None, 4, 4, False)
+            return req
+
+        first = build("Hello")
+        assert first.carried_hidden is None
+        first.tokens, first.thinker_hidden = [2000, 2001], object()  # as the Thinker runner leaves them
+        s._commit(first, "cancelled")  # the Talker never prefilled it
+        second = build("Again")
+        assert second.carried_hidden is first.thinker_hidden and second.talker_start == 0
+        second.tokens = [2002]
+        s._commit(second, "failed")  # a failed turn is not in the conversation: the carried rows stay
+        third = build("Again")
+        assert third.carried_hidden is first.thinker_hidden
+        third.tokens, third.talker_prefilled = [2003], True
+        s._commit(third, "completed")  # now in the Talker's cache
+        assert build("More").carried_hidden is None

@@ -81,6 +81,10 @@ class Request:
     # so its prompt prefix waits for the Thinker's prefill instead of overlapping it.
     audio_features: list[Any] | None = None
     thinker_hidden: Any = None  # [len(prompt_ids), H] set by the Thinker runner for the Talker runner
+    # [n, H]: the Thinker's hidden states of prompt_ids[:n] that the Talker has not prefilled yet (an
+    # earlier spoken turn whose reply was cut before the Talker's prefill): its audio positions are in
+    # this turn's Talker prompt, and the Thinker, which has them cached, will not compute them again
+    carried_hidden: Any = None
 
     # state written by the stages
     tokens: list[int] = field(default_factory=list)  # generated text tokens, in order (Thinker)

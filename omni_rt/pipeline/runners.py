@@ -370,6 +370,8 @@ class ThinkerRunner:
         x = build_speech_input(self.thinker, self._encoder(), new, req.audio_features, self.ids)
         logits, hidden = self._prefill_embeds([req], x.inputs_embeds)  # [1, V], [1, T, H]
         full = hidden.new_zeros(len(req.prompt_ids), hidden.shape[-1])  # [P, H]
+        if req.carried_hidden is not None:  # earlier turns the Talker has not prefilled yet
+            full[: req.carried_hidden.shape[0]] = req.carried_hidden
         full[req.thinker_start :] = hidden[0, : len(new)]  # a copy: a graph's output is reused
         req.thinker_hidden = full
         return logits
@@ -494,11 +496,14 @@ class TalkerRunner:
     def prompt_prefix(self, req: Request) -> torch.Tensor:
         """The Talker prompt but its last position, for the whole conversation: [L - 1, Ht].
 
-        Audio positions read the Thinker's hidden states (this turn's, from the Thinker runner); those
-        of earlier turns are already in this slot's cache and are not fed again, so zeros stand in."""
+        Audio positions read the Thinker's hidden states (this turn's, from the Thinker runner, and any
+        carried from earlier turns the Talker has not prefilled); those of turns already in this slot's
+        cache are not fed again, so zeros stand in."""
         hidden = req.thinker_hidden
         if hidden is None and any(t in self._mm_ids for t in req.prompt_ids):
             hidden = torch.zeros(len(req.prompt_ids), self.cfg.thinker.hidden_size, device=self.device)
+            if req.carried_hidden is not None:
+                hidden[: req.carried_hidden.shape[0]] = req.carried_hidden.to(self.device)
         return talker_prompt_prefix(self.talker, self.embed_text, req.prompt_ids, req.speaker_id, hidden)
 
     @stage_call

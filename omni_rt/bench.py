@@ -114,7 +114,7 @@ async def timed_request(
     async for ev in session.respond(**kwargs):
         now = time.perf_counter()
         if ev.type == "response.output_text.delta":
-            n = len(ev.token_ids) if ev.token_ids else 1
+            n = len(ev.token_ids) if ev.token_ids is not None else 1  # [] : a flushed partial character
             token_ids += list(ev.token_ids or [])
             if first_text is None:
                 first_text, first_text_tokens = now, n

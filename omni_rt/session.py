@@ -448,6 +448,13 @@ class Session:
                 error = ErrorEvent.from_exception(msg.error, rid)
                 yield error
             elif isinstance(msg, DoneOut):
+                if not resp.cancel_requested:  # a reply cut mid-character (max_output_tokens): the text
+                    tail = text_dec.flush()  # deltas still add up to the decode of all its ids (U+FFFD)
+                    if tail:
+                        yield ResponseOutputTextDelta(response_id=rid, delta=tail, token_ids=[])
+                    tail = transcript_dec.flush()
+                    if tail:
+                        yield ResponseOutputAudioTranscriptDelta(response_id=rid, delta=tail)
                 status = msg.status
                 if resp.cancel_requested and status == "completed":
                     status = "cancelled"  # finished before the cancel landed; the caller asked to stop

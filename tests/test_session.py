@@ -475,3 +475,27 @@ async def test_hidden_states_of_a_turn_the_talker_never_prefilled_go_to_the_next
         third.tokens, third.talker_prefilled = [2003], True
         s._commit(third, "completed")  # now in the Talker's cache
         assert build("More").carried_hidden is None
+
+
+async def test_a_reply_cut_mid_character_still_adds_up_to_its_decode():
+    # max_output_tokens ends the reply inside a multi-byte character: the held-back bytes come out at
+    # the end (as U+FFFD), so the text deltas add up to the decode of every id, as the caller expects
+    cut = TOK.encode("ok 😀")[:-2]  # the emoji's last two bytes never come
+
+    class Cut(FakeThinker):
+        def _token(self, req, i):
+            return cut[i]
+
+    t = FakeTimings(thinker_prefill=0.001, thinker_decode=0.001, talker_prefix=0.001)
+
+    def stages(s):
+        return Cut(t, CFG.ids), FakeTalker(t, CFG.ids), FakeCode2Wav(t)
+
+    async with Engine(CFG, TOK, stages, omni_rt.EngineSettings()) as engine, engine.session() as s:
+        events = await collect(s, "Hi", max_output_tokens=len(cut))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    ids = [i for e in deltas for i in e.token_ids]
+    assert ids == cut and deltas[-1].token_ids == []
+    text = "".join(e.delta for e in deltas)
+    assert text == TOK.decode(cut) and text.endswith("\ufffd")
+    assert events[-1].type == "response.done" and events[-1].usage.output_tokens == len(cut)

@@ -443,18 +443,18 @@ class Session:
                             response_id=rid, pcm=_to_int16(tail), sample_rate=rate, frame_index=req.frames,
                             num_frames=0,
                         )  # fmt: skip
+                # what was spoken is complete, and so is the text when the Thinker is done: a last
+                # character cut short (max_output_tokens) comes out before the audio's end
+                for ev in _flushed(rid, transcript_dec, text_dec if req.text_done else None):
+                    yield ev
                 yield ResponseOutputAudioDone(response_id=rid)
             elif isinstance(msg, ErrorOut):
                 error = ErrorEvent.from_exception(msg.error, rid)
                 yield error
             elif isinstance(msg, DoneOut):
-                if not resp.cancel_requested:  # a reply cut mid-character (max_output_tokens): the text
-                    tail = text_dec.flush()  # deltas still add up to the decode of all its ids (U+FFFD)
-                    if tail:
-                        yield ResponseOutputTextDelta(response_id=rid, delta=tail, token_ids=[])
-                    tail = transcript_dec.flush()
-                    if tail:
-                        yield ResponseOutputAudioTranscriptDelta(response_id=rid, delta=tail)
+                if not resp.cancel_requested:  # whatever is still held back (no audio, or text after it)
+                    for ev in _flushed(rid, transcript_dec, text_dec):
+                        yield ev
                 status = msg.status
                 if resp.cancel_requested and status == "completed":
                     status = "cancelled"  # finished before the cancel landed; the caller asked to stop
@@ -471,6 +471,19 @@ class Session:
                     error=None if error is None else error.error,
                 )
                 return
+
+
+def _flushed(rid: str, transcript_dec: Any, text_dec: Any | None) -> list[Event]:
+    """The bytes the incremental decoders still hold back (a reply cut mid-character, decoded as U+FFFD),
+    as last deltas, so that a response's deltas add up to the decode of all its ids."""
+    out: list[Event] = []
+    tail = transcript_dec.flush()
+    if tail:
+        out.append(ResponseOutputAudioTranscriptDelta(response_id=rid, delta=tail))
+    tail = text_dec.flush() if text_dec is not None else ""
+    if tail:
+        out.append(ResponseOutputTextDelta(response_id=rid, delta=tail, token_ids=[]))
+    return out
 
 
 def _check_types(text, voice, sampling, max_output_tokens, max_audio_frames) -> None:

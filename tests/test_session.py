@@ -64,7 +64,9 @@ async def test_event_stream_shape():
     assert all(d.sample_rate == 24000 and d.pcm.dtype == np.int16 for d in deltas)
     assert sum(len(d.pcm) for d in deltas) == 1920 * events[-1].usage.audio_frames - 555
     text = [e for e in events if e.type == "response.output_text.delta"]
-    assert len(text) == 11  # 12 tokens, the last is the end-of-turn token
+    ids = [i for e in text for i in e.token_ids]
+    assert len(ids) == 11 and all(e.token_ids for e in text[:11])  # 12 tokens, the last is end-of-turn
+    assert "".join(e.delta for e in text) == TOK.decode(ids)  # a cut last character flushed at the end
     assert "response.output_audio_transcript.delta" in t
     assert events[-1].status == "completed" and events[-1].error is None
 

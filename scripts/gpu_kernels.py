@@ -15,10 +15,10 @@ import argparse
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
+from gpu_timing import R, time_graph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 try:
@@ -39,7 +39,6 @@ TRITON_CONFIGS = [
     dict(block_i=8, block_h=256, block_h_down=4, block_i_down=256, num_warps=2),
 ]
 LAYERS = 4  # weight copies cycled through, 4 x 1.2 GB at Thinker shapes >> L2
-R = 16  # calls per captured graph
 
 
 def measure_bandwidth(dev) -> float:
@@ -80,43 +79,6 @@ def make_inputs(shape, n, dtype, dev, seed):
     w, ids = torch.softmax(logits, -1).topk(shape["k"], dim=-1)
     w = (w / w.sum(-1, keepdim=True)).to(dtype)
     return x, ids, w
-
-
-def time_graph(fn, layers, inputs, replays=30):
-    """Capture R calls (cycling layers and routings) in one graph; return (us per call, eager us per call)."""
-    outs = []
-
-    def run_all():
-        outs.clear()
-        for r in range(R):
-            gu, dn = layers[r % LAYERS]
-            x, ids, w = inputs[r % len(inputs)]
-            outs.append(fn(x, ids, w, gu, dn))
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):  # warm-up outside capture: Triton compiles, cuBLAS picks kernels
-            run_all()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        run_all()
-    torch.cuda.synchronize()
-    eager_us = (time.perf_counter() - t0) / (3 * R) * 1e6
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_all()
-    graph.replay()
-    torch.cuda.synchronize()
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    st.record()
-    for _ in range(replays):
-        graph.replay()
-    en.record()
-    torch.cuda.synchronize()
-    return st.elapsed_time(en) * 1e3 / (replays * R), eager_us
 
 
 def rel_err(a, b):

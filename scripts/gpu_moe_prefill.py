@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from gpu_timing import R, time_graph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
@@ -44,7 +45,6 @@ CONFIGS = [
 ]
 CPU_CONFIGS = [dict(block_m=16, block_n=16, block_k=16, block_n_down=16, block_k_down=16, num_warps=4)]
 LAYERS = 4  # weight copies cycled through: 4 x 1.2 GB at Thinker shapes >> L2
-R = 16  # calls per captured graph
 
 
 def measure_bandwidth(dev) -> float:
@@ -97,45 +97,6 @@ def reference_fp32(x, ids, w, gu, dn):
         a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
         out.index_add_(0, tok, (a @ dn[e].float().T) * w[tok, slot, None].float())
     return out
-
-
-def time_graph(fn, layers, inputs, replays):
-    """Capture R calls (cycling layers and routings) in one graph; (us per call graphed, eager)."""
-    outs = []
-
-    def run_all():
-        outs.clear()
-        for r in range(R):
-            gu, dn = layers[r % len(layers)]
-            x, ids, w = inputs[r % len(inputs)]
-            outs.append(fn(x, ids, w, gu, dn))
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):  # warm-up outside capture: Triton compiles, cuBLAS picks kernels
-            run_all()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(2):
-        run_all()
-    torch.cuda.synchronize()
-    eager_us = (time.perf_counter() - t0) / (2 * R) * 1e6
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_all()
-    graph.replay()
-    torch.cuda.synchronize()
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    st.record()
-    for _ in range(replays):
-        graph.replay()
-    en.record()
-    torch.cuda.synchronize()
-    us = st.elapsed_time(en) * 1e3 / (replays * R)
-    del graph
-    return us, eager_us
 
 
 def time_eager(fn, layers, inputs):

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
-from gpu_timing import R, time_graph
+from gpu_moe_common import SHAPES, R, make_inputs, make_layers, measure_bandwidth, rel_err, time_graph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 try:
@@ -27,10 +27,6 @@ except ImportError:  # not installed editable: load the kernels folder directly
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
     import moe_decode as md  # type: ignore[no-redef]
 
-SHAPES = {
-    "thinker": dict(E=128, H=2048, I=768, k=8),
-    "talker": dict(E=128, H=1024, I=384, k=6),
-}
 TRITON_CONFIGS = [
     dict(block_i=16, block_h=256, block_h_down=16, block_i_down=256, num_warps=4),
     dict(block_i=8, block_h=512, block_h_down=8, block_i_down=256, num_warps=4),
@@ -38,51 +34,6 @@ TRITON_CONFIGS = [
     dict(block_i=16, block_h=512, block_h_down=16, block_i_down=512, num_warps=8),
     dict(block_i=8, block_h=256, block_h_down=4, block_i_down=256, num_warps=2),
 ]
-LAYERS = 4  # weight copies cycled through, 4 x 1.2 GB at Thinker shapes >> L2
-
-
-def measure_bandwidth(dev) -> float:
-    """Device-to-device copy of 2 GiB, bytes read + written over time: the streaming ceiling (B/s)."""
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.bfloat16, device=dev)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(10):
-        b.copy_(a)
-    e.record()
-    torch.cuda.synchronize()
-    bw = 10 * 2 * a.numel() * 2 / (s.elapsed_time(e) / 1e3)
-    del a, b
-    torch.cuda.empty_cache()
-    return bw
-
-
-def make_layers(shape, dtype, dev, seed=0):
-    g = torch.Generator(device=dev).manual_seed(seed)
-    E, H, inter = shape["E"], shape["H"], shape["I"]
-    layers = []
-    for _ in range(LAYERS):
-        gu = torch.randn(E, 2 * inter, H, generator=g, device=dev, dtype=dtype) / math.sqrt(H)
-        dn = torch.randn(E, H, inter, generator=g, device=dev, dtype=dtype) / math.sqrt(inter)
-        layers.append((gu, dn))
-    return layers
-
-
-def make_inputs(shape, n, dtype, dev, seed):
-    g = torch.Generator(device=dev).manual_seed(seed)
-    x = torch.randn(n, shape["H"], generator=g, device=dev, dtype=dtype)
-    logits = torch.randn(n, shape["E"], generator=g, device=dev, dtype=torch.float32)
-    w, ids = torch.softmax(logits, -1).topk(shape["k"], dim=-1)
-    w = (w / w.sum(-1, keepdim=True)).to(dtype)
-    return x, ids, w
-
-
-def rel_err(a, b):
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
 def main(argv=None) -> int:

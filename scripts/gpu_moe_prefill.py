@@ -17,21 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 from pathlib import Path
 
 import torch
-from gpu_timing import R, time_graph
+from gpu_moe_common import LAYERS, SHAPES, R, make_inputs, make_layers, measure_bandwidth, rel_err, time_graph
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-SHAPES = {
-    "thinker": dict(E=128, H=2048, I=768, k=8),
-    "talker": dict(E=128, H=1024, I=384, k=6),
-}
 CPU_SHAPES = {  # interpreter: tiny, but with empty experts, several blocks per expert and ragged tiles
     "thinker": dict(E=16, H=64, I=48, k=8),
     "talker": dict(E=16, H=32, I=32, k=6),
@@ -44,46 +39,6 @@ CONFIGS = [
     dict(block_m=64, block_n=64, block_k=64, block_n_down=64, block_k_down=64, num_warps=4, num_stages=3),
 ]
 CPU_CONFIGS = [dict(block_m=16, block_n=16, block_k=16, block_n_down=16, block_k_down=16, num_warps=4)]
-LAYERS = 4  # weight copies cycled through: 4 x 1.2 GB at Thinker shapes >> L2
-
-
-def measure_bandwidth(dev) -> float:
-    """Device-to-device copy of 1 GiB, bytes read + written over time: the streaming ceiling (B/s)."""
-    a = torch.empty(1 << 29, dtype=torch.bfloat16, device=dev)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(10):
-        b.copy_(a)
-    e.record()
-    torch.cuda.synchronize()
-    bw = 10 * 2 * a.numel() * 2 / (s.elapsed_time(e) / 1e3)
-    del a, b
-    torch.cuda.empty_cache()
-    return bw
-
-
-def make_layers(shape, dtype, dev, layers, seed=0):
-    g = torch.Generator(device=dev).manual_seed(seed)
-    E, H, inter = shape["E"], shape["H"], shape["I"]
-    out = []
-    for _ in range(layers):
-        gu = torch.randn(E, 2 * inter, H, generator=g, device=dev, dtype=dtype) / math.sqrt(H)
-        dn = torch.randn(E, H, inter, generator=g, device=dev, dtype=dtype) / math.sqrt(inter)
-        out.append((gu, dn))
-    return out
-
-
-def make_inputs(shape, n, dtype, dev, seed):
-    g = torch.Generator(device=dev).manual_seed(seed)
-    x = torch.randn(n, shape["H"], generator=g, device=dev, dtype=dtype)
-    logits = torch.randn(n, shape["E"], generator=g, device=dev, dtype=torch.float32)
-    w, ids = torch.softmax(logits, -1).topk(shape["k"], dim=-1)
-    w = (w / w.sum(-1, keepdim=True)).to(dtype)
-    return x, ids, w
 
 
 def reference_fp32(x, ids, w, gu, dn):
@@ -105,10 +60,6 @@ def time_eager(fn, layers, inputs):
         gu, dn = layers[r % len(layers)]
         fn(*inputs[r % len(inputs)], gu, dn)
     return float("nan"), (time.perf_counter() - t0) / 2 * 1e6
-
-
-def rel_err(a, b):
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
 def main(argv=None) -> int:

@@ -11,10 +11,15 @@ treat them as read-only (a test that needs to modify weights must copy them firs
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-import pytest
+# The kernel tests run Triton in its interpreter on the CPU; the variable must be set before Triton is
+# first imported, so here, before any test module is collected (see tests/triton_env.py).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 # `python -m pytest` puts the repo root on sys.path but plain `pytest` does not; the tests need it.
 _ROOT = Path(__file__).resolve().parent.parent

@@ -4,21 +4,10 @@ The Triton kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set before T
 when Triton is not installed those tests skip with the reason, and the plain-PyTorch tests still run.
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
-
 import pytest
 import torch
 from omni_rt.kernels import moe_decode as md
-
-try:
-    import triton  # noqa: F401
-
-    HAVE_TRITON = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
-except ImportError:  # pragma: no cover - depends on the machine
-    HAVE_TRITON = False
-needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed (pip install triton)")
+from triton_env import needs_triton  # first: sets up Triton's interpreter
 
 
 def _problem(n, k, e, h, inter, dtype=torch.float32, seed=0):

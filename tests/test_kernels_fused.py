@@ -7,27 +7,20 @@ round where the plain path rounds, so most checks are bit-equal; in fp32 the sum
 so those are within a few fp32 ulps. Without Triton these tests skip with the reason.
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
-
 import pytest
 import torch
 from omni_rt.kernels import norm_rope as nr
 from omni_rt.kernels import router as rt
 from omni_rt.kernels import snake as sn
+from triton_env import HAVE_TRITON, needs_triton
 
 from omni_rt.model import code2wav, layers
 from omni_rt.model.config import preset
 
-try:
+if HAVE_TRITON:
     import triton
     import triton.language as tl
-
-    HAVE_TRITON = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
-except ImportError:  # pragma: no cover - depends on the machine
-    HAVE_TRITON = False
-pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed (pip install triton)")
+pytestmark = needs_triton
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 

@@ -6,23 +6,14 @@ dots are IEEE fp32, so the kernel equals the loop to fp32 rounding of a differen
 bf16 it rounds where `moe_grouped_mm` rounds. Without Triton these tests skip with the reason.
 """
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first `import triton`
-
 import pytest
 import torch
 from omni_rt.kernels import moe_decode as md
 from omni_rt.kernels import moe_prefill as mp
 from torch.utils._python_dispatch import TorchDispatchMode
+from triton_env import needs_triton  # first: sets up Triton's interpreter
 
-try:
-    import triton  # noqa: F401
-
-    HAVE_TRITON = os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
-except ImportError:  # pragma: no cover - depends on the machine
-    HAVE_TRITON = False
-pytestmark = pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed (pip install triton)")
+pytestmark = needs_triton
 
 TILES = dict(block_m=16, block_n=16, block_k=16, block_n_down=16, block_k_down=16)
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)

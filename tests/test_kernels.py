@@ -7,7 +7,7 @@ when Triton is not installed those tests skip with the reason, and the plain-PyT
 import pytest
 import torch
 from omni_rt.kernels import moe_decode as md
-from triton_env import needs_triton  # first: sets up Triton's interpreter
+from triton_env import needs_triton
 
 
 def _problem(n, k, e, h, inter, dtype=torch.float32, seed=0):

@@ -10,24 +10,14 @@ import pytest
 import torch
 from omni_rt.kernels import moe_decode as md
 from omni_rt.kernels import moe_prefill as mp
+from test_kernels import _problem  # the same random MoE problems as the decode kernel's tests
 from torch.utils._python_dispatch import TorchDispatchMode
-from triton_env import needs_triton  # first: sets up Triton's interpreter
+from triton_env import needs_triton
 
 pytestmark = needs_triton
 
 TILES = dict(block_m=16, block_n=16, block_k=16, block_n_down=16, block_k_down=16)
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def _problem(n, k, e, h, inter, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n, h, generator=g).to(dtype)
-    gate_up = (torch.randn(e, 2 * inter, h, generator=g) / h**0.5).to(dtype)
-    down = (torch.randn(e, h, inter, generator=g) / inter**0.5).to(dtype)
-    logits = torch.randn(n, e, generator=g)
-    w, ids = torch.softmax(logits, -1).topk(k, dim=-1)
-    w = (w / w.sum(-1, keepdim=True)).to(dtype)
-    return hidden, ids, w, gate_up, down
 
 
 def _check_align(ids, e, block_m):

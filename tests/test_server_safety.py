@@ -383,6 +383,9 @@ def test_serve_arguments_are_checked():
         None,
         4,
     )
+    # a short demo reply from the babbling tiny preset; a checkpoint gets a minute
+    assert args.max_audio_seconds == 8.0 and parse_args(["--model", "/ckpt"]).max_audio_seconds == 60.0
+    assert parse_args(["--max-audio-seconds", "30"]).max_audio_seconds == 30.0
     for bad in (
         ["--max-sessions", "0"],
         ["--port", "70000"],

@@ -37,6 +37,10 @@ from omni_rt.server.webrtc import ice_server
 log = logging.getLogger("omni_rt.server")
 
 
+# The tiny preset's random weights babble until a limit: a demo reply of a few seconds is enough to hear.
+TINY_REPLY_SECONDS = 8.0
+
+
 def find_web_dir() -> Path | None:
     """The demo page: packaged as `omni_rt/web` when installed, `<repo>/web` in a checkout."""
     package = Path(__file__).resolve().parent.parent  # omni_rt/
@@ -286,8 +290,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--max-audio-seconds",
         type=float,
-        default=60.0,
-        help="longest spoken reply; the tiny preset's random weights never stop by themselves (default: 60)",
+        default=None,
+        help="longest spoken reply (default: 60; 8 for the tiny preset, whose random weights never stop by "
+        "themselves)",
     )
     p.add_argument(
         "--idle",
@@ -309,6 +314,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             ice_server(url)
         except ValueError as exc:
             p.error(str(exc))
+    if args.max_audio_seconds is None:
+        args.max_audio_seconds = TINY_REPLY_SECONDS if args.model == "tiny" else 60.0
     if args.max_audio_seconds <= 0:
         p.error("--max-audio-seconds must be positive")
     if not 0 <= args.port < 65536:

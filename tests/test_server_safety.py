@@ -151,6 +151,27 @@ async def test_malformed_json_on_the_data_channel():
         await assert_serves(server)
 
 
+async def test_text_that_is_not_utf8_on_the_data_channel_gets_an_error():
+    # aiortc decodes data-channel text inside its SCTP loop: without the server's guard, invalid UTF-8
+    # ended the association and the client heard nothing
+    from aiortc.rtcsctptransport import WEBRTC_STRING
+
+    engine = FakeEngine(step_s=0)
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(url(server)) as ws:
+            client = Client(ws)
+            await client.connect()
+            sctp = client.pc.sctp  # a client that sends raw bytes marked as text
+            sctp._data_channel_queue.append((client.channel, WEBRTC_STRING, b'{"type": "\xff\xfe"}'))
+            await sctp._data_channel_flush()
+            event = await recv_json(ws)
+            assert event["type"] == "error" and event["error"]["code"] == "invalid_json"
+            assert await closed_with(ws) == 1008
+            await client.close()
+        await wait_for(lambda: not server.peers and engine.open_sessions == 0)
+        await assert_serves(server)
+
+
 async def test_protocol_mistakes_get_an_error_and_keep_the_connection():
     async with Server(FakeEngine(step_s=0), ServerSettings(port=0)) as server:
         async with websockets.connect(url(server)) as ws:

@@ -59,7 +59,33 @@ async def answer_offer(pc: RTCPeerConnection, sdp: str, track: AudioOutputTrack)
         await pc.setLocalDescription(await pc.createAnswer())
     except Exception as exc:
         raise ValueError(f"no answer to this offer: {exc}") from None
+    _bad_text_as_bytes(pc)
     return pc.localDescription.sdp, _sends(pc, track)
+
+
+def _bad_text_as_bytes(pc: RTCPeerConnection) -> bool:
+    """Deliver a data-channel text message that is not UTF-8 as bytes, instead of letting it break the
+    connection: aiortc decodes text inside its SCTP receive loop, where a UnicodeDecodeError ends the
+    association with no word to the client. As bytes it reaches `protocol.parse_client_event`, which
+    answers it like any malformed message (an `invalid_json` error). Wraps aiortc's private receive hook
+    of this connection only; returns False (nothing done) if this aiortc has none."""
+    from aiortc.rtcsctptransport import WEBRTC_BINARY, WEBRTC_STRING
+
+    sctp = pc.sctp
+    receive = getattr(sctp, "_data_channel_receive", None)
+    if receive is None:
+        return False
+
+    async def receive_checked(stream_id: int, pp_id: int, data: bytes) -> None:
+        if pp_id == WEBRTC_STRING:
+            try:
+                data.decode("utf8")
+            except UnicodeDecodeError:
+                pp_id = WEBRTC_BINARY
+        await receive(stream_id, pp_id, data)
+
+    sctp._data_channel_receive = receive_checked
+    return True
 
 
 def _sends(pc: RTCPeerConnection, track: AudioOutputTrack) -> bool:

@@ -302,11 +302,8 @@ def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
     ]
     # CUDA graphs and packed projections: off on a CPU by default (nothing to show there)
     gpu_only = {("cuda_graphs",), ("prefill_graphs",), ("packed_projections",)}
-    needs_kernels = {
-        ("moe_backend",),
-        ("moe_prefill_kernel",),
-        ("fused_kernels",),
-    }  # Triton kernels: a row only where they run
+    # Triton kernels: a row only where they run
+    needs_kernels = {("moe_backend",), ("moe_prefill_kernel",), ("fused_kernels",)}
     covered = {f for _, fields in known for f in fields}
     steps: list[tuple[str, dict[str, Any]]] = []
     for name, fields in known:

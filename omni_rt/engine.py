@@ -213,9 +213,8 @@ class Engine:
             raise ConfigError(
                 f"dtype must name a floating-point torch dtype (float32, bfloat16, ...), got {dtype!r}"
             )
-        kernel_choice(
-            settings, torch.device(device)
-        )  # a demanded kernel that cannot run: fail before the build
+        # a kernel the settings demand where it cannot run: fail before the build, not after
+        kernel_choice(settings, torch.device(device))
         layers_impl = settings.moe_backend  # "auto"/"plain"/"triton": layers.py's own choice underneath
         omni = OmniModel.build(
             cfg, device=device, dtype=dtype, weights=weights, seed=seed,

@@ -11,6 +11,7 @@ checkpoint's config.json or a preset).
 
 from __future__ import annotations
 
+import secrets
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -55,11 +56,11 @@ class EngineSettings(_Settings):
     chunk_growth: bool = Field(True, description="double the Code2Wav chunk after each chunk")
     max_chunk_frames: int = Field(16, ge=1, le=256, description="cap on a grown Code2Wav chunk")
     yield_to_talker_ms: float = Field(
-        20.0,
+        12.0,
         ge=0.0,
         le=1000.0,
         description="longest the Thinker's next step waits for a pending frame 0 (or first audio, `yield_until`); "
-        "on an H200 the first PCM chunk is out ~10 ms after the first token",
+        "the design card's 12 ms: on an H200 the first PCM chunk is out ~10 ms after the first token",
     )
     yield_until: Literal["frame0", "first_audio"] = Field(
         "first_audio",
@@ -204,7 +205,16 @@ class Sampling(_Settings):
     thinker: StageSampling = Field(default_factory=_thinker_default)
     talker: StageSampling = Field(default_factory=_talker_default)
     code_predictor: StageSampling = Field(default_factory=_code_predictor_default)
-    seed: int | None = Field(None, description="seed of the response's random generators; None: fresh")
+    seed: int | None = Field(
+        None,
+        ge=0,
+        lt=2**63,
+        description="seed of the response's draws (every stage's); None: fresh per response",
+    )
+
+    def response_seed(self) -> int:
+        """The seed one response draws with: `seed`, or a fresh one when it is None."""
+        return secrets.randbits(62) if self.seed is None else self.seed
 
     @classmethod
     def greedy(cls, seed: int | None = None) -> Sampling:

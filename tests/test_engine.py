@@ -15,7 +15,7 @@ import torch
 
 import omni_rt
 from omni_rt.model.offline import generate_offline
-from omni_rt.pipeline.runners import Code2WavRunner, TalkerRunner, ThinkerRunner
+from omni_rt.pipeline.runners import Code2WavRunner, TalkerRunner, ThinkerRunner, build_runners
 
 GREEDY = omni_rt.Sampling.greedy()
 
@@ -190,8 +190,53 @@ async def test_engine_start_stop_leaves_no_threads(engine):
         engine.session()
 
 
+async def test_seeded_sampling_is_the_same_alone_in_a_batch_and_offline(tiny):
+    """A seed fixes a response's tokens, codes and PCM: alone, among 3 other sessions sampling at once,
+    and in `generate_offline`; another seed differs. Deterministic mode runs each row on its own (so CPU
+    matmul blocking cannot differ between batch sizes); the draws themselves are keyed by seed, stage and
+    position (test_sampling checks a batched call against single rows)."""
+    settings = omni_rt.EngineSettings(max_sessions=4, deterministic=True)
+    ids = prompt(tiny.tokenizer, "Sample away.")
+    others = [prompt(tiny.tokenizer, t) for t in ("One more.", "And a longer second one, please.", "Third.")]
+    kw = dict(max_output_tokens=8, max_audio_frames=10)
+
+    async def run(batch: list[tuple[list[int], int]]):
+        stages = lambda st: build_runners(tiny.model, st)  # noqa: E731
+        engine = omni_rt.Engine(tiny.cfg, tiny.tokenizer, stages, settings, model=tiny.model)
+        async with engine:
+            sessions = [engine.session() for _ in batch]
+            try:
+                return await asyncio.gather(
+                    *(collect(s, input_ids=p, sampling=omni_rt.Sampling(seed=k), **kw) for s, (p, k) in
+                      zip(sessions, batch, strict=True))
+                )  # fmt: skip
+            finally:
+                for s in sessions:
+                    await s.close()
+
+    def out(events):
+        tokens = [t for e in of(events, "response.output_text.delta") for t in e.token_ids]
+        pcm = np.concatenate([e.pcm for e in of(events, "response.output_audio.delta")])
+        return tokens, pcm
+
+    (alone,) = await run([(ids, 7)])
+    batched = await run([(others[0], 1), (ids, 7), (others[1], 2), (others[2], 7)])
+    (other_seed,) = await run([(ids, 8)])
+    a, b = out(alone), out(batched[1])
+    assert a[0] == b[0] and np.array_equal(a[1], b[1])
+    c = out(other_seed)
+    assert a[0] != c[0] or not np.array_equal(a[1], c[1])
+    s = omni_rt.Sampling(seed=7)
+    text, _, wav = generate_offline(
+        tiny.model, ids, "ethan", s.thinker, s.talker, max_new_tokens=8, max_frames=10, seed=7
+    )
+    assert a[0] == [t for t in text if t != tiny.cfg.ids.im_end]
+    assert len(a[1]) == len(wav)
+    np.testing.assert_allclose(a[1] / 32767.0, np.clip(wav.numpy(), -1, 1), rtol=0, atol=2.0 / 32767)
+
+
 async def test_seeded_sampling_stream_equals_offline(engine, tiny):
-    # each stage has its own seeded generator, so the interleaving of the stages does not matter
+    # draws are keyed by (seed, stage, position), so the interleaving of the stages does not matter
     sampling = omni_rt.Sampling(seed=7)
     ids = prompt(tiny.tokenizer, "Sample away.")
     async with engine:

@@ -51,10 +51,13 @@ def test_thinker_steps_are_capturable(meta_model):
     slots, cfg = ids(2), meta_model.cfg.thinker
     for t in (1, 16):  # padded prefill buckets
         embeds = torch.zeros(2, t, cfg.hidden_size, device=META)
-        index = torch.full((2,), t - 1, device=META)
-        logits, hidden = r._prefill_fn(64)(embeds, torch.arange(t, device=META).expand(2, t), slots, index)
-        assert logits.shape == (2, cfg.vocab_size) and hidden.shape == embeds.shape
-    assert r._decode_fn(64)(ids(2, 1), ids(2, 1), slots).shape == (2, cfg.vocab_size)
+        index = torch.full((2,), t - 1, dtype=torch.long, device=META)
+        first, logits, hidden = r._prefill_fn(64)(
+            embeds, torch.arange(t, device=META).expand(2, t), slots, index
+        )
+        assert first.shape == (2,) and logits.shape == (2, cfg.vocab_size)  # sampled inside the step
+        assert hidden.shape == embeds.shape
+    assert r._decode_fn(64)(ids(2, 1), ids(2, 1), slots).shape == (2,)
 
 
 def test_talker_steps_are_capturable(meta_model):
@@ -64,11 +67,12 @@ def test_talker_steps_are_capturable(meta_model):
         torch.zeros(1, 16, width, device=META), torch.arange(16, device=META)[None], ids(1)
     )
     assert hidden.shape == (1, 16, width)
-    logits, hidden = r._last_fn(64)(ids(1), ids(1, 1), ids(1))
-    assert hidden.shape == (1, width)
-    logits, hidden = r._step_fn(64)(ids(2, 16), ids(2), ids(2, 1), ids(2))
-    assert hidden.shape == (2, width)
-    assert r._greedy_frame_fn(torch.zeros(2, width, device=META), ids(2)).shape == (2, 16)
+    code0, hidden = r._last_fn(64)(ids(1), ids(1, 1), ids(1))
+    assert code0.shape == (1,) and hidden.shape == (1, width)
+    code0, hidden = r._step_fn(64)(ids(2, 16), ids(2), ids(2, 1), ids(2))
+    assert code0.shape == (2,) and hidden.shape == (2, width)
+    # a whole frame, sampled or greedy per slot, with its draws keyed on the device
+    assert r._frame_fn(torch.zeros(2, width, device=META), ids(2), ids(2), ids(2)).shape == (2, 16)
 
 
 @pytest.mark.parametrize("frames", [1, 2, 16])

@@ -79,7 +79,7 @@ def request(model, text: str, slot: int, history: list[int] | None = None) -> Re
 def thinker_trace(runner: ThinkerRunner, reqs: list[Request], steps: int) -> tuple[list, list]:
     """Prefill `reqs` together, then `steps` decode steps: (prefill logits [B, V], tokens per step)."""
     with torch.no_grad():
-        logits = runner._prefill_logits(reqs).clone()
+        logits = runner._prefill_first(reqs)[1].clone()
     for r, t in zip(reqs, runner.prefill(reqs), strict=True):  # again: same rows, same cache writes
         r.tokens = [t]
     tokens = [[r.tokens[0] for r in reqs]]
@@ -188,7 +188,7 @@ def test_speech_prefill_through_the_padded_graph_equals_eager(model, graphed):
         req.prompt_ids = speech_prompt(model.cfg.ids, [count], text_ids=[65, 66])
         req.audio_features = [features]
         with torch.no_grad():
-            logits = runner._prefill_logits([req])
+            logits = runner._prefill_first([req])[1]
         out.append((logits, req.thinker_hidden))
     assert any(c.replays for c in g._prefill_graphs.values())
     assert len(req.prompt_ids) < 32 and out[0][1].shape == out[1][1].shape == (len(req.prompt_ids), 64)
@@ -261,12 +261,12 @@ def test_talker_padded_prefix_graph_equals_eager(model, graphed):
 
 
 def test_frame0_made_from_code0_on_the_device(model, graphed):
-    """`prefill_last` runs the greedy frame graph on its device code 0; `predict` hands that frame out
+    """`prefill_last` runs the frame graph on its device code 0; `predict` hands that frame out
     (no second replay) and it is the frame the eager path predicts. A frame left behind (code 0 was
     EOS) is never handed to a later request of the slot."""
     s = EngineSettings(**SETTINGS)
     g, e = TalkerRunner(model, s), TalkerRunner(model, s.model_copy(update={"cuda_graphs": False}))
-    frame_graph = g._greedy_frame[1]
+    frame_graph = g._frame_graphs[1]
     codes = []
     for runner in (g, e):
         req = request(model, "Hello there.", 0)
@@ -282,7 +282,7 @@ def test_frame0_made_from_code0_on_the_device(model, graphed):
     g.prefill_last(req, 9)  # say code 0 was EOS: the scheduler never asks for this frame
     req2 = request(model, "Something else entirely.", 0)
     g.prefill_prefix(req2)
-    g._greedy_frame = {}  # the next request makes no frame early (as with sampled residual codes)
+    g.settings = g.settings.model_copy(update={"frame0_in_prefill": False})  # the next makes none early
     code0 = g.prefill_last(req2, 4)
     assert req2.slot not in g._frame_ahead  # the stale frame is gone, whatever the codes 0 were
     e.prefill_prefix(req2)
@@ -399,7 +399,7 @@ def test_a_cut_spoken_turn_reaches_the_next_talker_prompt_through_carried_hidden
     turn1.prompt_ids = speech_prompt(model.cfg.ids, [count], text_ids=[65, 66])
     turn1.audio_features = [features]
     with torch.no_grad():
-        thinker._prefill_logits([turn1])
+        thinker._prefill_first([turn1])
     spoken = turn1.thinker_hidden  # [P1, H], the Talker never saw it
     reply = [70, 71]
     history = turn1.prompt_ids + reply + [model.cfg.ids.im_end, model.cfg.ids.newline]
@@ -420,5 +420,5 @@ def test_a_cut_spoken_turn_reaches_the_next_talker_prompt_through_carried_hidden
     turn3.prompt_ids = speech_prompt(model.cfg.ids, [count], text_ids=[67], history=history)
     turn3.audio_features, turn3.carried_hidden = [features], spoken
     with torch.no_grad():
-        thinker._prefill_logits([turn3])
+        thinker._prefill_first([turn3])
     torch.testing.assert_close(turn3.thinker_hidden[: spoken.shape[0]], spoken)

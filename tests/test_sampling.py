@@ -1,11 +1,12 @@
-"""Sampling functions against transformers' logits processors, and seeded sampling behaviour."""
+"""Sampling against transformers' logits processors: the processors exactly, the device sampler's draws
+by a chi-square test against the processed distribution; keyed draws are reproducible and batch-invariant."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from omni_rt.errors import ConfigError
+from omni_rt.config import Sampling, StageSampling
 from omni_rt.model import sampling as S
 
 lp = pytest.importorskip("transformers.generation.logits_process")
@@ -44,7 +45,7 @@ def test_repetition_penalty_matches_transformers(penalty):
 
 def test_suppress_matches_transformers():
     logits = rand_logits()
-    ids = S.codec_suppress_ids(V + 1024 - 200, eos_id=V - 150)  # ids from V-200 up, bar one
+    ids = S.codec_suppress_ids(V + 1024 - 200, V - 150)  # ids from V-200 up, bar one
     ids = [i for i in ids if i < V]
     want = lp.SuppressTokensLogitsProcessor(ids, device="cpu")(None, logits.clone())
     assert torch.equal(S.suppress(logits, ids), want)
@@ -53,8 +54,9 @@ def test_suppress_matches_transformers():
 
 
 def test_codec_suppress_ids_keep_eos():
-    ids = S.codec_suppress_ids(3072, eos_id=2150)
+    ids = S.codec_suppress_ids(3072, 2150)
     assert len(ids) == 1023 and min(ids) == 2048 and max(ids) == 3071 and 2150 not in ids
+    assert sorted(S.codec_suppress_ids(3072, 2150, suppress_eos=True)) == list(range(2048, 3072))
 
 
 @pytest.mark.parametrize("t", [0.5, 0.9, 1.7])
@@ -103,86 +105,153 @@ def test_top_p_edge_cases():
     assert torch.isfinite(S.top_p_filter(half, 0.6)).sum() >= 2
 
 
+def rows(s: StageSampling, b: int = 4) -> S.RowSettings:
+    return S.RowSettings.of([s] * b)
+
+
+def chain(s: StageSampling, suppressed: list[int] | None = None) -> lp.LogitsProcessorList:
+    """transformers' processors for one stage's settings, in generate's order."""
+    procs = [lp.RepetitionPenaltyLogitsProcessor(s.repetition_penalty)] if s.repetition_penalty != 1.0 else []
+    if suppressed:
+        procs.append(lp.SuppressTokensLogitsProcessor(suppressed, device="cpu"))
+    procs.append(lp.TemperatureLogitsWarper(s.temperature))
+    if s.top_k:
+        procs.append(lp.TopKLogitsWarper(s.top_k))
+    if s.top_p < 1.0:
+        procs.append(lp.TopPLogitsWarper(s.top_p))
+    return lp.LogitsProcessorList(procs)
+
+
 def test_warpers_in_transformers_order():
     """The processed sampling scores equal transformers' processor chain for the Talker's defaults."""
     logits, ids = rand_logits(), rand_history()
-    params = S.SamplingParams(temperature=0.9, top_k=50, top_p=0.8, repetition_penalty=1.05, do_sample=True)
+    s = StageSampling(temperature=0.9, top_k=50, top_p=0.8, repetition_penalty=1.05)
     supp = list(range(V - 40, V))
-    chain = lp.LogitsProcessorList(
-        [
-            lp.RepetitionPenaltyLogitsProcessor(1.05),
-            lp.SuppressTokensLogitsProcessor(supp, device="cpu"),
-            lp.TemperatureLogitsWarper(0.9),
-            lp.TopKLogitsWarper(50),
-            lp.TopPLogitsWarper(0.8),
-        ]
-    )
-    want = chain(ids, logits.clone())
-    greedy_scores, warped = S.process_logits(
-        logits, params, S.history_from_ids(ids, V), S.suppress_mask(V, supp)
-    )
+    want = chain(s, supp)(ids, logits.clone())
+    _, warped = S.process_logits(logits, rows(s), S.history_from_ids(ids, V), S.suppress_mask(V, supp))
     assert torch.equal(warped, want)
-    batch = S.SamplingBatch.from_params([params] * 4)
-    _, warped_b = S.process_logits(logits, batch, S.history_from_ids(ids, V), S.suppress_mask(V, supp))
-    assert torch.equal(warped_b, want)
 
 
 def test_greedy_applies_penalty_and_suppression_but_ignores_temperature():
     logits = torch.tensor([[5.0, 4.9, 1.0, 6.0]])
     seen = S.history_from_ids(torch.tensor([[0]]), 4)
+    supp = S.suppress_mask(4, [3])
     for t in (0.1, 1.0, 7.0):
-        params = S.SamplingParams(temperature=t, top_k=1, repetition_penalty=1.05, do_sample=False)
+        s = StageSampling(temperature=t, top_k=1, repetition_penalty=1.05, do_sample=False)
         # id 3 suppressed; id 0 penalised (5 / 1.05 < 4.9) so id 1 wins
-        assert S.sample_next(logits, params, seen, suppress_ids=[3]).tolist() == [1]
-    assert S.sample_next(logits, S.SamplingParams()).tolist() == [3]
+        got = S.choose(logits, rows(s, 1), torch.tensor([9]), 0, torch.tensor([0]), seen, supp)
+        assert got.tolist() == [1]
+    plain = S.choose(logits, rows(StageSampling(do_sample=False), 1), torch.tensor([9]), 0, torch.tensor([0]))
+    assert plain.tolist() == [3]
 
 
-def test_seeded_sampling_repeats_and_respects_filters():
-    logits = rand_logits(b=8)
-    params = S.SamplingParams(temperature=1.5, top_k=20, do_sample=True, seed=123)
-    a = [S.sample_next(logits, params, generator=S.make_generator(params.seed)) for _ in range(2)]
-    assert torch.equal(a[0], a[1])
-    g = S.make_generator(params.seed)
-    draws = torch.stack([S.sample_next(logits, params, generator=g) for _ in range(30)])  # [30, B]
-    assert len(set(draws[:, 0].tolist())) > 1  # it really samples
-    allowed = torch.topk(logits, 20).indices  # [B, 20]
-    for row in range(8):
-        assert set(draws[:, row].tolist()) <= set(allowed[row].tolist())
-    assert S.make_generator(None) is None
+def test_uniform_noise_is_uniform_and_keyed():
+    seed, keys = torch.tensor([5, 5, 6]), torch.tensor([0, 1, 0])
+    u = S.uniform_noise(seed, 1, keys, 50_000)  # [3, V]
+    assert (u > 0).all() and (u < 1).all()
+    torch.testing.assert_close(u.mean(dim=1), torch.full((3,), 0.5), rtol=0, atol=0.01)
+    # rows differ by key, seed and stage; a row depends on nothing but its own (seed, stage, key)
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert not torch.equal(u[0], S.uniform_noise(seed[:1], 2, keys[:1], 50_000)[0])
+    assert torch.equal(u[1], S.uniform_noise(seed[1:2], 1, keys[1:2], 50_000)[0])
+    # neighbouring ids and keys are not correlated
+    a = u[0] - 0.5
+    assert abs(float((a[1:] * a[:-1]).mean() / (a * a).mean())) < 0.02
+    b = u[1] - 0.5
+    assert abs(float((a * b).mean() / (a * a).mean())) < 0.02
+    # seeds beyond 32 bits still matter
+    high = S.uniform_noise(torch.tensor([5 + (1 << 40)]), 1, keys[:1], 100)
+    assert not torch.equal(high[0], u[0, :100])
 
 
-def test_sample_draws_from_the_softmax():
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
-    logits = probs.log().expand(40000, -1).contiguous()
-    ids = S.sample(logits, torch.Generator().manual_seed(0))
-    freq = torch.bincount(ids, minlength=5).float() / ids.numel()
-    torch.testing.assert_close(freq, probs, rtol=0, atol=0.01)
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square test of counts against probabilities; bins expecting < 5 draws are pooled."""
+    n = counts.sum()
+    expected = probs.double() * n
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].double().sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    assert int((~keep & (obs > 0)).sum()) == 0, "draws landed where the distribution has no mass"
+    stat = (((obs - exp) ** 2)[keep] / exp[keep]).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
 
 
-def test_batch_mixes_greedy_and_sampling_rows():
-    logits = rand_logits(b=3)
-    batch = S.SamplingBatch.from_params(
-        [S.SamplingParams(), S.SamplingParams(temperature=2.0, do_sample=True), S.SamplingParams(top_k=1)]
-    )
-    g = torch.Generator().manual_seed(1)
-    draws = torch.stack([S.sample_next(logits, batch, generator=g) for _ in range(20)])  # [20, 3]
-    assert (draws[:, 0] == logits[0].argmax()).all() and (draws[:, 2] == logits[2].argmax()).all()
-    assert len(set(draws[:, 1].tolist())) > 1
+DEFAULTS = Sampling()
+CASES = {
+    "thinker default": (DEFAULTS.thinker, None),
+    "talker default": (DEFAULTS.talker, list(range(56, 64))),  # penalty 1.05, codec specials suppressed
+    "code predictor default": (DEFAULTS.code_predictor, None),
+    "hot, top-p only, strong penalty": (
+        StageSampling(temperature=1.6, top_p=0.9, repetition_penalty=1.3),
+        None,
+    ),
+    "cold, top-k 5": (StageSampling(temperature=0.7, top_k=5, repetition_penalty=0.9), [0, 1]),
+}
 
 
-def test_defaults_follow_the_reference():
-    t = S.TALKER_DEFAULTS
-    assert (t.temperature, t.top_k, t.top_p, t.repetition_penalty, t.do_sample) == (0.9, 50, 1.0, 1.05, True)
-    cp = S.code_predictor_params(t)
-    assert (cp.top_k, cp.top_p, cp.do_sample, cp.repetition_penalty) == (50, 0.8, True, 1.0)
-    assert S.code_predictor_params(S.SamplingParams(do_sample=False)).do_sample is False
-    assert S.THINKER_DEFAULTS.do_sample is False
+@pytest.mark.parametrize("case", CASES)
+def test_draws_follow_the_reference_distribution(case):
+    """20,000 keyed draws for fixed logits match softmax(transformers' processed logits) (p > 0.001)."""
+    s, supp = CASES[case]
+    vocab, n = 64, 20_000
+    logits = rand_logits(b=1, v=vocab, seed=3, scale=1.5)  # [1, V]: a spread-out distribution
+    history = torch.tensor([[2, 7, 7, 30, 41]])
+    want = torch.softmax(chain(s, supp)(history, logits.clone())[0], dim=-1)  # [V]
+    seen = S.history_from_ids(history, vocab).expand(n, vocab)
+    mask = None if supp is None else S.suppress_mask(vocab, supp)
+    draws = S.choose(
+        logits.expand(n, vocab), rows(s, n), torch.full((n,), 11), 0, torch.arange(n), seen, mask
+    )  # [n]: one draw per step key
+    counts = torch.bincount(draws, minlength=vocab)
+    assert chi_square_p(counts, want) > 0.001
+    # the test can fail: the same draws against the unprocessed distribution are rejected
+    assert chi_square_p(counts, torch.softmax(logits[0], dim=-1)) < 1e-6
 
 
-@pytest.mark.parametrize(
-    "bad",
-    [dict(temperature=0.0), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5), dict(repetition_penalty=0.0)],
-)
-def test_bad_params_raise_config_error(bad):
-    with pytest.raises(ConfigError):
-        S.SamplingParams(**bad)
+def test_stage_sampler_is_keyed_batch_invariant_and_observes():
+    vocab = 40
+    sampler = S.StageSampler("talker", 5, vocab, suppress=[38, 39])
+    hot = StageSampling(temperature=1.5, repetition_penalty=1.2)
+    for slot, seed in ((0, 1), (1, 2), (2, 1), (3, 1)):
+        sampler.assign(slot, hot, seed, history_ids=torch.tensor([3, 4]))
+    sampler.assign(4, hot.model_copy(update={"do_sample": False}), 1, suppress_extra=[0])
+    logits = rand_logits(b=5, v=vocab, seed=4)
+    logits[:, 0] = 50.0  # id 0 would always win: suppressed for slot 4 only
+    keys = torch.tensor([7, 7, 7, 8, 7])
+    # history resets on assign; seen rows restored between calls so each call starts the same
+    seen = sampler.seen.clone()
+    together = sampler(logits, torch.arange(5), keys)
+    assert sampler.seen[torch.arange(5), together].all()  # the chosen ids are observed
+    sampler.seen.copy_(seen)
+    alone = [int(sampler(logits[i : i + 1], torch.tensor([i]), keys[i : i + 1])) for i in range(5)]
+    sampler.seen.copy_(seen)
+    assert together.tolist() == alone  # a row's draw depends on its own slot and key only
+    assert alone[0] == alone[2] and together[4] not in (0, 38, 39)  # same seed, key and logits; suppressed
+    flat = torch.zeros(1, vocab)  # uniform logits: draws by key and seed spread over the vocabulary
+    by_key = {int(sampler(flat, torch.tensor([0]), torch.tensor([k]))) for k in range(40)}
+    assert len(by_key) > 10 and not by_key & {38, 39}
+    sampler.assign(0, hot, 1)
+    assert not sampler.seen[0].any()
+
+
+def test_frame_sampler_keys_each_code_group():
+    sampler = S.StageSampler("code_predictor", 2, 30, history=False)
+    sampler.assign(0, StageSampling(temperature=2.0), 3)
+    flat, slot = torch.zeros(1, 30), torch.tensor([0])
+    draw = S.frame_sampler(sampler, slot, torch.tensor([5]))
+    codes = [int(draw(flat)) for _ in range(15)]
+    assert len(set(codes)) > 5  # each call is its own key: group i of Talker position 5
+    again = S.frame_sampler(sampler, slot, torch.tensor([5]))
+    assert [int(again(flat)) for _ in range(15)] == codes
+    other = S.frame_sampler(sampler, slot, torch.tensor([6]))
+    assert [int(other(flat)) for _ in range(15)] != codes
+
+
+def test_seeds_are_validated_and_fresh_when_missing():
+    assert Sampling(seed=4).response_seed() == 4
+    assert len({Sampling().response_seed() for _ in range(5)}) == 5
+    for bad in (-1, 2**63):
+        with pytest.raises(ValueError):
+            Sampling(seed=bad)

@@ -29,15 +29,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from omni_rt.config import StageSampling
+from omni_rt.config import Sampling, StageSampling
 from omni_rt.errors import InvalidRequestError
 from omni_rt.model.sampling import (
-    CODE_PREDICTOR_DEFAULTS,
-    SamplingParams,
-    mark_seen,
-    new_history,
-    sample_next,
-    suppress_mask,
+    StageSampler,
+    codec_suppress_ids,
+    frame_sampler,
+    residual_code_sampling,
 )
 from omni_rt.model.speech_input import thinker_input
 from omni_rt.model.talker import (
@@ -46,69 +44,6 @@ from omni_rt.model.talker import (
     talker_step_input,
     talker_text_id,
 )
-
-
-def codec_suppressed_ids(vocab_size: int, eos: int, suppress_eos: bool = False) -> torch.Tensor:
-    """Codec ids the Talker may never emit: the top 1024 (specials), all but EOS; EOS too if suppress_eos."""
-    ids = torch.arange(max(vocab_size - 1024, 0), vocab_size)
-    ids = ids[ids != eos]
-    return torch.cat((ids, torch.tensor([eos]))) if suppress_eos else ids
-
-
-# Each stage draws from its own generator, seeded from the response's seed and the stage's offset, so a
-# seeded response makes the same draws whether its stages run one after another (here) or interleaved
-# (the streaming pipeline).
-STAGE_SEED_OFFSET = {"thinker": 0, "talker": 1, "code_predictor": 2}
-
-
-def stage_generator(seed: int | None, stage: str, device: torch.device | str = "cpu") -> torch.Generator:
-    """The generator of one stage of a response: seeded `3 seed + offset`, or fresh when seed is None."""
-    g = torch.Generator(device=device)
-    if seed is None:
-        g.seed()
-    else:
-        g.manual_seed(seed * 3 + STAGE_SEED_OFFSET[stage])
-    return g
-
-
-class StageSampler:
-    """One sequence's logits processing and choice for one stage, on omni_rt.model.sampling.
-
-    Holds what persists across steps: the repetition history (a static [B, V] "seen" mask, so no step
-    syncs with the host), the suppressed-id mask (built once) and the generator. Order and semantics are
-    transformers' (see sampling.py): repetition penalty, suppression, then temperature/top-k/top-p and a
-    draw when sampling; greedy takes the argmax after penalty and suppression.
-    """
-
-    def __init__(
-        self,
-        s: StageSampling | SamplingParams,
-        vocab_size: int,
-        batch: int = 1,
-        device: torch.device | str = "cpu",
-        suppress: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
-    ) -> None:
-        self.params = SamplingParams(
-            temperature=s.temperature,
-            top_k=s.top_k,
-            top_p=s.top_p,
-            repetition_penalty=s.repetition_penalty,
-            do_sample=s.do_sample,
-        )
-        self.generator = generator
-        self.seen = new_history(batch, vocab_size, device)  # [B, V]
-        self.suppress = None if suppress is None else suppress_mask(vocab_size, suppress, device)  # [V]
-
-    def observe(self, ids: torch.Tensor) -> None:
-        """Mark ids [B, T] (or [B]) as seen, for the repetition penalty."""
-        mark_seen(self.seen, ids)
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [B, V] -> ids [B]; the chosen ids are observed."""
-        ids = sample_next(logits, self.params, self.seen, self.generator, self.suppress)
-        self.observe(ids)
-        return ids
 
 
 def _prompt_tensor(input_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -145,9 +80,10 @@ def generate_offline(
     at the start of that turn) or one per clip there, in template form (one `<|audio_pad|>`) or expanded.
     Or `inputs_embeds` [T, H] holds precomputed Thinker input embeddings of exactly `input_ids`.
     Placeholders with neither are an `InvalidRequestError`.
-    The code predictor samples with `code_predictor_sampling` (default: top-k 50, top-p 0.8, as the
-    reference) when the Talker samples, and is greedy when the Talker is greedy. `seed` seeds each stage's
-    generator (`stage_generator`, as the streaming pipeline does; None: fresh ones).
+    The code predictor samples with `code_predictor_sampling` (default: `Sampling().code_predictor`, the
+    reference's top-k 50, top-p 0.8) when the Talker samples, and is greedy when the Talker is greedy.
+    Draws are keyed by (`seed`, stage, position) as in the streaming pipeline (model/sampling.py), so a
+    seeded reply here equals the pipeline's; None: a fresh seed.
     """
     thinker, talker, code2wav = model.thinker, model.talker, model.code2wav
     cfg = talker.cfg
@@ -175,19 +111,17 @@ def generate_offline(
     # the Talker reads hidden_states[accept_hidden_layer] at the placeholders; positions of text and
     # audio prompts are 0..P-1 in all three M-RoPE components, so no rope_positions (speech_input.py)
     hidden_layer = cfg.accept_hidden_layer if bool(x.mm_mask.any()) else None
-    pick_text = StageSampler(
-        thinker_sampling,
-        vocab_text,
-        device=device,
-        generator=stage_generator(seed, "thinker", device),
-    )
-    pick_text.observe(prompt[None])  # the reference's repetition penalty covers the prompt too
+    seed = Sampling(seed=seed).response_seed()
+    pick_text = StageSampler("thinker", 1, vocab_text, device)
+    # the reference's repetition penalty covers the prompt too
+    pick_text.assign(0, thinker_sampling, seed, history_ids=prompt)
     logits, prompt_hidden = thinker(
         None, x.positions, cache, slot, hidden_layer, last_only=True, inputs_embeds=x.inputs_embeds
     )
     text: list[int] = []
     while True:
-        tok = pick_text(logits[:, -1])  # [1]
+        # a draw is keyed by the position the chosen token takes (as in the pipeline)
+        tok = pick_text(logits[:, -1], slot, torch.tensor([p + len(text)], device=device))  # [1]
         text.append(int(tok))
         if len(text) == max_new_tokens or (text[-1] == ids.im_end and not ignore_eos):
             break
@@ -202,41 +136,31 @@ def generate_offline(
     n = x.shape[0]
     tcache = talker.allocate_cache(1, n + max_frames)
     vocab = cfg.talker.vocab_size
-    suppress = codec_suppressed_ids(vocab, ids.codec_eos, suppress_eos=ignore_eos)
-    pick_code0 = StageSampler(
-        talker_sampling,
-        vocab,
-        device=device,
-        suppress=suppress,
-        generator=stage_generator(seed, "talker", device),
-    )
-    cp = code_predictor_sampling or CODE_PREDICTOR_DEFAULTS
+    pick_code0 = StageSampler("talker", 1, vocab, device, suppress=codec_suppress_ids(vocab, ids.codec_eos))
+    pick_code0.assign(0, talker_sampling, seed, suppress_extra=[ids.codec_eos] if ignore_eos else ())
     # the reference's code predictor follows the Talker: greedy when the Talker is greedy
-    cp = SamplingParams(
-        temperature=cp.temperature,
-        top_k=cp.top_k,
-        top_p=cp.top_p,
-        repetition_penalty=cp.repetition_penalty,
-        do_sample=talker_sampling.do_sample and cp.do_sample,
-    )
-    cp_gen = stage_generator(seed, "code_predictor", device)
-    cp_vocab = cfg.code_predictor.vocab_size
+    whole = Sampling(thinker=thinker_sampling, talker=talker_sampling)
+    if code_predictor_sampling is not None:
+        whole = whole.model_copy(update={"code_predictor": code_predictor_sampling})
+    pick_rest = StageSampler("code_predictor", 1, cfg.code_predictor.vocab_size, device, history=False)
+    pick_rest.assign(0, residual_code_sampling(whole.effective_code_predictor), seed)
     logits, hidden = talker(x[None], torch.arange(n, device=device)[None], tcache, slot)
-    code0 = pick_code0(logits[:, -1])  # [1]
+    # Talker draws are keyed by the position of the step that made the logits; a frame's residual
+    # codes by that position too (frame_sampler adds the code group)
+    key = torch.tensor([n - 1], device=device)
+    code0 = pick_code0(logits[:, -1], slot, key)  # [1]
     frames: list[torch.Tensor] = []
     while int(code0) != ids.codec_eos:
-        # a fresh sampler per frame, as the reference runs a fresh code_predictor.generate per frame
-        pick_rest = StageSampler(cp, cp_vocab, device=device, generator=cp_gen)
-        codes = talker.predict_frame(hidden[:, -1], code0, pick_rest)  # [1, 16]
+        codes = talker.predict_frame(hidden[:, -1], code0, frame_sampler(pick_rest, slot, key))  # [1, 16]
         frames.append(codes[0])
         k = len(frames)  # the next Talker step reads text token k
         if k == max_frames:
             break
         text_id = talker_text_id(text, k, True, ids, ignore_eos)
         step = talker_step_input(talker, embed_text, codes, torch.tensor([text_id], device=device))  # [1, Ht]
-        pos = torch.full((1, 1), n - 1 + k, device=device)
-        logits, hidden = talker(step[:, None], pos, tcache, slot)
-        code0 = pick_code0(logits[:, -1])
+        key = torch.tensor([n - 1 + k], device=device)
+        logits, hidden = talker(step[:, None], key[:, None], tcache, slot)
+        code0 = pick_code0(logits[:, -1], slot, key)
     if not frames:
         return text, torch.zeros(cfg.num_code_groups, 0, dtype=torch.long), torch.zeros(0)
     codes = torch.stack(frames, dim=1)  # [16, N]

@@ -1,110 +1,76 @@
-"""Logits processing and sampling: small pure functions, no GPU->CPU sync, static shapes.
+"""Logits processing and sampling: the one home of every stage's choice of the next id.
 
 Semantics and order follow transformers' `generate` (the reference): repetition penalty, suppressed
 ids, then — only when sampling — temperature, top-k, top-p, and a draw from the softmax. Greedy decoding
 applies the repetition penalty and suppression too (the Talker relies on that) but no warpers.
 
-The repetition history is a static [B, V] bool "seen" mask instead of a growing id list, so a decode
-step keeps one shape and can be captured in a CUDA graph. Settings may be Python scalars (one setting
-for the batch) or per-row tensors [B] (a batch of sessions with their own settings: `SamplingBatch`).
+Everything here runs on the device with static shapes and no GPU->CPU sync, so a stage's whole step,
+sampling included, can be captured in one CUDA graph:
+- settings are per-row tensors [B] (each session of a batch has its own), read from per-slot tables
+  that the graph indexes with its `slots` input;
+- the repetition history is a static [slots, V] bool "seen" mask, not a growing id list;
+- randomness is counter-based: a draw is a pure function of (response seed, stage, step key, vocab id),
+  hashed on the device. A seeded response therefore makes the same choices alone, in any batch, in or
+  out of a graph, on every replay, and in the offline loop — there is no generator state to carry.
 
-    SamplingParams(temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, do_sample=False, seed=None)
-    THINKER_DEFAULTS, TALKER_DEFAULTS, CODE_PREDICTOR_DEFAULTS; code_predictor_params(talker_params)
-    SamplingBatch.from_params(params: Sequence[SamplingParams], device) (per-row tensors)
-    new_history(batch, vocab, device) -> seen[B, V];  history_from_ids(ids[B, T], vocab) -> seen[B, V]
-    mark_seen(seen[B, V], ids[B] | ids[B, T]) -> seen (in place)
-    suppress_mask(vocab, ids, device) -> mask[V];  codec_suppress_ids(vocab, eos_id) -> list[int]
-    apply_repetition_penalty(logits[B, V], seen[B, V], penalty) -> logits
-    suppress(logits[B, V], ids_or_mask) -> logits
-    apply_temperature(logits, temperature) / top_k_filter(logits, k) / top_p_filter(logits, p) -> logits
-    greedy(logits[B, V]) -> ids[B];  sample(logits[B, V], generator) -> ids[B]
-    process_logits(logits, params, seen=None, suppress_ids=None) -> (greedy_scores, sample_scores)
-    sample_next(logits[B, V], params, seen=None, generator=None, suppress_ids=None) -> ids[B]
-        (params: SamplingParams or SamplingBatch; suppress_ids: a [V] bool mask (best: built once) or ids)
-    make_generator(seed, device) -> torch.Generator | None
+The draw is the exponential race: argmax over v of log p_v - log E_v with E_v = -log U_v ~ Exp(1), an
+exact categorical draw from softmax(warped logits) (Gumbel-max); filtered ids are -inf and never win.
+
+    StageSampler(stage, slots, vocab, device, suppress=None, history=True)   per-slot device state
+        .assign(slot, stage_sampling, seed, history_ids=None, suppress_extra=())   a new response
+        (logits[B, V], slots[B], keys[B]) -> ids[B]                          choose (and observe)
+    frame_sampler(sampler, slots, talker_keys) -> SampleFn                   the 15 codes of one frame
+    process_logits(logits, rows, seen, suppress) -> (greedy scores, warped scores)
+    uniform_noise(seed[B], stage, keys[B], vocab) -> u[B, V] in (0, 1)
+    codec_suppress_ids(vocab, eos, suppress_eos=False) -> ids the Talker never emits
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import itertools
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
-from omni_rt.errors import ConfigError
+from omni_rt.config import StageSampling
 
 Setting = float | torch.Tensor  # a Python scalar, or a per-row tensor [B]
+SampleFn = Callable[[torch.Tensor], torch.Tensor]  # logits [B, V] -> ids [B]
+
+# Each stage draws from its own stream of the response's seed (its step keys overlap the others').
+STAGES = {"thinker": 0, "talker": 1, "code_predictor": 2}
+# keys of the code predictor: a Talker position times this, plus the code group (0..14)
+CODE_KEY_STRIDE = 16
+SEED_LIMIT = 2**63  # seeds live in int64 tensors
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """One stage's decoding settings (transformers' names). top_k 0 and top_p 1.0 disable those filters."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    do_sample: bool = False
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ConfigError(
-                f"temperature must be > 0, got {self.temperature} (use do_sample=False for greedy)"
-            )
-        if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not self.repetition_penalty > 0:
-            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+def check_seed(seed: int) -> int:
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"a sampling seed must be in [0, 2**63), got {seed}")
+    return seed
 
 
-# The released checkpoint's Thinker generation_config is not available here; greedy is the default.
-THINKER_DEFAULTS = SamplingParams(do_sample=False)
-# Qwen3OmniMoeForConditionalGeneration.generate(talker_*) defaults.
-TALKER_DEFAULTS = SamplingParams(
-    temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05, do_sample=True
-)
-# The reference's code predictor mirrors the Talker's do_sample and, when sampling, uses top_k 50 and
-# top_p 0.8 at its default temperature 1.0, without repetition penalty.
-CODE_PREDICTOR_DEFAULTS = SamplingParams(temperature=1.0, top_k=50, top_p=0.8, do_sample=True)
+class RowSettings(NamedTuple):
+    """Per-row settings of a batch, tensors [B] on the logits' device."""
 
-
-def code_predictor_params(talker: SamplingParams) -> SamplingParams:
-    """The code predictor's settings for a Talker setting: it follows the Talker's do_sample and seed."""
-    return SamplingParams(
-        temperature=CODE_PREDICTOR_DEFAULTS.temperature,
-        top_k=CODE_PREDICTOR_DEFAULTS.top_k,
-        top_p=CODE_PREDICTOR_DEFAULTS.top_p,
-        do_sample=talker.do_sample,
-        seed=talker.seed,
-    )
-
-
-@dataclass(frozen=True)
-class SamplingBatch:
-    """Per-row settings of a batch, as tensors [B] on the logits' device (built once per batch change)."""
-
-    temperature: torch.Tensor  # [B] float32
-    top_k: torch.Tensor  # [B] int64, 0 = off
-    top_p: torch.Tensor  # [B] float32, 1.0 = off
-    repetition_penalty: torch.Tensor  # [B] float32
-    do_sample: torch.Tensor  # [B] bool
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor  # int64, 0 = off
+    top_p: torch.Tensor  # float32, 1.0 = off
+    repetition_penalty: torch.Tensor  # float32
+    do_sample: torch.Tensor  # bool
 
     @classmethod
-    def from_params(
-        cls, params: Sequence[SamplingParams], device: torch.device | str | None = None
-    ) -> SamplingBatch:
+    def of(cls, settings: Sequence[StageSampling], device: torch.device | str | None = None) -> RowSettings:
         def t(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
         return cls(
-            temperature=t([p.temperature for p in params], torch.float32),
-            top_k=t([p.top_k for p in params], torch.int64),
-            top_p=t([p.top_p for p in params], torch.float32),
-            repetition_penalty=t([p.repetition_penalty for p in params], torch.float32),
-            do_sample=t([p.do_sample for p in params], torch.bool),
+            t([s.temperature for s in settings], torch.float32),
+            t([s.top_k for s in settings], torch.int64),
+            t([s.top_p for s in settings], torch.float32),
+            t([s.repetition_penalty for s in settings], torch.float32),
+            t([s.do_sample for s in settings], torch.bool),
         )
 
 
@@ -128,9 +94,11 @@ def history_from_ids(ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return mark_seen(new_history(ids.shape[0], vocab, ids.device), ids)
 
 
-def codec_suppress_ids(vocab_size: int, eos_id: int) -> list[int]:
-    """The Talker's suppressed ids: every codec special (the top 1024 ids) except EOS, as the reference."""
-    return [i for i in range(vocab_size - 1024, vocab_size) if i != eos_id]
+def codec_suppress_ids(vocab_size: int, eos_id: int, suppress_eos: bool = False) -> list[int]:
+    """The Talker's suppressed ids: every codec special (the top 1024 ids) except EOS, as the reference;
+    EOS too when `suppress_eos` (benchmarks at fixed lengths)."""
+    ids = [i for i in range(max(vocab_size - 1024, 0), vocab_size) if i != eos_id]
+    return ids + [eos_id] if suppress_eos else ids
 
 
 def suppress_mask(vocab: int, ids: Sequence[int] | torch.Tensor, device: torch.device | str | None = None):
@@ -203,78 +171,168 @@ def top_p_filter(logits: torch.Tensor, p: Setting) -> torch.Tensor:
     return logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """argmax ids [B]."""
-    return logits.argmax(dim=-1)
-
-
-def sample(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw ids [B] from softmax(logits).
-
-    argmax(p / E) with E ~ Exp(1) is an exact categorical draw (the exponential-race trick): unlike
-    torch.multinomial it needs no host sync and keeps one static shape.
-    """
-    probs = torch.softmax(logits.float(), dim=-1)  # [B, V]
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return (probs / race).argmax(dim=-1)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# One decoding step
-
-
 def process_logits(
     logits: torch.Tensor,
-    params: SamplingParams | SamplingBatch,
+    rows: RowSettings,
     seen: torch.Tensor | None = None,
     suppress_ids: torch.Tensor | Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scores for greedy, scores for sampling), both [B, V] float32, in transformers' processor order."""
+    """(scores for greedy, scores for sampling), both [B, V] float32, in transformers' processor order.
+
+    The repetition penalty and suppression apply to both; temperature, top-k and top-p to sampling only
+    (greedy rows get temperature 1 so that their warped scores stay finite)."""
     scores = logits.float()
-    penalty = params.repetition_penalty
-    if seen is not None and (isinstance(penalty, torch.Tensor) or penalty != 1.0):
-        scores = apply_repetition_penalty(scores, seen, penalty)
+    if seen is not None:
+        scores = apply_repetition_penalty(scores, seen, rows.repetition_penalty)
     if suppress_ids is not None:
         scores = suppress(scores, suppress_ids)
-    temperature = params.temperature
-    if isinstance(params, SamplingBatch):  # greedy rows may carry any temperature: keep them finite
-        temperature = torch.where(params.do_sample, params.temperature, torch.ones_like(params.temperature))
-    warped = top_p_filter(top_k_filter(apply_temperature(scores, temperature), params.top_k), params.top_p)
+    temperature = torch.where(rows.do_sample, rows.temperature, torch.ones_like(rows.temperature))
+    warped = top_p_filter(top_k_filter(apply_temperature(scores, temperature), rows.top_k), rows.top_p)
     return scores, warped
 
 
-def sample_next(
-    logits: torch.Tensor,
-    params: SamplingParams | SamplingBatch,
-    seen: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-    suppress_ids: torch.Tensor | Sequence[int] | None = None,
-) -> torch.Tensor:
-    """The next ids [B] for logits [B, V] of the last position. Pure: update `seen` with `mark_seen`.
+# ---------------------------------------------------------------------------------------------------------
+# Counter-based randomness on the device
 
-    Greedy (do_sample False) takes the argmax after repetition penalty and suppression; temperature,
-    top-k and top-p only act when sampling, as in transformers.
-    """
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on uint32 values held in int64 (a bijection with full avalanche).
+
+    Values stay below 2**32, so `>>` is a logical shift; a product may wrap int64, but its low 32 bits,
+    all that is kept, are exact (two's complement) on every device."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def _row_hash(seed: torch.Tensor, stage: int, keys: torch.Tensor) -> torch.Tensor:
+    """One 32-bit state per row [B] from (seed, stage, key), each 64-bit word folded in 32 bits at a time."""
+    h = _mix32((seed & _M32) ^ 0x9E3779B9)
+    h = _mix32(h ^ ((seed >> 32) & _M32))
+    h = _mix32(h ^ ((0x632BE5AB * (stage + 1)) & _M32))
+    h = _mix32(h ^ (keys & _M32))
+    return _mix32(h ^ ((keys >> 32) & _M32))
+
+
+def uniform_noise(seed: torch.Tensor, stage: int, keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0, 1) [B, V] float32, a pure function of (seed[B], stage, keys[B], vocab id). 23 bits: with 24,
+    the top value (2**24 - 0.5) / 2**24 rounds to 1.0 in float32, and E = -log 1 = 0 would win every race."""
+    v = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    x = _mix32(_row_hash(seed, stage, keys)[:, None] ^ ((v * 0x9E3779B9) & _M32))  # [B, V]
+    x = _mix32(x ^ 0x85EBCA77)  # a second round: neighbouring ids differ in a few input bits only
+    return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
+
+
+def race(warped: torch.Tensor, seed: torch.Tensor, stage: int, keys: torch.Tensor) -> torch.Tensor:
+    """A draw ids [B] from softmax(warped [B, V]): argmax(warped - log E), E = -log U ~ Exp(1)."""
+    exp = -torch.log(uniform_noise(seed, stage, keys, warped.shape[-1]))  # [B, V]
+    return (warped - torch.log(exp)).argmax(dim=-1)
+
+
+def choose(
+    logits: torch.Tensor,
+    rows: RowSettings,
+    seed: torch.Tensor,
+    stage: int,
+    keys: torch.Tensor,
+    seen: torch.Tensor | None = None,
+    suppress_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The next ids [B]: each row greedy or sampled by its own `do_sample`, keyed by (seed, stage, key)."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got {tuple(logits.shape)}")
-    if isinstance(params, SamplingParams):
-        if not params.do_sample:
-            scores = logits.float()
-            if seen is not None and params.repetition_penalty != 1.0:
-                scores = apply_repetition_penalty(scores, seen, params.repetition_penalty)
-            if suppress_ids is not None:
-                scores = suppress(scores, suppress_ids)
-            return greedy(scores)
-        _, warped = process_logits(logits, params, seen, suppress_ids)
-        return sample(warped, generator)
-    scores, warped = process_logits(logits, params, seen, suppress_ids)
-    return torch.where(params.do_sample.to(logits.device), sample(warped, generator), greedy(scores))
+    scores, warped = process_logits(logits, rows, seen, suppress_ids)
+    return torch.where(rows.do_sample, race(warped, seed, stage, keys), scores.argmax(dim=-1))
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A seeded generator on `device`, or None (the global RNG) when no seed is given."""
-    if seed is None:
-        return None
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
+# ---------------------------------------------------------------------------------------------------------
+# One stage's per-slot state
+
+
+class StageSampler:
+    """One stage's sampling state for every cache slot, on the device, allocated once.
+
+    `assign` gives a slot a new response (its settings, seed and repetition history: a few small
+    device writes, no sync); calling the sampler chooses the next ids of a batch of slots and marks
+    them seen. Everything a call reads is a persistent tensor indexed by `slots`, so a captured step
+    that samples replays with whatever responses the slots hold now.
+    """
+
+    def __init__(
+        self,
+        stage: str,
+        slots: int,
+        vocab: int,
+        device: torch.device | str = "cpu",
+        suppress: Sequence[int] | None = None,
+        history: bool = True,
+    ) -> None:
+        self.stage = STAGES[stage]
+        self.vocab = vocab
+        self.device = torch.device(device)
+        self.temperature = torch.ones(slots, device=device)
+        self.top_k = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(slots, device=device)
+        self.repetition_penalty = torch.ones(slots, device=device)
+        self.do_sample = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.seed = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.seen = new_history(slots, vocab, device) if history else None  # [S, V]
+        self._base_suppress = None if suppress is None else suppress_mask(vocab, suppress, device)  # [V]
+        self.suppress = None if suppress is None else self._base_suppress.expand(slots, vocab).clone()
+
+    def assign(
+        self,
+        slot: int,
+        s: StageSampling,
+        seed: int,
+        history_ids: torch.Tensor | None = None,
+        suppress_extra: Sequence[int] = (),
+    ) -> None:
+        """Slot `slot` starts a response: settings `s`, `seed`, history = `history_ids` [T] (or none)."""
+        self.temperature[slot] = s.temperature
+        self.top_k[slot] = s.top_k
+        self.top_p[slot] = s.top_p
+        self.repetition_penalty[slot] = s.repetition_penalty
+        self.do_sample[slot] = s.do_sample
+        self.seed[slot] = check_seed(seed)
+        if self.seen is not None:
+            self.seen[slot] = False
+            if history_ids is not None and history_ids.numel():
+                self.seen[slot, history_ids.to(self.device)] = True
+        if self.suppress is not None:
+            self.suppress[slot] = self._base_suppress
+            if suppress_extra:
+                self.suppress[slot, list(suppress_extra)] = True
+
+    def rows(self, slots: torch.Tensor) -> RowSettings:
+        return RowSettings(
+            self.temperature[slots], self.top_k[slots], self.top_p[slots],
+            self.repetition_penalty[slots], self.do_sample[slots],
+        )  # fmt: skip
+
+    def __call__(self, logits: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] of slots [B] at step keys [B] -> ids [B], observed in the slots' histories."""
+        seen = None if self.seen is None else self.seen[slots]
+        supp = None if self.suppress is None else self.suppress[slots]
+        ids = choose(logits, self.rows(slots), self.seed[slots], self.stage, keys, seen, supp)
+        if self.seen is not None:
+            self.seen[slots, ids] = True
+        return ids
+
+
+def frame_sampler(sampler: StageSampler, slots: torch.Tensor, talker_keys: torch.Tensor) -> SampleFn:
+    """The code predictor's `sample` for one frame: call i (code group i + 1) draws with key
+    talker_key * CODE_KEY_STRIDE + i. The group index is a Python counter, so a captured frame bakes
+    in its 15 keys' offsets and reads the Talker keys from its static input."""
+    group = itertools.count()
+    base = talker_keys * CODE_KEY_STRIDE
+    return lambda logits: sampler(logits, slots, base + next(group))
+
+
+def residual_code_sampling(s: StageSampling) -> StageSampling:
+    """The reference's code predictor has no repetition penalty (a fresh sequence every frame)."""
+    return s if s.repetition_penalty == 1.0 else s.model_copy(update={"repetition_penalty": 1.0})

@@ -85,6 +85,7 @@ class Request:
     # earlier spoken turn whose reply was cut before the Talker's prefill): its audio positions are in
     # this turn's Talker prompt, and the Thinker, which has them cached, will not compute them again
     carried_hidden: Any = None
+    seed: int = field(init=False)  # every stage's draws of this response (model/sampling.py)
 
     # state written by the stages
     tokens: list[int] = field(default_factory=list)  # generated text tokens, in order (Thinker)
@@ -109,6 +110,9 @@ class Request:
     # the stages still holding the request; the last to let go posts DoneOut
     holders: set[str] = field(default_factory=lambda: set(STAGES))
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.seed = self.sampling.response_seed()
 
     @property
     def stopped(self) -> bool:

@@ -16,10 +16,11 @@ row's real length, in the row's own slot only; each of those rows is written aga
 really lands there before any query reads it (a query at position p reads rows <= p of its slot), so
 padding never changes a result. A prefill that would pad past the cache's end runs eagerly, unpadded.
 
-Sampling is the offline loop's (`omni_rt.model.offline.StageSampler`), one sampler per sequence and
-stage, so a request gets the same decisions from the same logits however it is batched. A step's
-choices for all its rows are launched first and read back to the host together (`_pick`): one host
-sync per step, not one per row.
+Sampling happens inside each step (graphed with it): `omni_rt.model.sampling.StageSampler` holds every
+slot's settings, seed and repetition history in device tensors that the step indexes with its `slots`
+input, and draws are keyed by (response seed, stage, position), so a request gets the same choices
+alone or in any batch, graphed or eager, and equal to the offline loop's. A step's choices for all its
+rows are read back to the host together (`_pick`): one host sync per step, not one per row.
 """
 
 from __future__ import annotations
@@ -33,21 +34,14 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from omni_rt.config import EngineSettings, StageSampling
+from omni_rt.config import EngineSettings
 from omni_rt.errors import InvalidRequestError
 from omni_rt.model.code2wav import Code2WavStream
-from omni_rt.model.offline import StageSampler, codec_suppressed_ids, stage_generator
-from omni_rt.model.sampling import greedy
+from omni_rt.model.sampling import StageSampler, codec_suppress_ids, frame_sampler, residual_code_sampling
 from omni_rt.model.speech_input import build_speech_input
 from omni_rt.model.talker import talker_prompt_last, talker_prompt_prefix, talker_step_input
 from omni_rt.pipeline.graphs import GraphPool, capture
 from omni_rt.pipeline.request import Request
-
-
-def _generator(req: Request, stage: str, device: torch.device) -> torch.Generator:
-    # Each stage draws from its own generator seeded from the response's seed (as offline does), so a
-    # seeded response is reproducible whatever the interleaving of the stages.
-    return stage_generator(req.sampling.seed, stage, device)
 
 
 def kv_bucket(n: int, max_len: int, smallest: int = 256) -> int:
@@ -168,12 +162,9 @@ def _rows(n: int, deterministic: bool) -> list[slice]:
 
 
 def _pick(choices: list[torch.Tensor]) -> list[int]:
-    """Ids chosen on the device ([1] or [b] each), read back in one host sync.
-
-    Every row's sampling kernels are enqueued before the host waits, so a step of B rows pays one
-    device round trip instead of B (each `int()` would wait for the GPU before the next row's sampling
-    is even launched). The samplers have read their logits by then in stream order, so a graph's
-    output buffer may already be replayed over."""
+    """Ids chosen on the device ([b] each, one per row group), read back in one host sync: every
+    group's step is enqueued before the host waits, so a step pays one device round trip, not one per
+    group. `cat` copies them out of the graphs' output buffers before any replay reuses those."""
     return torch.cat(choices).tolist()
 
 
@@ -226,7 +217,7 @@ class ThinkerRunner:
         self.scratch = settings.max_sessions  # the extra cache row graph capture writes into
         self.cache = self.thinker.allocate_cache(settings.max_sessions + 1, settings.max_context)
         self.vocab = self.thinker.cfg.vocab_size
-        self._samplers: dict[int, StageSampler] = {}  # slot -> the running request's sampler
+        self.sampler = StageSampler("thinker", settings.max_sessions + 1, self.vocab, self.device)
         self._graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> captured decode step
         self._prefill_graphs: dict[tuple[int, int, int], object] = {}  # (batch, padded T, kv_len) -> prefill
         if graphs_on(settings, self.device):
@@ -234,21 +225,24 @@ class ThinkerRunner:
 
     def _decode_fn(self, kv_len: int):
         def step(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+            """ids, positions [B, 1], slots [B] -> the next ids [B] (each keyed by the position it takes)."""
             logits, _ = self.thinker(ids, positions, self.cache, slots, last_only=True, kv_len=kv_len)
-            return logits[:, -1]  # [B, V]
+            return self.sampler(logits[:, -1], slots, positions[:, 0] + 1)
 
         return step
 
     def _prefill_fn(self, kv_len: int):
         def prefill(embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, index: torch.Tensor):
             """embeds [B, T, H] and positions [B, T] (right-padded), slots [B], index [B] (each row's last
-            real token) -> (logits [B, V] there, hidden [B, T, H]: hidden_states[accept_hidden_layer],
-            which a speech turn's Talker prefix reads; an intermediate, so free for text turns)."""
+            real token) -> (the first reply ids [B], sampled from the logits [B, V] there; those logits;
+            hidden [B, T, H]: hidden_states[accept_hidden_layer], which a speech turn's Talker prefix
+            reads, an intermediate, so free for text turns)."""
             logits, hidden = self.thinker(
                 None, positions, self.cache, slots, self.accept_hidden_layer,
                 inputs_embeds=embeds, logits_index=index, kv_len=kv_len,
             )  # fmt: skip
-            return logits[:, -1], hidden
+            keys = positions.gather(1, index[:, None])[:, 0] + 1  # [B]: the position the reply starts at
+            return self.sampler(logits[:, -1], slots, keys), logits[:, -1], hidden
 
         return prefill
 
@@ -285,33 +279,26 @@ class ThinkerRunner:
 
     def _decode_step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int):
         step = self._graphs.get((ids.shape[0], kv_len)) or self._decode_fn(kv_len)
-        return step(ids, positions, slots)  # [B, V]
+        return step(ids, positions, slots)  # [B]
 
     @stage_call
     def prefill(self, reqs: list[Request]) -> list[int]:
         try:
-            logits = self._prefill_logits(reqs)  # [B, V]
+            for req in reqs:
+                # the repetition penalty covers the whole conversation, as the reference's covers its prompt
+                history = to_device(req.prompt_ids, self.device)
+                self.sampler.assign(req.slot, req.sampling.thinker, req.seed, history_ids=history)
+            first, _ = self._prefill_first(reqs)  # [B]
         finally:
             if self.gate is not None:  # enqueued (or failed): the Talker's prefixes may launch now
                 self.gate.open(reqs)
-        choices = []
-        for i, req in enumerate(reqs):
-            sampler = StageSampler(
-                req.sampling.thinker,
-                self.vocab,
-                device=self.device,
-                generator=_generator(req, "thinker", self.device),
-            )
-            # the repetition penalty covers the whole conversation, as the reference's covers its prompt
-            sampler.observe(to_device(req.prompt_ids, self.device)[None])
-            self._samplers[req.slot] = sampler
-            choices.append(sampler(logits[i : i + 1]))
-        return _pick(choices)
+        return _pick([first])
 
-    def _prefill_logits(self, reqs: list[Request]) -> torch.Tensor:
-        """Each request's logits after its new prompt tokens: [B, V], in order. Text prompts that arrive
-        together run as one right-padded batch; speech prompts one at a time."""
-        out: list[torch.Tensor | None] = [None] * len(reqs)
+    def _prefill_first(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's first reply id after its new prompt tokens [B] and the logits it was drawn
+        from [B, V], in order. Text prompts that arrive together run as one right-padded batch; speech
+        prompts one at a time."""
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(reqs)
         text = [i for i, r in enumerate(reqs) if not r.audio_features]
         for i, r in enumerate(reqs):
             if r.audio_features:
@@ -324,10 +311,10 @@ class ThinkerRunner:
             ids = torch.zeros(len(rows), max(len(r.new_prompt_ids) for r in rows), dtype=torch.long)  # [B, t]
             for j, r in enumerate(rows):
                 ids[j, : len(r.new_prompt_ids)] = torch.tensor(r.new_prompt_ids)
-            logits, _ = self._prefill_embeds(rows, self.thinker.embed(to_device(ids, self.device)))
+            first, logits, _ = self._prefill_embeds(rows, self.thinker.embed(to_device(ids, self.device)))
             for j, i in enumerate(group):
-                out[i] = logits[j : j + 1]
-        return torch.cat(out)
+                out[i] = first[j : j + 1], logits[j : j + 1]
+        return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
 
     def _prefill_shape(self, reqs: list[Request]) -> tuple[int, int, object] | None:
         """`prefill_plan` of one right-padded prefill of `reqs`, or None when the padding of some row
@@ -344,8 +331,8 @@ class ThinkerRunner:
 
     def _prefill_embeds(self, reqs: list[Request], embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The new prompt tokens of `reqs` as embeddings [B, t, H] (right-padded to the longest) in one
-        call, padded further to a captured bucket when a graph fits: (logits [B, V] of each row's last
-        real token, hidden [B, T, H]). See the module doc for why the padding never changes a result."""
+        call, padded further to a captured bucket when a graph fits: (the id [B] sampled after each row's
+        last real token, the logits [B, V] there, hidden [B, T, H]). See the module doc for why the padding never changes a result."""
         t, kv_len, graph = self._prefill_shape(reqs)
         positions = torch.stack([torch.arange(r.thinker_start, r.thinker_start + t) for r in reqs])  # [B, T]
         index = torch.tensor([len(r.new_prompt_ids) - 1 for r in reqs])  # [B]
@@ -359,8 +346,9 @@ class ThinkerRunner:
             raise InvalidRequestError("this model has no audio encoder (no audio_config): send text")
         return self.audio_encoder
 
-    def _prefill_speech(self, req: Request) -> torch.Tensor:
-        """The turn's new tokens with its clips encoded and scattered into their placeholders: [1, V].
+    def _prefill_speech(self, req: Request) -> tuple[torch.Tensor, torch.Tensor]:
+        """The turn's new tokens with its clips encoded and scattered into their placeholders -> (the
+        first reply id [1], its logits [1, V]).
 
         Text and audio prompts have plain sequential M-RoPE positions (see model/speech_input.py), so
         the positions are the cache rows. Keeps the Thinker's hidden states (`accept_hidden_layer`) of
@@ -368,13 +356,13 @@ class ThinkerRunner:
         stay zero (the Talker has those positions in its cache already and does not feed them again)."""
         new = req.new_prompt_ids
         x = build_speech_input(self.thinker, self._encoder(), new, req.audio_features, self.ids)
-        logits, hidden = self._prefill_embeds([req], x.inputs_embeds)  # [1, V], [1, T, H]
+        first, logits, hidden = self._prefill_embeds([req], x.inputs_embeds)  # [1], [1, V], [1, T, H]
         full = hidden.new_zeros(len(req.prompt_ids), hidden.shape[-1])  # [P, H]
         if req.carried_hidden is not None:  # earlier turns the Talker has not prefilled yet
             full[: req.carried_hidden.shape[0]] = req.carried_hidden
         full[req.thinker_start :] = hidden[0, : len(new)]  # a copy: a graph's output is reused
         req.thinker_hidden = full
-        return logits
+        return first, logits
 
     @stage_call
     def decode(self, reqs: list[Request]) -> list[int]:
@@ -383,10 +371,10 @@ class ThinkerRunner:
         positions = to_device([[len(r.prompt_ids) + len(r.tokens) - 1] for r in reqs], self.device)  # [B, 1]
         slots = to_device([r.slot for r in reqs], self.device)  # [B]
         kv_len = kv_bucket(max(len(r.prompt_ids) + len(r.tokens) for r in reqs), self.cache.max_len)
-        choices = []
-        for rows in _rows(len(reqs), self.settings.deterministic):
-            logits = self._decode_step(last[rows], positions[rows], slots[rows], kv_len)  # [b, V]
-            choices += [self._samplers[r.slot](logits[i : i + 1]) for i, r in enumerate(reqs[rows])]
+        choices = [
+            self._decode_step(last[rows], positions[rows], slots[rows], kv_len)  # [b]
+            for rows in _rows(len(reqs), self.settings.deterministic)
+        ]
         return _pick(choices)
 
 
@@ -402,18 +390,17 @@ class TalkerRunner:
         self.scratch = settings.max_sessions  # the extra cache row graph capture writes into
         self.cache = self.talker.allocate_cache(settings.max_sessions + 1, settings.max_talker_context)
         self.talker.code_predictor.setup_cache(settings.max_sessions)
-        vocab = self.cfg.talker.vocab_size
-        eos = self.cfg.ids.codec_eos
-        self._suppress = codec_suppressed_ids(vocab, eos).to(self.device)
-        self._suppress_eos = codec_suppressed_ids(vocab, eos, suppress_eos=True).to(self.device)
-        # per slot: prompt length (prefix + last position), steps taken, last hidden, samplers
+        slots, vocab = settings.max_sessions + 1, self.cfg.talker.vocab_size
+        suppress = codec_suppress_ids(vocab, self.cfg.ids.codec_eos)
+        self.code0 = StageSampler("talker", slots, vocab, self.device, suppress=suppress)
+        cp_vocab = self.cfg.code_predictor.vocab_size
+        self.residual = StageSampler("code_predictor", slots, cp_vocab, self.device, history=False)
+        # per slot: prompt length (prefix + last position), steps taken, last hidden
         self._prompt_len: dict[int, int] = {}
         self._steps: dict[int, int] = {}
         self._hidden: dict[int, torch.Tensor] = {}  # [Ht]
-        self._code0: dict[int, StageSampler] = {}
-        self._cp_gen: dict[int, torch.Generator] = {}
         self._graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> captured step
-        self._greedy_frame: dict[int, object] = {}  # batch -> captured greedy code-predictor frame
+        self._frame_graphs: dict[int, object] = {}  # batch -> captured code-predictor frame
         self._last_graphs: dict[int, object] = {}  # kv_len -> captured last prompt position (batch 1)
         self._prefix_graphs: dict[tuple[int, int], object] = {}  # (padded T, kv_len) -> prefix prefill
         self._frame_ahead: dict[int, list[int]] = {}  # slot -> frame 0 made in `prefill_last`
@@ -423,12 +410,13 @@ class TalkerRunner:
 
     def _step_fn(self, kv_len: int):
         def step(codes: torch.Tensor, text_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
-            """codes [B, 16], text ids [B], positions [B, 1], slots [B] -> (logits [B, V], hidden [B, Ht])."""
+            """codes [B, 16], text ids [B], positions [B, 1], slots [B] -> (code 0 [B], hidden [B, Ht]);
+            code 0 is keyed by the step's position (as offline)."""
             x = talker_step_input(self.talker, self.embed_text, codes, text_ids)  # [B, Ht]
             logits, hidden = self.talker(
                 x[:, None], positions, self.cache, slots, kv_len
             )  # [B, 1, V], [B, 1, Ht]
-            return logits[:, -1], hidden[:, -1]
+            return self.code0(logits[:, -1], slots, positions[:, 0]), hidden[:, -1]
 
         return step
 
@@ -446,11 +434,14 @@ class TalkerRunner:
                     torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
                 )
                 self._graphs[(b, kv_len)] = _capture(self._step_fn(kv_len), static, pool)
-            # a whole greedy frame of the code predictor (15 steps) as one graph; sampled frames draw
-            # from per-request generators, which run eagerly
-            hidden = torch.zeros(b, self.cfg.talker.hidden_size, dtype=self.cache.dtype, device=self.device)
-            code0 = torch.zeros(b, dtype=torch.long, device=self.device)
-            self._greedy_frame[b] = _capture(self._greedy_frame_fn, (hidden, code0), pool)
+            # a whole frame of the code predictor (15 steps, greedy or sampled per row) as one graph
+            static = (
+                torch.zeros(b, self.cfg.talker.hidden_size, dtype=self.cache.dtype, device=self.device),
+                torch.zeros(b, dtype=torch.long, device=self.device),  # code 0 [B]
+                torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
+                torch.zeros(b, dtype=torch.long, device=self.device),  # keys [B]
+            )
+            self._frame_graphs[b] = _capture(self._frame_fn, static, pool)
         # the last prompt position (first text token + codec bos): on the path to the first audio
         for kv_len in kv_buckets(self.cache.max_len):
             static = (
@@ -480,18 +471,19 @@ class TalkerRunner:
 
     def _last_fn(self, kv_len: int):
         def last(first: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
-            """first token [1], positions [1, 1], slots [1] -> (logits [1, V], hidden [1, Ht])."""
+            """first token [1], positions [1, 1], slots [1] -> (code 0 [1], hidden [1, Ht])."""
             x = talker_prompt_last(self.talker, self.embed_text, first)  # [1, Ht]
             logits, hidden = self.talker(
                 x[:, None], positions, self.cache, slots, kv_len
             )  # [1, 1, V], [1, 1, Ht]
-            return logits[:, -1], hidden[:, -1]
+            return self.code0(logits[:, -1], slots, positions[:, 0]), hidden[:, -1]
 
         return last
 
-    def _greedy_frame_fn(self, hidden: torch.Tensor, code0: torch.Tensor) -> torch.Tensor:
-        """hidden [B, Ht], code 0 [B] -> the frame's 16 codes [B, 16], codes 1..15 by argmax."""
-        return self.talker.predict_frame(hidden, code0, greedy)
+    def _frame_fn(self, hidden: torch.Tensor, code0: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor):
+        """hidden [B, Ht], code 0 [B], slots [B], keys [B] (the position of the Talker step that made
+        hidden) -> the frame's 16 codes [B, 16], codes 1..15 greedy or sampled per slot."""
+        return self.talker.predict_frame(hidden, code0, frame_sampler(self.residual, slots, keys))
 
     def prompt_prefix(self, req: Request) -> torch.Tensor:
         """The Talker prompt but its last position, for the whole conversation: [L - 1, Ht].
@@ -522,16 +514,11 @@ class TalkerRunner:
         (graph or self._prefix_fn(kv_len))(right_pad(new[None], t), positions, slots)
         self._prompt_len[req.slot] = prefix.shape[0] + 1
         self._steps[req.slot] = 0
-        vocab = self.cfg.talker.vocab_size
-        suppress = self._suppress_eos if req.ignore_eos else self._suppress
-        self._code0[req.slot] = StageSampler(
-            req.sampling.talker,
-            vocab,
-            device=self.device,
-            suppress=suppress,
-            generator=_generator(req, "talker", self.device),
+        eos = [self.cfg.ids.codec_eos] if req.ignore_eos else []
+        self.code0.assign(req.slot, req.sampling.talker, req.seed, suppress_extra=eos)
+        self.residual.assign(
+            req.slot, residual_code_sampling(req.sampling.effective_code_predictor), req.seed
         )
-        self._cp_gen[req.slot] = _generator(req, "code_predictor", self.device)
 
     @stage_call
     def prefill_last(self, req: Request, first_token: int) -> int:
@@ -541,23 +528,27 @@ class TalkerRunner:
         slots = to_device([req.slot], self.device)
         kv_len = kv_bucket(self._prompt_len[req.slot], self.cache.max_len)
         last = self._last_graphs.get(kv_len) or self._last_fn(kv_len)
-        logits, hidden = last(first, positions, slots)  # [1, V], [1, Ht]
+        code0, hidden = last(first, positions, slots)  # [1], [1, Ht]
         self._hidden[req.slot] = hidden[0].clone()  # a graph's output buffer is reused by its next replay
-        code0 = self._code0[req.slot](logits)  # [1], on the device
-        frame = self._greedy_frame.get(1)
-        if frame is None or not self.settings.frame0_in_prefill or self._samples_codes([req]):
+        if not self.settings.frame0_in_prefill:
             return int(code0)
-        # Frame 0 straight from code 0 on the device: the frame graph is enqueued before the host reads
-        # code 0, so the first frame does not wait for a device round trip and the Python between
-        # `prefill_last` and `predict`. `predict` hands it out when the scheduler asks for that code 0
-        # (it does next, unless code 0 is EOS); greedy only, so computing it early changes nothing.
-        codes = frame(self._hidden[req.slot][None], code0)[0].tolist()  # [16]; one host sync for both
+        # Frame 0 straight from code 0 on the device: the frame is enqueued before the host reads code 0,
+        # so the first frame does not wait for a device round trip and the Python between `prefill_last`
+        # and `predict`. `predict` hands it out when the scheduler asks for that code 0 (it does next,
+        # unless code 0 is EOS); its draws are keyed, so making it early changes nothing.
+        key = positions[:, 0]
+        codes = self._frame(self._hidden[req.slot][None], code0, slots, key)[0].tolist()  # one sync for both
         self._frame_ahead[req.slot] = codes
         return codes[0]
 
-    def _samples_codes(self, reqs: list[Request]) -> bool:
-        """Does any of `reqs` sample its residual codes (then its frames draw from its generator)?"""
-        return any(r.sampling.effective_code_predictor.do_sample for r in reqs)
+    def _frame(self, hidden: torch.Tensor, code0: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor):
+        """One code-predictor frame of a batch [B, 16]: the captured graph of that batch size, or eager."""
+        frame = self._frame_graphs.get(hidden.shape[0]) or self._frame_fn
+        return frame(hidden, code0, slots, keys)
+
+    def _position(self, req: Request) -> int:
+        """The Talker position its last step wrote (the last prompt position before the first step)."""
+        return self._prompt_len[req.slot] - 1 + self._steps[req.slot]
 
     @stage_call
     def predict(self, reqs: list[Request], code0: list[int]) -> list[list[int]]:
@@ -566,36 +557,13 @@ class TalkerRunner:
             return ahead  # frame 0, predicted in `prefill_last`
         hidden = torch.stack([self._hidden[r.slot] for r in reqs])  # [B, Ht]
         c0 = to_device(code0, self.device)  # [B]
-        out: list[list[int]] = []
-        for rows in _rows(len(reqs), self.settings.deterministic):
-            batch = reqs[rows]
-            graph = self._greedy_frame.get(len(batch))
-            if graph is not None and not self._samples_codes(batch):
-                frames = graph(hidden[rows], c0[rows])  # [b, 16]: same argmax as the eager path
-            else:
-                frames = self.talker.predict_frame(
-                    hidden[rows], c0[rows], self._code_sampler(batch)
-                )  # [b, 16]
-            out += frames.tolist()
-        return out
-
-    def _code_sampler(self, reqs: list[Request]):
-        """Codes 1..15 of a frame, each row with its request's settings and a fresh history (no penalty)."""
-        vocab = self.cfg.code_predictor.vocab_size
-        pickers = [
-            StageSampler(
-                _cp_sampling(r.sampling.effective_code_predictor),
-                vocab,
-                device=self.device,
-                generator=self._cp_gen[r.slot],
-            )
-            for r in reqs
+        slots = to_device([r.slot for r in reqs], self.device)  # [B]
+        keys = to_device([self._position(r) for r in reqs], self.device)  # [B]
+        frames = [
+            self._frame(hidden[rows], c0[rows], slots[rows], keys[rows])  # [b, 16]
+            for rows in _rows(len(reqs), self.settings.deterministic)
         ]
-
-        def sample(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B]
-            return torch.cat([p(logits[i : i + 1]) for i, p in enumerate(pickers)])
-
-        return sample
+        return torch.cat(frames).tolist()
 
     @stage_call
     def step(self, reqs: list[Request], frames: list[list[int]], text_ids: list[int]) -> list[int]:
@@ -604,24 +572,19 @@ class TalkerRunner:
         for r in reqs:
             self._steps[r.slot] += 1
         # step k of a sequence with an L-position prompt writes position L - 1 + k
-        pos = [self._prompt_len[r.slot] - 1 + self._steps[r.slot] for r in reqs]
+        pos = [self._position(r) for r in reqs]
         positions = to_device(pos, self.device)[:, None]  # [B, 1]
         slots = to_device([r.slot for r in reqs], self.device)  # [B]
         kv_len = kv_bucket(max(pos) + 1, self.cache.max_len)
         choices = []
         for rows in _rows(len(reqs), self.settings.deterministic):
             step = self._graphs.get((rows.stop - rows.start, kv_len)) or self._step_fn(kv_len)
-            logits, hidden = step(codes[rows], text[rows], positions[rows], slots[rows])  # [b, V], [b, Ht]
+            code0, hidden = step(codes[rows], text[rows], positions[rows], slots[rows])  # [b], [b, Ht]
             for i, r in enumerate(reqs[rows]):
                 # a copy: a graph's output buffer is overwritten by its next replay
                 self._hidden[r.slot] = hidden[i].clone()
-                choices.append(self._code0[r.slot](logits[i : i + 1]))
+            choices.append(code0)
         return _pick(choices)
-
-
-def _cp_sampling(s: StageSampling) -> StageSampling:
-    # The reference's code predictor has no repetition penalty (a fresh sequence every frame).
-    return s if s.repetition_penalty == 1.0 else s.model_copy(update={"repetition_penalty": 1.0})
 
 
 class Code2WavRunner:

@@ -84,3 +84,12 @@ def rsqrt_f32(x, PRECISE: tl.constexpr):
     else:
         y = tl.rsqrt(x)
     return y
+
+
+@triton.jit
+def log_f32(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        y = libdevice.log(x)
+    else:
+        y = tl.log(x)
+    return y

@@ -124,6 +124,7 @@ def apply_kernels(omni: Any, settings: EngineSettings) -> KernelChoice:
             fused_kernels.install_all(omni)
         elif "omni_rt.kernels.fused" in sys.modules:  # never imported: nothing of it can be installed
             sys.modules["omni_rt.kernels.fused"].uninstall_all(omni)
+        omni.fused_sampling = choice.fused  # the stage samplers read it (model/sampling.StageSampler)
         if choice.packed:
             from omni_rt.kernels import packed
 

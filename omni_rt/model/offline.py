@@ -136,13 +136,17 @@ def generate_offline(
     n = x.shape[0]
     tcache = talker.allocate_cache(1, n + max_frames)
     vocab = cfg.talker.vocab_size
-    pick_code0 = StageSampler("talker", 1, vocab, device, suppress=codec_suppress_ids(vocab, ids.codec_eos))
+    fused = getattr(model, "fused_sampling", False)  # as the pipeline's samplers (engine.apply_kernels)
+    supp = codec_suppress_ids(vocab, ids.codec_eos)
+    pick_code0 = StageSampler("talker", 1, vocab, device, suppress=supp, fused=fused)
     pick_code0.assign(0, talker_sampling, seed, suppress_extra=[ids.codec_eos] if ignore_eos else ())
     # the reference's code predictor follows the Talker: greedy when the Talker is greedy
     whole = Sampling(thinker=thinker_sampling, talker=talker_sampling)
     if code_predictor_sampling is not None:
         whole = whole.model_copy(update={"code_predictor": code_predictor_sampling})
-    pick_rest = StageSampler("code_predictor", 1, cfg.code_predictor.vocab_size, device, history=False)
+    pick_rest = StageSampler(
+        "code_predictor", 1, cfg.code_predictor.vocab_size, device, history=False, fused=fused
+    )
     pick_rest.assign(0, residual_code_sampling(whole.effective_code_predictor), seed)
     logits, hidden = talker(x[None], torch.arange(n, device=device)[None], tcache, slot)
     # Talker draws are keyed by the position of the step that made the logits; a frame's residual

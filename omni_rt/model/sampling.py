@@ -259,7 +259,9 @@ class StageSampler:
     `assign` gives a slot a new response (its settings, seed and repetition history: a few small
     device writes, no sync); calling the sampler chooses the next ids of a batch of slots and marks
     them seen. Everything a call reads is a persistent tensor indexed by `slots`, so a captured step
-    that samples replays with whatever responses the slots hold now.
+    that samples replays with whatever responses the slots hold now. `fused`: small vocabularies (the
+    Talker's, the code predictor's) sample in one Triton launch (`omni_rt.kernels.sample`) instead of
+    ~100 PyTorch ones; set from outside, as the other kernels are (`engine.apply_kernels`).
     """
 
     def __init__(
@@ -270,6 +272,7 @@ class StageSampler:
         device: torch.device | str = "cpu",
         suppress: Sequence[int] | None = None,
         history: bool = True,
+        fused: bool = False,
     ) -> None:
         self.stage = STAGES[stage]
         self.vocab = vocab
@@ -283,6 +286,11 @@ class StageSampler:
         self.seen = new_history(slots, vocab, device) if history else None  # [S, V]
         self._base_suppress = None if suppress is None else suppress_mask(vocab, suppress, device)  # [V]
         self.suppress = None if suppress is None else self._base_suppress.expand(slots, vocab).clone()
+        self._fused = None
+        if fused:
+            from omni_rt.kernels import sample
+
+            self._fused = sample.fused_choose if sample.fits(vocab) else None
 
     def assign(
         self,
@@ -316,6 +324,8 @@ class StageSampler:
 
     def __call__(self, logits: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """logits [B, V] of slots [B] at step keys [B] -> ids [B], observed in the slots' histories."""
+        if self._fused is not None:
+            return self._fused(logits, slots, keys, self)
         seen = None if self.seen is None else self.seen[slots]
         supp = None if self.suppress is None else self.suppress[slots]
         ids = choose(logits, self.rows(slots), self.seed[slots], self.stage, keys, seen, supp)

@@ -164,8 +164,13 @@ def _rows(n: int, deterministic: bool) -> list[slice]:
 def _pick(choices: list[torch.Tensor]) -> list[int]:
     """Ids chosen on the device ([b] each, one per row group), read back in one host sync: every
     group's step is enqueued before the host waits, so a step pays one device round trip, not one per
-    group. `cat` copies them out of the graphs' output buffers before any replay reuses those."""
+    group. Each must be a copy (`_kept`) when a later group replays the graph that made it."""
     return torch.cat(choices).tolist()
+
+
+def _kept(out: torch.Tensor) -> torch.Tensor:
+    """A copy of a step's output (a graph's output buffer is overwritten by its next replay)."""
+    return out.clone()
 
 
 class LaunchGate:
@@ -313,7 +318,7 @@ class ThinkerRunner:
                 ids[j, : len(r.new_prompt_ids)] = torch.tensor(r.new_prompt_ids)
             first, logits, _ = self._prefill_embeds(rows, self.thinker.embed(to_device(ids, self.device)))
             for j, i in enumerate(group):
-                out[i] = first[j : j + 1], logits[j : j + 1]
+                out[i] = _kept(first[j : j + 1]), _kept(logits[j : j + 1])
         return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
 
     def _prefill_shape(self, reqs: list[Request]) -> tuple[int, int, object] | None:
@@ -362,7 +367,7 @@ class ThinkerRunner:
             full[: req.carried_hidden.shape[0]] = req.carried_hidden
         full[req.thinker_start :] = hidden[0, : len(new)]  # a copy: a graph's output is reused
         req.thinker_hidden = full
-        return first, logits
+        return _kept(first), _kept(logits)
 
     @stage_call
     def decode(self, reqs: list[Request]) -> list[int]:
@@ -372,7 +377,7 @@ class ThinkerRunner:
         slots = to_device([r.slot for r in reqs], self.device)  # [B]
         kv_len = kv_bucket(max(len(r.prompt_ids) + len(r.tokens) for r in reqs), self.cache.max_len)
         choices = [
-            self._decode_step(last[rows], positions[rows], slots[rows], kv_len)  # [b]
+            _kept(self._decode_step(last[rows], positions[rows], slots[rows], kv_len))  # [b]
             for rows in _rows(len(reqs), self.settings.deterministic)
         ]
         return _pick(choices)
@@ -392,9 +397,12 @@ class TalkerRunner:
         self.talker.code_predictor.setup_cache(settings.max_sessions)
         slots, vocab = settings.max_sessions + 1, self.cfg.talker.vocab_size
         suppress = codec_suppress_ids(vocab, self.cfg.ids.codec_eos)
-        self.code0 = StageSampler("talker", slots, vocab, self.device, suppress=suppress)
+        fused = getattr(model, "fused_sampling", False)  # `engine.apply_kernels` sets it
+        self.code0 = StageSampler("talker", slots, vocab, self.device, suppress=suppress, fused=fused)
         cp_vocab = self.cfg.code_predictor.vocab_size
-        self.residual = StageSampler("code_predictor", slots, cp_vocab, self.device, history=False)
+        self.residual = StageSampler(
+            "code_predictor", slots, cp_vocab, self.device, history=False, fused=fused
+        )
         # per slot: prompt length (prefix + last position), steps taken, last hidden
         self._prompt_len: dict[int, int] = {}
         self._steps: dict[int, int] = {}
@@ -560,7 +568,7 @@ class TalkerRunner:
         slots = to_device([r.slot for r in reqs], self.device)  # [B]
         keys = to_device([self._position(r) for r in reqs], self.device)  # [B]
         frames = [
-            self._frame(hidden[rows], c0[rows], slots[rows], keys[rows])  # [b, 16]
+            _kept(self._frame(hidden[rows], c0[rows], slots[rows], keys[rows]))  # [b, 16]
             for rows in _rows(len(reqs), self.settings.deterministic)
         ]
         return torch.cat(frames).tolist()
@@ -583,7 +591,7 @@ class TalkerRunner:
             for i, r in enumerate(reqs[rows]):
                 # a copy: a graph's output buffer is overwritten by its next replay
                 self._hidden[r.slot] = hidden[i].clone()
-            choices.append(code0)
+            choices.append(_kept(code0))
         return _pick(choices)
 
 

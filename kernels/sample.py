@@ -1,0 +1,161 @@
+"""One-launch sampling for small vocabularies (the Talker's code 0, the code predictor's 15 codes).
+
+Why: `omni_rt.model.sampling.StageSampler` in plain PyTorch is ~100 small launches per call (gathers of
+the per-slot settings, two sorts, the counter hash as some 40 integer ops). A code-predictor frame calls
+it 15 times, which in a CUDA graph costs more than the frame's own layers. One program per row here holds
+the whole row (V <= 4096) in registers and does all of it: repetition penalty, suppression, greedy
+argmax, temperature, top-k, top-p, the keyed exponential race, the choice by `do_sample`, and the
+history update.
+
+Numbers, against `sampling.choose` (the reference, called by the plain path):
+- the same counter hash, in the same int64 arithmetic, so the same uniforms for each (seed, stage, key,
+  vocab id); penalty and temperature by IEEE division (`tl.div_rn`, as PyTorch's kernels);
+- greedy: the first index of the maximum, as torch.argmax: bit-equal ids;
+- sampling: top-k keeps scores >= the k-th largest (ties kept), as transformers; top-p keeps scores >=
+  the smallest one it keeps, so equal scores straddling the boundary are all kept, where transformers
+  drops some of them by sort order; softmax, cumsum and logs may differ from PyTorch's by an fp32 ulp.
+  Either can move a draw only when two candidates are within an ulp: the distribution is the same.
+"""
+
+from __future__ import annotations
+
+import torch
+from omni_rt.kernels._common import next_pow2, precise, require_triton
+
+MAX_VOCAB = 4096  # one row in one program's registers
+
+try:  # the kernel needs Triton; the plain path does not
+    import triton
+    import triton.language as tl
+    from omni_rt.kernels._triton import exp_f32, log_f32
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _c(value: tl.constexpr):
+        # an int64 constant: a bare literal above 2**31 would be typed uint32, and mixing it with int64
+        # promotes differently compiled and interpreted
+        return tl.full((), value, tl.int64)
+
+    @triton.jit
+    def _mix32(h):
+        # murmur3's finaliser on uint32 values held in int64, as sampling._mix32
+        m32 = _c(0xFFFFFFFF)
+        h = h ^ (h >> 16)
+        h = (h * _c(0x85EBCA6B)) & m32
+        h = h ^ (h >> 13)
+        h = (h * _c(0xC2B2AE35)) & m32
+        return h ^ (h >> 16)
+
+    @triton.jit
+    def _sample(
+        logits_ptr,  # [B, V] any float dtype
+        slots_ptr,  # [B] int64
+        keys_ptr,  # [B] int64
+        temp_ptr,  # [S] float32
+        topk_ptr,  # [S] int64
+        topp_ptr,  # [S] float32
+        pen_ptr,  # [S] float32
+        dos_ptr,  # [S] bool
+        seed_ptr,  # [S] int64
+        seen_ptr,  # [S, V] bool, read and updated (HAS_SEEN)
+        supp_ptr,  # [S, V] bool (HAS_SUPP)
+        out_ptr,  # [B] int64
+        V,
+        stride_l,
+        STAGE: tl.constexpr,
+        HAS_SEEN: tl.constexpr,
+        HAS_SUPP: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        PRECISE: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slots_ptr + row)
+        key = tl.load(keys_ptr + row)
+        v = tl.arange(0, BLOCK_V)
+        vm = v < V
+        x = tl.load(logits_ptr + row * stride_l + v, mask=vm, other=float("-inf")).to(tl.float32)
+        if HAS_SEEN:
+            seen = tl.load(seen_ptr + slot * V + v, mask=vm, other=0) != 0
+            pen = tl.load(pen_ptr + slot)
+            x = tl.where(seen, tl.where(x < 0, x * pen, tl.div_rn(x, pen)), x)
+        if HAS_SUPP:
+            supp = tl.load(supp_ptr + slot * V + v, mask=vm, other=0) != 0
+            x = tl.where(supp, float("-inf"), x)
+        greedy = tl.argmax(x, axis=0, tie_break_left=True)
+
+        do_sample = tl.load(dos_ptr + slot) != 0
+        t = tl.where(do_sample, tl.load(temp_ptr + slot), 1.0)
+        w = tl.div_rn(x, t)
+        # top-k: scores below the k-th largest go (k = 0: off; k >= V keeps all)
+        k = tl.load(topk_ptr + slot)
+        desc = tl.sort(w, descending=True)
+        kk = tl.minimum(k, V) - 1
+        kth = tl.sum(tl.where(v == kk, desc, 0.0), axis=0)
+        kth = tl.where(k > 0, kth, float("-inf"))
+        w = tl.where(w < kth, float("-inf"), w)
+        # top-p, transformers' rule on the ascending order: drop while the cumulative mass <= 1 - p
+        p = tl.load(topp_ptr + slot)
+        asc = tl.sort(w)  # padding and filtered scores (-inf) first
+        ex = exp_f32(asc - tl.max(asc, axis=0), PRECISE)
+        cum = tl.cumsum(tl.div_rn(ex, tl.sum(ex, axis=0)), axis=0)
+        drop = (cum <= 1 - p) & (v < BLOCK_V - 1)  # the top score always stays
+        thr = tl.min(tl.where(drop, float("inf"), asc), axis=0)
+        thr = tl.where(p < 1.0, thr, float("-inf"))  # p = 1: transformers skips the warper
+        w = tl.where(w < thr, float("-inf"), w)
+
+        # the keyed race: argmax(w - log E), E = -log U, U from (seed, stage, key, vocab id)
+        seed = tl.load(seed_ptr + slot)
+        m32 = _c(0xFFFFFFFF)
+        h = _mix32((seed & m32) ^ _c(0x9E3779B9))
+        h = _mix32(h ^ ((seed >> 32) & m32))
+        h = _mix32(h ^ ((_c(0x632BE5AB) * (STAGE + 1)) & m32))
+        h = _mix32(h ^ (key & m32))
+        h = _mix32(h ^ ((key >> 32) & m32))
+        u = _mix32(h ^ ((v.to(tl.int64) * _c(0x9E3779B9)) & m32))
+        u = _mix32(u ^ _c(0x85EBCA77))
+        uf = ((u >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        score = w - log_f32(-log_f32(uf, PRECISE), PRECISE)
+        score = tl.where(vm, score, float("-inf"))
+        sampled = tl.argmax(score, axis=0, tie_break_left=True)
+
+        choice = tl.where(do_sample, sampled, greedy).to(tl.int64)
+        tl.store(out_ptr + row, choice)
+        if HAS_SEEN:
+            tl.store(seen_ptr + slot * V + choice, 1)
+
+
+def fits(vocab: int) -> bool:
+    """Can one program hold a row of this vocabulary?"""
+    return vocab <= MAX_VOCAB
+
+
+def fused_choose(
+    logits: torch.Tensor,  # [B, V]
+    slots: torch.Tensor,  # [B] int64
+    keys: torch.Tensor,  # [B] int64
+    sampler,  # omni_rt.model.sampling.StageSampler: its per-slot tables
+) -> torch.Tensor:
+    """`StageSampler.__call__` in one launch: ids [B], observed in the slots' histories."""
+    require_triton()
+    b, vocab = logits.shape
+    if not fits(vocab):
+        raise ValueError(f"fused sampling holds a row of at most {MAX_VOCAB} ids, got {vocab}")
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    out = torch.empty(b, dtype=torch.int64, device=logits.device)
+    if b == 0:
+        return out
+    seen, supp = sampler.seen, sampler.suppress
+    block = next_pow2(vocab)
+    _sample[(b,)](
+        logits, slots, keys,
+        sampler.temperature, sampler.top_k, sampler.top_p, sampler.repetition_penalty,
+        sampler.do_sample, sampler.seed,
+        seen if seen is not None else out, supp if supp is not None else out, out,
+        vocab, logits.stride(0),
+        STAGE=sampler.stage, HAS_SEEN=seen is not None, HAS_SUPP=supp is not None,
+        BLOCK_V=block, PRECISE=precise(), num_warps=4 if block <= 2048 else 8,
+    )  # fmt: skip
+    return out

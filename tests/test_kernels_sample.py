@@ -1,0 +1,63 @@
+"""The one-launch sampler (kernels/sample.py) against `sampling.StageSampler`'s plain path.
+
+Run in Triton's interpreter on the CPU. Both hash the same counters in the same integer arithmetic, so
+they make the same draws: greedy ids bit-equal, sampled ids equal unless two candidates lie within an
+fp32 ulp (not the case for these seeded logits), the histories updated alike.
+"""
+
+import pytest
+import torch
+from triton_env import needs_triton
+
+from omni_rt.config import Sampling, StageSampling
+from omni_rt.model import sampling as S
+
+pytestmark = needs_triton
+
+SETTINGS = [
+    Sampling().talker,  # temperature 0.9, top-k 50, penalty 1.05
+    Sampling().code_predictor,  # top-k 50, top-p 0.8
+    StageSampling(temperature=1.4, top_p=0.7, repetition_penalty=1.3),
+    StageSampling(temperature=0.5, top_k=3),
+    StageSampling(top_k=5000),  # above the vocabulary: no filter
+    StageSampling(do_sample=False, repetition_penalty=1.2),  # greedy after penalty and suppression
+]
+
+
+def pair(vocab: int, suppress, history: bool):
+    slots = len(SETTINGS) + 1
+    plain = S.StageSampler("talker", slots, vocab, suppress=suppress, history=history)
+    fused = S.StageSampler("talker", slots, vocab, suppress=suppress, history=history, fused=True)
+    g = torch.Generator().manual_seed(0)
+    for slot, s in enumerate(SETTINGS):
+        past = torch.randint(0, vocab, (12,), generator=g)
+        extra = [1] if slot % 2 else []
+        for sampler in (plain, fused):
+            sampler.assign(
+                slot, s, seed=1000 + slot, history_ids=past if history else None, suppress_extra=extra
+            )
+    return plain, fused
+
+
+@pytest.mark.parametrize("vocab, suppress, history", [(300, [290, 291, 299], True), (2048, None, False)])
+def test_fused_sampler_makes_the_plain_draws(vocab, suppress, history):
+    plain, fused = pair(vocab, suppress, history)
+    assert fused._fused is not None and plain._fused is None
+    n = len(SETTINGS)
+    slots = torch.arange(n)
+    g = torch.Generator().manual_seed(1)
+    for step in range(6):
+        logits = (torch.randn(n, vocab, generator=g) * 3).to(torch.bfloat16)  # as a bf16 lm_head gives
+        keys = torch.full((n,), 40 + step) + slots
+        want, got = plain(logits, slots, keys), fused(logits, slots, keys)
+        assert got.tolist() == want.tolist()
+        if history:
+            assert torch.equal(fused.seen, plain.seen)  # the choices were observed alike
+
+
+def test_fused_frame_draws_vary_by_group():
+    sampler = S.StageSampler("code_predictor", 2, 64, history=False, fused=True)
+    sampler.assign(0, StageSampling(temperature=3.0), 5)
+    draw = S.frame_sampler(sampler, torch.tensor([0]), torch.tensor([9]))
+    codes = [int(draw(torch.zeros(1, 64))) for _ in range(15)]
+    assert len(set(codes)) > 5

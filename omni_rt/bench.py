@@ -467,8 +467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     del first
     gc.collect()
 
-    print(format_table(rows))
-    _print_checks(rows, det)
+    if rows:
+        print(format_table(rows))
+        _print_checks(rows, det)
     if load_rows:
         print(format_load_table(load_rows))
     _save(args.json, meta, rows, load_rows)

@@ -105,18 +105,20 @@ def spoken_turn(seconds: float = SPEECH_S, rate: int = SPEECH_RATE, seed: int = 
         formants[i0:i1] = v0 + (v1 - v0) * u[:, None]  # a diphthong glide across the syllable
         if rng.random() < 0.4:  # a fricative onset
             m = min(i1 - i0, int(0.05 * rate))
-            noise_env[i0 : i0 + m] = np.linspace(0.3, 0.0, m)
+            noise_env[i0 : i0 + m] = np.linspace(0.15, 0.0, m)
     formants[env == 0] = vowels[0]
     phrase = (t % 1.6) / 1.6
     f0 = 95.0 + 70.0 * (1.0 - phrase) * (0.8 + 0.2 * np.sin(2 * np.pi * 0.7 * t))
     phase = 2 * np.pi * np.cumsum(f0) / rate
     voiced = np.zeros(n)
     widths = np.array([90.0, 110.0, 170.0])
+    # formant gains change slowly: evaluate them every 5 ms and interpolate (fast, and smooth enough)
+    grid = np.arange(0, n, rate // 200)
     for h in range(1, 60):
-        fh = h * f0
-        gain = np.sum(np.exp(-0.5 * ((fh[:, None] - formants) / widths) ** 2) * [1.0, 0.6, 0.3], axis=1)
-        gain = (gain + 0.02) * (fh < 0.45 * rate) / h**0.5  # a -3 dB/octave source, nothing above Nyquist
-        voiced += gain * np.sin(h * phase)
+        fh = h * f0[grid]
+        g = np.sum(np.exp(-0.5 * ((fh[:, None] - formants[grid]) / widths) ** 2) * [1.0, 0.6, 0.3], axis=1)
+        g = (g + 0.02) * (fh < 0.45 * rate) / h  # a -6 dB/octave source, nothing near Nyquist
+        voiced += np.interp(np.arange(n), grid, g) * np.sin(h * phase)
     noise = rng.standard_normal(n)
     noise = np.diff(noise, prepend=0.0)  # high-pass: fricatives are bright
     x = voiced * env + noise * noise_env
@@ -208,20 +210,27 @@ class LoadPlan:
         return req | self.extra
 
 
+def _sizes(session: Any) -> tuple[int, int] | None:
+    """(conversation tokens, Talker user-turn tokens) the session holds, or None where it does not say."""
+    conv, ids = getattr(session, "conversation", None), getattr(session, "ids", None)
+    if conv is None or ids is None:
+        return None
+    from omni_rt.session import count_user_tokens
+
+    return len(conv), count_user_tokens(conv, ids.im_start, ids.user)
+
+
 def _fits(session: Any, growth: tuple[int, int] | None, frames: int) -> bool:
     """Whether the session's context still holds another turn like the last one (`growth`: conversation
     tokens and Talker user-turn tokens it added) with all its `frames` (the session would otherwise cut
     the reply's audio short to fit). A conversation that has filled its context continues in a fresh
     session: the load stays N conversations, and no reply is cut or fails for want of context."""
-    conv = getattr(session, "conversation", None)
+    held = _sizes(session)
     settings = getattr(getattr(session, "engine", None), "settings", None)
-    if growth is None or conv is None or settings is None:
+    if growth is None or held is None or settings is None:
         return True
-    from omni_rt.session import count_user_tokens
-
-    ids = session.ids
-    thinker_need = len(conv) + growth[0] + 8
-    talker_need = count_user_tokens(conv, ids.im_start, ids.user) + growth[1] + 9 + frames
+    thinker_need = held[0] + growth[0] + 8
+    talker_need = held[1] + growth[1] + 9 + frames
     return thinker_need < settings.max_context and talker_need < settings.max_talker_context
 
 
@@ -235,8 +244,6 @@ async def conversation(
     out: list[Reply],
 ) -> None:
     """One conversation: start at its random moment, then turn after turn until the deadline."""
-    from omni_rt.session import count_user_tokens
-
     start = rng.uniform(0.0, STAGGER_S)
     await asyncio.sleep(max(0.0, t_level + start - time.perf_counter()))
     turn, growth = 0, None
@@ -246,13 +253,12 @@ async def conversation(
             if not _fits(session, growth, plan.frames):
                 await session.close()
                 session = await stack.enter_async_context(engine.session(voice=plan.voice))
-            conv_ids = getattr(session, "conversation", [])
-            before = (len(conv_ids), count_user_tokens(conv_ids, session.ids.im_start, session.ids.user))
+            before = _sizes(session)
             reply, end = await play_reply(session, plan.turn(conv, turn), t_level, conv, turn)
             out.append(reply)
-            conv_ids = getattr(session, "conversation", [])
-            after = (len(conv_ids), count_user_tokens(conv_ids, session.ids.im_start, session.ids.user))
-            growth = (after[0] - before[0], after[1] - before[1]) if after[0] > before[0] else growth
+            after = _sizes(session)
+            if before is not None and after is not None and after[0] > before[0]:
+                growth = (after[0] - before[0], after[1] - before[1])
             turn += 1
             # the user listens to the end of the reply, then speaks for 1-3 s
             wake = end + rng.uniform(*PAUSE_S)
@@ -312,7 +318,8 @@ async def run_levels(
             row = summarise_level(
                 n,
                 replies,
-                t_end - t_level,
+                # the level's wall time: the fixed window, or longer when replies in flight ran past it
+                max(t_end - t_level, args.load_seconds),
                 turns="speech" if plan.speech is not None else "text",
                 sampling=plan.sampling,
                 load_seconds=args.load_seconds,
@@ -394,6 +401,7 @@ def plot_load(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.legend()
     axes[1].axhline(LATE_MS, color="tab:red", lw=0.8)  # the late threshold
     axes[1].set_yscale("symlog", linthresh=LATE_MS)
+    axes[1].set_ylim(bottom=0)
     late = [r["late_replies"] / r["replies"] if r["replies"] else 0.0 for r in rows]
     axes[2].bar(x, late, color="tab:red", alpha=0.7, label="late replies (fraction)")
     ax2 = axes[2].twinx()

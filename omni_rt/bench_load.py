@@ -295,6 +295,18 @@ def summarise_level(n: int, replies: list[Reply], wall_s: float, **extra: Any) -
     }
 
 
+async def warm_up(engine: Any, plan: LoadPlan, n: int) -> None:
+    """Before a level: `n` short replies at once, unmeasured, so that first-use costs at the level's batch
+    sizes (allocations, kernel autotuning, lazily built graphs) fall outside it."""
+    short = {"max_output_tokens": min(plan.text_tokens, 8), "max_audio_frames": min(plan.frames, 8)}
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = [await stack.enter_async_context(engine.session(voice=plan.voice)) for _ in range(n)]
+        t = time.perf_counter()
+        await asyncio.gather(
+            *(play_reply(s, plan.turn(-1 - k, 0) | short, t, -1 - k, 0) for k, s in enumerate(sessions))
+        )
+
+
 async def run_levels(
     engine: Any, levels: Sequence[int], plan: LoadPlan, args: argparse.Namespace
 ) -> list[dict]:
@@ -302,9 +314,8 @@ async def run_levels(
     before the next begins."""
     rows: list[dict[str, Any]] = []
     async with engine:
-        async with engine.session(voice=plan.voice) as s:  # first-use costs (allocations, autotuning)
-            await play_reply(s, plan.turn(-1, 0), time.perf_counter(), -1, 0)
         for n in levels:
+            await warm_up(engine, plan, n)
             rng = random.Random(f"{args.seed}/{n}")  # the level's schedule: start times, pauses
             rngs = [random.Random(rng.random()) for _ in range(n)]
             replies: list[Reply] = []

@@ -321,7 +321,7 @@ class _LoadEngine:
         pass
 
     def session(self, voice):
-        s = _LoadSession(late=len(self.sessions) == 2)  # the warm-up takes session 0
+        s = _LoadSession(late=len(self.sessions) == 3)  # the level's warm-up takes sessions 0 and 1
         self.sessions.append(s)
 
         class _Ctx:
@@ -345,7 +345,8 @@ def test_load_conversations_loop_play_and_pause(monkeypatch):
     (row,) = rows
     assert row["conversations"] == 2 and row["failed"] == 0
     # each reply plays 0.4 s (0.48 s late), then a pause: 2-3 turns per conversation in 1.2 s
-    on_time, late = engine.sessions[1].requests, engine.sessions[2].requests
+    on_time, late = engine.sessions[2].requests, engine.sessions[3].requests
+    assert len(engine.sessions) == 4 and len(engine.sessions[0].requests) == 1  # a warm-up reply each
     assert 2 <= len(on_time) <= 3 and 2 <= len(late) <= 3 and row["replies"] == len(on_time) + len(late)
     assert row["late_replies"] == len(late)  # 80 ms late each time; the other conversation never
     assert 75 < row["lateness_ms"]["max"] < 200 and row["lateness_ms"]["p50"] >= 0.0

@@ -40,7 +40,11 @@ from typing import Any
 import torch
 
 from omni_rt.bench_measure import Pass, Sample, bench_engine, chat_prompt, sampling_label, summarise
+from omni_rt.bench_reference import reference_model, reference_samples
 from omni_rt.model.config import TokenIds
+
+# what scripts and tests import from here: the prompt layout and the reference on shared weights
+__all__ = ["chat_prompt", "format_table", "main", "reference_model", "reference_samples", "row_plan"]
 
 # ------------------------------------------------------------------------------------------------------
 # Rows
@@ -139,13 +143,13 @@ def _fmt(s: dict[str, float] | None, digits: int = 1) -> str:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The protocol rows; `yield->audio`: the fraction of the Thinker's yields that ended on first audio."""
     head = (
-        f"{'row':40} {'sampling':>16} {'n':>3} {'TTFT ms':>22} {'TTFA ms':>22} {'text tok/s':>20} {'RTF':>20} "
+        f"{'row':42} {'sampling':>16} {'n':>3} {'TTFT ms':>22} {'TTFA ms':>22} {'text tok/s':>20} {'RTF':>20} "
         f"{'thinker 1st':>11} {'talker 1st':>10} {'first PCM':>9} {'yield->audio':>12}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"{r['row']:40} skipped: {r['skipped']}")
+            lines.append(f"{r['row']:42} skipped: {r['skipped']}")
             continue
         st = (r.get("median_request") or {}).get("stages") or {}
 
@@ -155,7 +159,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
         frac = (r.get("thinker_yield") or {}).get("fraction_first_audio")
         lines.append(
-            f"{r['row']:40} {r.get('sampling', '-'):>16} {r['requests']:>3} {_fmt(r['ttft_ms']):>22} "
+            f"{r['row']:42} {r.get('sampling', '-'):>16} {r['requests']:>3} {_fmt(r['ttft_ms']):>22} "
             f"{_fmt(r['ttfa_ms']):>22} {_fmt(r['text_tok_s']):>20} {_fmt(r['rtf'], 3):>20} "
             f"{ms('thinker_first_token_ms'):>11} {ms('talker_first_code_ms'):>10} {ms('first_pcm_ms'):>9} "
             f"{'-' if frac is None else f'{100 * frac:.0f} %':>12}"
@@ -486,8 +490,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _reference_row(args: argparse.Namespace, first: Any, prompts: list[list[int]]) -> dict[str, Any]:
     """transformers' `generate` on the same weights (greedy: see omni_rt.bench_reference)."""
-    from omni_rt.bench_reference import reference_samples
-
     name = "reference (transformers generate)"
     model = _engine_model(first) if first is not None else None
     if model is None and first is None:  # reference-only run: the same seeded weights Engine.load builds

@@ -292,6 +292,20 @@ def summarise_level(n: int, replies: list[Reply], wall_s: float, **extra: Any) -
         "audio_s": audio,
         "wall_s": wall_s,
         **extra,
+        # every reply, for a closer look (when in the level it was sent, how it went)
+        "per_reply": [
+            {
+                "conversation": r.conversation,
+                "turn": r.turn,
+                "t_sent_s": round(r.t_sent, 4),
+                "status": r.status,
+                "ttfa_ms": None if r.ttfa_ms is None else round(r.ttfa_ms, 2),
+                "lateness_ms": None if r.lateness_ms is None else round(r.lateness_ms, 2),
+                "audio_s": round(r.audio_s, 4),
+                "thinker_yield": r.thinker_yield,
+            }
+            for r in sorted(replies, key=lambda r: r.t_sent)
+        ],
     }
 
 

@@ -43,12 +43,7 @@ def teacher_forced_agreement(
     "max_mismatch_ulps"}: the largest gap, in bf16 ulps of the plain path's top score, between the plain
     path's choice and the row's token where they differ (<= 1-2: a tie under bf16 rounding).
     """
-    from omni_rt.model.sampling import process_logits
-
-    try:  # the stage samplers are moving into model/sampling.py (issue 9's one home for sampling)
-        from omni_rt.model.sampling import StageSampler
-    except ImportError:
-        from omni_rt.model.offline import StageSampler
+    from omni_rt.model.sampling import StageSampler, process_logits
 
     thinker = model.thinker
     dev = thinker.lm_head.weight.device
@@ -61,18 +56,20 @@ def teacher_forced_agreement(
         cache = thinker.allocate_cache(1, ids.shape[1])  # exactly T rows: the plain unmasked prefill
         slot = torch.zeros(1, dtype=torch.long, device=dev)
         logits, _ = thinker(ids, torch.arange(ids.shape[1], device=dev)[None], cache, slot)  # [1, T, V]
-        pick = StageSampler(sampling.thinker, thinker.cfg.vocab_size, device=dev)
-        pick.observe(torch.tensor(prompt, device=dev)[None])
+        # the Thinker's own sampling state, as the engine and generate_offline set it up: its settings
+        # (greedy: the repetition penalty only) and the prompt as repetition history
+        pick = StageSampler("thinker", 1, thinker.cfg.vocab_size, dev)
+        pick.assign(0, sampling.thinker, 0, history_ids=torch.tensor(prompt, device=dev))
         agree = 0
         for i, tok in enumerate(reply):
-            scores, _ = process_logits(logits[:, len(prompt) - 1 + i], pick.params, pick.seen, pick.suppress)
+            scores, _ = process_logits(logits[:, len(prompt) - 1 + i], pick.rows(slot), pick.seen[slot])
             top = scores[0].max()
             if scores[0, tok] == top:
                 agree += 1
             else:
                 ulp = 2.0 ** (torch.floor(torch.log2(top.abs().clamp_min(1e-30))).item() - 7)
                 worst = max(worst, (top - scores[0, tok]).item() / ulp)
-            pick.observe(torch.tensor([[tok]], device=dev))
+            pick.seen[0, tok] = True  # the row's token, not the plain path's choice, is the history
         fracs.append(agree / len(reply))
         positions += len(reply)
     if not fracs:

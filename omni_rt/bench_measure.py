@@ -181,7 +181,7 @@ def yield_outcome(
             "counts": counts,
             "fraction_first_audio": on_audio / len(outcomes),
         }
-    waits = [r for r in records or () if t0 <= r.t_start and r.t_end <= t1]
+    waits = _window(records, t0, t1)
     if not waits:
         return None
     woke = [r.woke_by for r in waits]

@@ -28,13 +28,13 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from omni_rt.bench_measure import chat_prompt, sampling_label, yield_outcome
+from omni_rt.bench_measure import chat_prompt, yield_outcome
 
 LATE_MS = 20.0  # an audible gap at 20 ms frames
 STAGGER_S = 3.0  # conversations start at uniformly random times in the first 3 s
@@ -153,7 +153,7 @@ async def play_reply(
     rate, done, error = 24000, None, None
     async for ev in session.respond(**request):
         now = time.perf_counter()
-        if ev.type == "response.output_audio.delta":
+        if ev.type == "response.output_audio.delta" and len(ev.pcm):  # an empty delta plays nothing
             arrivals.append((now, len(ev.pcm)))
             rate = ev.sample_rate
         elif ev.type == "error":
@@ -163,7 +163,7 @@ async def play_reply(
     reply = Reply(conv, turn, t0 - t_level, getattr(done, "status", "missing"), error=error)
     metrics = getattr(done, "metrics", None)
     # the Thinker's yield outcome per response, once the engine reports it (read defensively: see
-    # bench.yield_outcome for the field)
+    # bench_measure.yield_outcome for the field)
     reply.thinker_yield = getattr(metrics, "thinker_yield", None)
     end = time.perf_counter()
     if arrivals:
@@ -189,7 +189,6 @@ class LoadPlan:
     sampling: str = "default"  # "default": Sampling(seed=...) per request; "greedy": Sampling.greedy(...)
     seed: int = 0
     voice: str = "ethan"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def turn(self, conv: int, turn: int) -> dict[str, Any]:
         from omni_rt.config import Sampling
@@ -207,7 +206,7 @@ class LoadPlan:
             req |= dict(audio=self.speech, audio_sample_rate=SPEECH_RATE)
         else:
             req["input_ids"] = list(self.prompt or [])
-        return req | self.extra
+        return req
 
 
 def _sizes(session: Any) -> tuple[int, int] | None:
@@ -324,8 +323,8 @@ async def warm_up(engine: Any, plan: LoadPlan, n: int) -> None:
 async def run_levels(
     engine: Any, levels: Sequence[int], plan: LoadPlan, args: argparse.Namespace
 ) -> list[dict]:
-    """Every level in one engine start: a warm-up reply, then each level with all its sessions closed
-    before the next begins."""
+    """Every level in one engine start: a warm-up round at the level's concurrency, then the level; all
+    its sessions are closed before the next level begins."""
     rows: list[dict[str, Any]] = []
     async with engine:
         for n in levels:
@@ -456,9 +455,8 @@ def run_load(args: argparse.Namespace, engine: Any) -> list[dict[str, Any]]:
     )
     rows = asyncio.run(run_levels(engine, levels, plan, args))
     for r in rows:
-        r["sampling_detail"] = (
-            sampling_label(args.load_sampling, args.seed) + " (seed per conversation and turn)"
-        )
+        # each request its own seed, from --seed, the conversation and the turn (LoadPlan.turn)
+        r["sampling_detail"] = f"{args.load_sampling}, per-request seeds from --seed {args.seed}"
     return rows
 
 

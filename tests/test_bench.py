@@ -349,8 +349,8 @@ def test_load_conversations_loop_play_and_pause(monkeypatch):
     assert len(engine.sessions) == 4 and len(engine.sessions[0].requests) == 1  # a warm-up reply each
     assert 2 <= len(on_time) <= 3 and 2 <= len(late) <= 3 and row["replies"] == len(on_time) + len(late)
     assert row["late_replies"] == len(late)  # 80 ms late each time; the other conversation never
-    assert 75 < row["lateness_ms"]["max"] < 200 and row["lateness_ms"]["p50"] >= 0.0
-    assert row["ttfa_ms"]["max"] < 50  # first audio came at once
+    assert 75 < row["lateness_ms"]["max"] < 500 and row["lateness_ms"]["p50"] >= 0.0  # ~80 ms, + jitter
+    assert row["ttfa_ms"]["max"] < 200  # first audio came at once (a busy CI machine may add jitter)
     assert row["wall_s"] >= 1.2 and row["audio_s_per_s"] == pytest.approx(row["audio_s"] / row["wall_s"])
     assert row["thinker_yield"]["fraction_first_audio"] == 1.0  # read from the per-response field
     # what every turn asks: the fixed lengths, EOS ignored, the seeded default sampling, its own seed

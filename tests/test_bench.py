@@ -1,5 +1,7 @@
-"""The benchmark: prompt layout, per-request timing, row plan, summaries, the reference on shared
-weights, and the whole `omni-rt bench` on the tiny preset on the CPU (the CI smoke run)."""
+"""The benchmark: prompt layout, per-request timing, row plan, summaries, the sampling each row runs, the
+Thinker's yield outcome, the reference on shared weights, the load protocol (playback lateness, the
+conversation loop, a real run), and the whole `omni-rt bench` on the tiny preset on the CPU (the CI smoke
+run)."""
 
 import asyncio
 import json
@@ -9,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from omni_rt import bench
+from omni_rt import bench, bench_checks, bench_load, bench_measure, bench_reference
 from omni_rt.config import EngineSettings
 from omni_rt.model.config import TokenIds
 
@@ -53,7 +55,7 @@ class FakeSession:
 
 def test_timed_request_measures_what_the_caller_receives():
     s = FakeSession()
-    r = asyncio.run(bench.timed_request(s, [1, 2, 3], text_tokens=9, frames=4, sampling=None))
+    r = asyncio.run(bench_measure.timed_request(s, [1, 2, 3], text_tokens=9, frames=4, sampling=None))
     assert s.kwargs == {"ignore_eos": True, "max_output_tokens": 9}  # fixed lengths asked for
     assert 8 <= r.ttft_ms < r.ttfa_ms < r.total_ms
     assert r.ttfa_ms >= 28
@@ -69,8 +71,8 @@ def test_token_agreement_per_prompt_position():
     a = [mk(41, [1, 2, 3, 4]), mk(57, [5, 6])]
     b = [mk(41, [1, 2, 9, 4]), mk(57, [5, 6, 7])]
     # prompt 41: 3 of 4 positions; prompt 57: 2 of 3 (a length difference counts against)
-    assert bench.token_agreement(a, b) == pytest.approx((3 / 4 + 2 / 3) / 2)
-    assert bench.token_agreement(a, a) == 1.0
+    assert bench_checks.token_agreement(a, b) == pytest.approx((3 / 4 + 2 / 3) / 2)
+    assert bench_checks.token_agreement(a, a) == 1.0
 
 
 def test_summarise_medians_min_max_and_median_request():
@@ -117,7 +119,7 @@ def test_reference_model_shares_our_weights_and_matches_logits():
 
     cfg = preset("tiny")
     model = OmniModel.build(cfg, weights="random", seed=3)
-    ref, info = bench.reference_model(model)
+    ref, info = bench_reference.reference_model(model)
     # same storage, not a copy
     assert ref.thinker.lm_head.weight.data_ptr() == model.thinker.lm_head.weight.data_ptr()
     assert info["encoder_params_random"] > 0
@@ -142,8 +144,17 @@ def test_bench_smoke_tiny_cpu(tmp_path):
     assert bench.main(argv) == 0
     d = json.loads(out.read_text())
     names = [r["row"] for r in d["rows"]]
-    assert names == ["all off", plan[-1][0], "concurrency 2 (all on)"]
+    greedy_row = plan[-1][0].replace("(all on)", "(all on, greedy)")
+    assert names == ["all off", plan[-1][0], greedy_row, "concurrency 2 (all on)"]
+    # the served configuration in every row, the greedy all-on row labelled greedy
+    assert [r["sampling"] for r in d["rows"]] == ["default (seed 0)"] * 2 + [
+        "greedy (seed 0)",
+        "default (seed 0)",
+    ]
+    assert d["meta"]["sampling"]["default (seed 0)"]["talker"]["do_sample"] is True
+    assert d["meta"]["sampling"]["greedy (seed 0)"]["talker"]["do_sample"] is False
     assert d["rows"][-1]["requests"] == 2
+    assert d["load"] == []  # no --load: no load rows
     for r in d["rows"]:
         assert r["statuses"] == ["completed"]
         assert r["text_tokens"] == [3]  # fixed length: EOS ignored
@@ -151,13 +162,21 @@ def test_bench_smoke_tiny_cpu(tmp_path):
         assert r["audio_s"]["median"] == pytest.approx((3 * 1920 - 555) / 24000)
     steps = d["rows"][0]["stage_steps"]  # the pipeline's own step log, per stage and kind
     assert steps["thinker.decode"]["count"] >= 2 and steps["code2wav.chunk"]["count"] >= 1
-    # greedy text of every row equals the plain path's (the optimisations change timing, not results)
-    assert d["rows"][1]["token_agreement_vs_all_off"] == 1.0
-    forced = d["rows"][1]["teacher_forced_agreement"]  # per position, against the plain path
+    # greedy text of every row (its greedy pass) equals the plain path's: the optimisations change timing,
+    # not results
+    assert [r["greedy_text_agreement_vs_all_off"] for r in d["rows"][:3]] == [1.0, 1.0, 1.0]
+    forced = d["rows"][1]["greedy_teacher_forced_agreement"]  # per position, against the plain path
     assert forced["agreement"] == 1.0 and forced["positions"] == 3
+    assert "greedy_text_agreement_vs_all_off" not in d["rows"][3]  # concurrency rows sample: no check
+    # the yield (on in the all-on row) is reported, from the pipeline's log until metrics carry it
+    y = d["rows"][1]["thinker_yield"]
+    assert y is not None and sum(y["counts"].values()) >= 1 and 0.0 <= y["fraction_first_audio"] <= 1.0
+    assert d["rows"][0]["thinker_yield"] is None  # all off: no yield
     det = d["meta"]["determinism"]
     # slots for the determinism check's sessions even with no concurrency rows
-    assert det["bit_identical"] and det["runs"] == 5 and det["text_tokens"] == 3
+    assert set(det) == {"greedy (seed 0)", "default (seed 0)"}
+    for v in det.values():
+        assert v["bit_identical"] and v["runs"] == 5 and v["text_tokens"] == 3
     assert png.stat().st_size > 10_000
 
 
@@ -168,7 +187,7 @@ def test_step_summary_groups_by_stage_and_kind():
         rec(stage="thinker", kind="decode", t_start=0.010, t_end=0.030),
         rec(stage="talker", kind="predict", t_start=0.0, t_end=0.005),
     ]
-    s = bench.step_summary(steps)
+    s = bench_measure.step_summary(steps)
     assert s["thinker.decode"]["count"] == 2
     assert s["thinker.decode"]["median_ms"] == pytest.approx(15.0)
     assert s["thinker.decode"]["total_ms"] == pytest.approx(30.0)
@@ -195,14 +214,14 @@ def test_teacher_forced_agreement_counts_positions_not_the_rest_of_the_reply():
         )
     sample = lambda ids: bench.Sample(len(prompt), 1.0, 1.0, 1.0, len(ids), 1.0, 1.0, 1.0, token_ids=ids)  # noqa: E731
     prompts = {len(prompt): prompt}
-    same = bench.teacher_forced_agreement(model, prompts, [sample(text)], greedy)
+    same = bench_checks.teacher_forced_agreement(model, prompts, [sample(text)], greedy)
     assert same == {"agreement": 1.0, "positions": 12, "max_mismatch_ulps": 0.0}
     wrong_last = text[:-1] + [(text[-1] + 1) % 1000 + 2000]
-    got = bench.teacher_forced_agreement(model, prompts, [sample(wrong_last)], greedy)
+    got = bench_checks.teacher_forced_agreement(model, prompts, [sample(wrong_last)], greedy)
     assert got["agreement"] == pytest.approx(11 / 12) and got["max_mismatch_ulps"] > 2  # no near-tie
     # a wrong token in the middle costs that position; the plain path then reads the row's context
     wrong_mid = text[:5] + [(text[5] + 1) % 1000 + 2000] + text[6:]
-    got = bench.teacher_forced_agreement(model, prompts, [sample(wrong_mid)], greedy)
+    got = bench_checks.teacher_forced_agreement(model, prompts, [sample(wrong_mid)], greedy)
     assert got["agreement"] < 1.0
 
 
@@ -216,3 +235,172 @@ def test_row_budget_keeps_one_timed_request_per_prompt(tmp_path):
     assert bench.main(argv) == 0
     row = json.loads(out.read_text())["rows"][0]
     assert row["requests"] == 2  # the budget is spent after the first request: one per prompt, not 3
+
+
+def test_yield_outcome_per_response_then_from_the_pipeline_log():
+    rec = types.SimpleNamespace
+    # the engine's per-response field, where it exists, decides
+    got = bench_measure.yield_outcome(
+        ["first_audio", "cap", "not_needed", None], None, 0.0, 1.0, "first_audio"
+    )
+    assert got["counts"] == {"cap": 1, "first_audio": 1, "not_needed": 1}
+    assert got["fraction_first_audio"] == pytest.approx(2 / 3)
+    # otherwise the pipeline's waits inside the window; "frame0" means first audio under yield_until
+    waits = [
+        rec(t_start=0.5, t_end=0.51, woke_by="frame0"),
+        rec(t_start=0.6, t_end=0.62, woke_by="cap"),
+        rec(t_start=0.7, t_end=0.71, woke_by="frame0"),
+        rec(t_start=2.0, t_end=2.01, woke_by="cap"),  # another row's: outside the window
+    ]
+    got = bench_measure.yield_outcome([None, None], waits, 0.0, 1.0, "first_audio")
+    assert got["counts"] == {"first_audio": 2, "cap": 1}
+    assert got["fraction_first_audio"] == pytest.approx(2 / 3)
+    assert got["median_wait_ms"] == pytest.approx(10.0)
+    frame0 = bench_measure.yield_outcome([], waits, 0.0, 1.0, "frame0")
+    assert frame0["counts"] == {"frame0": 2, "cap": 1} and frame0["fraction_first_audio"] == 0.0
+    assert bench_measure.yield_outcome([], waits, 5.0, 6.0, "first_audio") is None  # no yield in the row
+
+
+def test_playback_lateness_on_time_and_late():
+    rate = 1000  # 100 samples = 0.1 s
+    # on time: each delta arrives before the audio before it has played
+    on_time = [(10.0, 100), (10.05, 100), (10.19, 100), (10.25, 100)]
+    late, end = bench_load.playback_lateness(on_time, rate)
+    assert late == 0.0 and end == pytest.approx(10.4)
+    # the third delta is due at 10.2 and arrives at 10.26: 60 ms late; the reply ends 60 ms after 10.4
+    late_one = [(10.0, 100), (10.05, 100), (10.26, 100), (10.27, 100)]
+    late, end = bench_load.playback_lateness(late_one, rate)
+    assert late == pytest.approx(0.06) and end == pytest.approx(10.46)
+    # the largest lateness counts, not the sum; a delta exactly on time is not late
+    worst = [(0.0, 100), (0.13, 100), (0.2, 100), (0.45, 100)]
+    assert bench_load.playback_lateness(worst, rate)[0] == pytest.approx(0.15)
+    assert bench_load.playback_lateness([(0.0, 100), (0.1, 100)], rate)[0] == 0.0
+    r = bench_load.Reply(0, 0, 0.0, "completed", lateness_ms=20.0)
+    assert not r.late and bench_load.Reply(0, 0, 0.0, "completed", lateness_ms=20.5).late  # > 20 ms
+    with pytest.raises(ValueError):
+        bench_load.playback_lateness([], rate)
+
+
+def test_spoken_turn_is_deterministic_speech_like_and_5_s():
+    x = bench_load.spoken_turn(seed=0)
+    assert x.dtype == np.float32 and x.shape == (80000,) and np.abs(x).max() == pytest.approx(0.5)
+    assert np.array_equal(x, bench_load.spoken_turn(seed=0)) and not np.array_equal(
+        x, bench_load.spoken_turn(seed=1)
+    )
+    energy = np.sqrt((x.reshape(-1, 160) ** 2).mean(axis=1))  # 10 ms frames
+    assert 0.05 < (energy < 0.005).mean() < 0.5  # pauses between syllables and phrases, mostly voiced
+    power = np.abs(np.fft.rfft(x)) ** 2
+    f = np.fft.rfftfreq(len(x), 1 / 16000)
+    assert power[f < 1000].sum() / power.sum() > 0.5  # voiced energy low in the band, like speech
+
+
+class _LoadSession:
+    """Replies at once: 4 audio deltas of 0.1 s; the `late` conversation's third delta comes 80 ms late."""
+
+    def __init__(self, late):
+        self.late, self.requests = late, []
+
+    async def respond(self, **kwargs):
+        self.requests.append(kwargs)
+        ev = types.SimpleNamespace
+        pcm = np.zeros(2400, np.int16)
+        for k in range(4):
+            await asyncio.sleep(0.28 if (self.late and k == 2) else 0.0)  # due at +0.2 s
+            yield ev(type="response.output_audio.delta", pcm=pcm, sample_rate=24000)
+        yield ev(type="response.done", status="completed", metrics=ev(thinker_yield="first_audio"))
+
+
+class _LoadEngine:
+    def __init__(self):
+        self.sessions, self.settings = [], types.SimpleNamespace(yield_until="first_audio")
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        pass
+
+    def session(self, voice):
+        s = _LoadSession(late=len(self.sessions) == 3)  # the level's warm-up takes sessions 0 and 1
+        self.sessions.append(s)
+
+        class _Ctx:
+            async def __aenter__(self_):
+                return s
+
+            async def __aexit__(self_, *exc):
+                pass
+
+        return _Ctx()
+
+
+def test_load_conversations_loop_play_and_pause(monkeypatch):
+    # the protocol's 3 s stagger and 1-3 s pauses, shortened so the loop turns over in a test
+    monkeypatch.setattr(bench_load, "STAGGER_S", 0.05)
+    monkeypatch.setattr(bench_load, "PAUSE_S", (0.01, 0.02))
+    engine = _LoadEngine()
+    plan = bench_load.LoadPlan(text_tokens=3, frames=5, prompt=[1, 2, 3], seed=7)
+    args = types.SimpleNamespace(seed=7, load_seconds=1.2)
+    rows = asyncio.run(bench_load.run_levels(engine, [2], plan, args))
+    (row,) = rows
+    assert row["conversations"] == 2 and row["failed"] == 0
+    # each reply plays 0.4 s (0.48 s late), then a pause: 2-3 turns per conversation in 1.2 s
+    on_time, late = engine.sessions[2].requests, engine.sessions[3].requests
+    assert len(engine.sessions) == 4 and len(engine.sessions[0].requests) == 1  # a warm-up reply each
+    assert 2 <= len(on_time) <= 3 and 2 <= len(late) <= 3 and row["replies"] == len(on_time) + len(late)
+    assert row["late_replies"] == len(late)  # 80 ms late each time; the other conversation never
+    assert 75 < row["lateness_ms"]["max"] < 500 and row["lateness_ms"]["p50"] >= 0.0  # ~80 ms, + jitter
+    assert row["ttfa_ms"]["max"] < 200  # first audio came at once (a busy CI machine may add jitter)
+    assert row["wall_s"] >= 1.2 and row["audio_s_per_s"] == pytest.approx(row["audio_s"] / row["wall_s"])
+    assert row["thinker_yield"]["fraction_first_audio"] == 1.0  # read from the per-response field
+    # what every turn asks: the fixed lengths, EOS ignored, the seeded default sampling, its own seed
+    req = on_time[0]
+    assert req["input_ids"] == [1, 2, 3] and req["ignore_eos"] is True
+    assert (req["max_output_tokens"], req["max_audio_frames"]) == (3, 5)
+    assert req["sampling"].talker.do_sample and req["sampling"].seed is not None
+    seeds = {r["sampling"].seed for r in on_time + late}
+    assert len(seeds) == len(on_time) + len(late)  # not the same draws in every turn and conversation
+
+
+def test_load_rotates_a_session_whose_context_is_full():
+    ids = TokenIds()
+    turn = [ids.im_start, ids.user, ids.newline, 5, 6, ids.im_end, ids.newline, ids.im_start, ids.assistant]
+    settings = types.SimpleNamespace(max_context=64, max_talker_context=64)
+    s = types.SimpleNamespace(conversation=turn * 3, ids=ids, engine=types.SimpleNamespace(settings=settings))
+    assert bench_load._fits(s, None, frames=4)  # the first turn: nothing to go by
+    assert bench_load._fits(s, (20, 7), frames=4)  # 27 + 20 + 8 < 64
+    assert not bench_load._fits(s, (40, 7), frames=4)  # the Thinker's context would overflow
+    assert not bench_load._fits(s, (20, 7), frames=40)  # the reply's frames would be cut to fit the Talker
+
+
+def test_select_rows_load_alone_runs_no_protocol_rows():
+    plan = bench.row_plan("cpu", kernel_ok=False)
+    sel = lambda rows, load: bench._select_rows(types.SimpleNamespace(rows=rows, load=load), plan)  # noqa: E731
+    assert sel(None, "") == plan and sel(None, "1,8") == [] and sel("all", "1,8") == plan
+    assert sel("0", "1,8") == plan[:1]
+    with pytest.raises(SystemExit, match="--load"):
+        bench_load.parse_levels("1,x")
+    with pytest.raises(SystemExit, match="1..256"):
+        bench_load.parse_levels("0")
+
+
+def test_load_smoke_tiny_cpu(tmp_path, monkeypatch):
+    # a real engine, N = 2, a few seconds; the stagger and pauses shortened so each conversation loops
+    monkeypatch.setattr(bench_load, "STAGGER_S", 0.3)
+    monkeypatch.setattr(bench_load, "PAUSE_S", (0.05, 0.1))
+    out, png = tmp_path / "l.json", tmp_path / "l.png"
+    argv = [
+        "--preset", "tiny", "--device", "cpu", "--text-tokens", "2", "--frames", "2", "--load", "2",
+        "--load-seconds", "2", "--json", str(out), "--load-png", str(png),
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    d = json.loads(out.read_text())
+    assert d["rows"] == []  # --load alone: only the load rows
+    (row,) = d["load"]
+    assert row["conversations"] == 2 and row["failed"] == 0 and row["replies"] >= 2
+    assert row["turns"] == "text" and row["sampling"] == "default"
+    assert row["ttfa_ms"]["p50"] > 0 and row["lateness_ms"]["max"] >= 0.0
+    assert 0 <= row["late_replies"] <= row["replies"] and row["audio_s_per_s"] > 0
+    assert row["audio_s"] == pytest.approx(row["replies"] * (2 * 1920 - 555) / 24000)  # every frame played
+    assert d["meta"]["load_engine"]["max_sessions"] == 2
+    assert png.stat().st_size > 10_000

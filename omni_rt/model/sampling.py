@@ -284,6 +284,8 @@ class StageSampler:
         self.do_sample = torch.zeros(slots, dtype=torch.bool, device=device)
         self.seed = torch.zeros(slots, dtype=torch.int64, device=device)
         self.seen = new_history(slots, vocab, device) if history else None  # [S, V]
+        # index_put_ with a Python True copies a host scalar, which a CUDA graph cannot capture
+        self._true = torch.ones((), dtype=torch.bool, device=device)
         self._base_suppress = None if suppress is None else suppress_mask(vocab, suppress, device)  # [V]
         self.suppress = None if suppress is None else self._base_suppress.expand(slots, vocab).clone()
         self._fused = None
@@ -330,7 +332,7 @@ class StageSampler:
         supp = None if self.suppress is None else self.suppress[slots]
         ids = choose(logits, self.rows(slots), self.seed[slots], self.stage, keys, seen, supp)
         if self.seen is not None:
-            self.seen[slots, ids] = True
+            self.seen.index_put_((slots, ids), self._true)
         return ids
 
 

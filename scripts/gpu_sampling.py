@@ -41,7 +41,7 @@ def make_requests(engine, n: int, sampling, seed: int = 100) -> list[Request]:
     return [
         Request(
             id=f"r{i}",
-            slot=first_slot + i,
+            slot=i,
             prompt_ids=chat_prompt(20, 24, seed=i, ids=cfg.ids),
             thinker_start=0,
             talker_start=0,

@@ -165,3 +165,47 @@ async def test_server_vad_turns_and_chat_context(engine) -> None:
             await rt.update_chat_ctx(llm.ChatContext.empty())  # the model has heard these
         await rt.aclose()
         await model.aclose()
+
+
+async def test_agent_session_without_a_server(engine) -> None:
+    """A LiveKit `AgentSession` runs the omni_rt realtime model with in-process I/O: generate_reply plays
+    audio, session.interrupt() stops it (no frame reaches the speaker after) and the framework truncates the
+    reply to what was played, and a second reply plays to its end."""
+    from livekit.agents import Agent, AgentSession
+
+    from omni_rt.integrations.livekit_io import PlayoutAudioOutput, QueueAudioInput
+
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        opened: list = []
+        session_of = model.session
+        model.session = lambda **kw: opened.append(session_of(**kw)) or opened[-1]  # to look inside
+        heard: list[rtc.AudioFrame] = []
+        first = asyncio.Event()
+        speaker = PlayoutAudioOutput(on_frame=lambda f: (heard.append(f), first.set()))
+        session = AgentSession(llm=model)
+        session.input.audio, session.output.audio = QueueAudioInput(), speaker
+        await session.start(Agent(instructions="You are brief."), record=False)
+
+        handle = session.generate_reply(instructions="Greet the caller.")
+        await asyncio.wait_for(first.wait(), WAIT_S)
+        await session.interrupt()
+        n_at_interrupt = len(heard)
+        await asyncio.wait_for(handle.wait_for_playout(), WAIT_S)
+        assert handle.interrupted and len(heard) == n_at_interrupt
+
+        second = session.generate_reply()
+        await asyncio.wait_for(second.wait_for_playout(), WAIT_S)
+        assert not second.interrupted
+        reply2 = sum(f.samples_per_channel for f in heard[n_at_interrupt:])
+        assert 31 * 1920 < reply2 <= 32 * 1920
+
+        (rt,) = opened
+        said = [i for i in rt.chat_ctx.items if i.role == "assistant"]
+        assert len(said) == 2 and said[0].interrupted and not said[1].interrupted
+        assert len(said[0].text_content or "") < len(said[1].text_content)  # truncated to what was played
+        # the framework's record of the interrupted reply (what it forwarded before the cut) is the model's
+        kept = session.history.get_by_id(said[0].id)
+        assert kept.interrupted and kept.text_content == said[0].text_content
+        await session.aclose()
+        await model.aclose()

@@ -209,3 +209,34 @@ async def test_agent_session_without_a_server(engine) -> None:
         assert kept.interrupted and kept.text_content == said[0].text_content
         await session.aclose()
         await model.aclose()
+
+
+async def test_unsupported_and_bad_calls_are_clear_errors(engine) -> None:
+    """What omni_rt cannot do (tools, video) and calls that make no sense are errors, events for the
+    fire-and-forget calls; the session goes on."""
+
+    @llm.function_tool
+    async def lookup(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        rt = model.session(turn_detection_disabled=True)
+        rec = Recorder(rt)
+        rt.commit_audio()  # nothing was pushed
+        rt.truncate(message_id="item_unknown", modalities=["audio"], audio_end_ms=0)
+        rt.push_video(rtc.VideoFrame(2, 2, rtc.VideoBufferType.RGBA, bytes(16)))
+        errors = await rec.wait("error", 3)
+        assert all(isinstance(e.error, llm.RealtimeError) and e.recoverable for e in errors)
+        with pytest.raises(llm.RealtimeError, match="tool"):
+            await rt.update_tools([lookup])
+        with pytest.raises(llm.RealtimeError, match="tool"):
+            await rt.generate_reply(tools=[lookup])
+        ctx = rt.chat_ctx
+        ctx.insert(llm.FunctionCall(call_id="c1", name="lookup", arguments="{}"))
+        with pytest.raises(llm.RealtimeError, match="text messages"):
+            await rt.update_chat_ctx(ctx)
+        assert rt.chat_ctx.items == []  # nothing half-applied
+        await rt.aclose()
+        await model.aclose()

@@ -200,8 +200,9 @@ class RealtimeSession(llm.RealtimeSession):
             self._instructions = instructions
             if not session.conversation:  # nothing said yet: the instructions become the system turn
                 await session.close()
-                self._session = self._opening = None
-                self._session = await self._model._open(instructions)
+                self._session = None
+                self._opening = asyncio.ensure_future(self._model._open(instructions))
+                await self._ready()
             else:
                 self._pending.append(("system", instructions))
 
@@ -387,11 +388,14 @@ class RealtimeSession(llm.RealtimeSession):
                 finally:
                     gen.close()
                     gen.done.set()
-        except (OmniRtError, llm.RealtimeError) as e:
+        except Exception as e:  # the caller's future or an error event: never a reply that silently hangs
+            known = isinstance(e, OmniRtError | llm.RealtimeError)
             if fut is not None and not fut.done():
-                fut.set_exception(llm.RealtimeError(str(e)))
+                fut.set_exception(e if isinstance(e, llm.RealtimeError) else llm.RealtimeError(str(e)))
             else:
-                self._error(e)
+                self._error(e, recoverable=known)
+            if not known:
+                raise
 
     async def _stream(self, session, gen: _Generation, fut, user_initiated: bool, prompt: dict) -> None:
         t_created = time.time()

@@ -29,7 +29,10 @@ async def main(path: str, until_first_audio: bool) -> None:
     heard = asyncio.Event()
     engine = omni_rt.Engine.load("tiny")
     async with engine:
-        session = AgentSession(llm=RealtimeModel(engine, max_audio_frames=40))
+        model = RealtimeModel(
+            engine, max_audio_frames=40, sampling=omni_rt.Sampling(seed=0)
+        )  # seeded: same reply
+        session = AgentSession(llm=model)
         mic, speaker = (
             QueueAudioInput(),
             PlayoutAudioOutput(on_frame=lambda f: (reply.append(f), heard.set())),
@@ -40,7 +43,7 @@ async def main(path: str, until_first_audio: bool) -> None:
         for i in range(0, len(pcm), step):
             mic.push(rtc.AudioFrame(pcm[i : i + step].tobytes(), rate, 1, len(pcm[i : i + step])))
             await asyncio.sleep(0.01)
-        await heard.wait()
+        await asyncio.wait_for(heard.wait(), 120)
         print(f"first audio: {reply[0].samples_per_channel} samples at {reply[0].sample_rate} Hz")
         if not until_first_audio:
             if session.current_speech is not None:

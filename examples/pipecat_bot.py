@@ -60,7 +60,8 @@ async def main(path: str, until_first_audio: bool) -> None:
     speaker = Speaker()
     pipeline = Pipeline([
         VADProcessor(vad_analyzer=SileroVADAnalyzer()), UserTurnProcessor(user_turn_strategies=turns),
-        OmniRtService(engine, instructions="You are a friendly, brief assistant.", max_audio_frames=40),
+        OmniRtService(engine, instructions="You are a friendly, brief assistant.", max_audio_frames=40,
+                      sampling=omni_rt.Sampling(seed=0)),  # seeded: the same reply every run
         speaker,
     ])  # fmt: skip
     worker = PipelineWorker(
@@ -71,7 +72,7 @@ async def main(path: str, until_first_audio: bool) -> None:
         for i in range(0, len(pcm), 320):  # 20 ms frames, paced in real time
             await worker.queue_frame(InputAudioRawFrame(pcm[i : i + 320].tobytes(), 16000, 1))
             await asyncio.sleep(0.02)
-        await (speaker.first if until_first_audio else speaker.done).wait()
+        await asyncio.wait_for((speaker.first if until_first_audio else speaker.done).wait(), 120)
         print(f"first audio: {len(speaker.pcm[0]) // 2} samples at {speaker.rate} Hz")
         await (worker.cancel() if until_first_audio else worker.stop_when_done())  # cancel: barge-in
 

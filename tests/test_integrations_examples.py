@@ -9,7 +9,7 @@ import wave
 from pathlib import Path
 
 import pytest
-from integration_audio import spoken
+from integrations_support import spoken
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,11 +7,10 @@ import asyncio
 
 import numpy as np
 import pytest
-from integration_audio import chunks, silence, spoken
+from integrations_support import chunks, silence, spoken, tiny_engine
 from livekit import rtc
 from livekit.agents import llm
 
-import omni_rt
 from omni_rt.audio.resample import resample
 from omni_rt.integrations.livekit import RealtimeModel
 
@@ -19,9 +18,9 @@ WAIT_S = 120.0
 REPLY = dict(max_output_tokens=48, max_audio_frames=32, ignore_eos=True)  # runs to its limits: 2.56 s
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def engine():
-    return omni_rt.Engine.load("tiny")
+    return tiny_engine()
 
 
 def room_frames(pcm: np.ndarray, rate: int, out_rate: int = 48000, channels: int = 2) -> list[rtc.AudioFrame]:

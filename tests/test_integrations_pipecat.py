@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from integration_audio import chunks, silence, spoken
+from integrations_support import chunks, silence, spoken, tiny_engine
 from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
 from pipecat.audio.vad.silero import SileroVADAnalyzer
 from pipecat.frames.frames import (
@@ -39,7 +39,6 @@ from pipecat.turns.user_stop import TurnAnalyzerUserTurnStopStrategy
 from pipecat.turns.user_turn_processor import UserTurnProcessor
 from pipecat.turns.user_turn_strategies import UserTurnStrategies
 
-import omni_rt
 from omni_rt.audio.resample import resample
 from omni_rt.integrations.pipecat import OmniRtService
 
@@ -48,9 +47,9 @@ WAIT_S = 120.0  # a step that never comes fails the test instead of hanging it
 REPLY = dict(max_output_tokens=48, max_audio_frames=32, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def engine():
-    return omni_rt.Engine.load("tiny")
+    return tiny_engine()
 
 
 @dataclass

@@ -1,7 +1,9 @@
-"""Spoken test audio for the framework-integration tests: espeak-ng speech as int16 PCM, made on the spot."""
+"""Shared by the framework-integration tests: one tiny engine per test run (each test starts and stops it),
+and spoken test audio: espeak-ng speech as int16 PCM, made on the spot."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 import tempfile
@@ -9,6 +11,14 @@ import wave
 from pathlib import Path
 
 import numpy as np
+
+
+@functools.cache
+def tiny_engine():
+    """The tiny preset, loaded once for all the integration test files (loading takes seconds)."""
+    import omni_rt
+
+    return omni_rt.Engine.load("tiny")
 
 
 def spoken(text: str) -> tuple[np.ndarray, int]:

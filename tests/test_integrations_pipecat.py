@@ -16,6 +16,7 @@ from integrations_support import chunks, silence, spoken, tiny_engine
 from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
 from pipecat.audio.vad.silero import SileroVADAnalyzer
 from pipecat.frames.frames import (
+    ErrorFrame,
     Frame,
     InputAudioRawFrame,
     InterruptionFrame,
@@ -218,3 +219,14 @@ async def test_omni_rt_vad_setting_any_rate_and_an_interruption_frame(engine) ->
         assert types.count(UserStartedSpeakingFrame) == 2 and types.count(UserStoppedSpeakingFrame) == 2
     check_interrupted_reply_stopped(down, done)
     check_first_audio_metrics(down, service, done)
+
+
+async def test_a_malformed_audio_frame_is_an_error_upstream_and_the_service_goes_on(engine) -> None:
+    service = OmniRtService(engine, turn_detection="omni_rt", **REPLY)
+    good = audio_frames(silence(0.2, 16000), 16000)
+    frames = [InputAudioRawFrame(audio=b"\x00\x00\x00", sample_rate=16000, num_channels=1), *good]
+    async with engine:
+        down, up = await run_test(service, frames_to_send=frames)
+    errors = [f for f in up if isinstance(f, ErrorFrame)]
+    assert len(errors) == 1 and "whole int16 samples" in errors[0].error
+    assert sum(isinstance(f, InputAudioRawFrame) for f in down) == len(good)  # the rest went through

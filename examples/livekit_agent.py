@@ -29,15 +29,11 @@ async def main(path: str, until_first_audio: bool) -> None:
     heard = asyncio.Event()
     engine = omni_rt.Engine.load("tiny")
     async with engine:
-        model = RealtimeModel(
-            engine, max_audio_frames=40, sampling=omni_rt.Sampling(seed=0)
-        )  # seeded: same reply
-        session = AgentSession(llm=model)
-        mic, speaker = (
-            QueueAudioInput(),
-            PlayoutAudioOutput(on_frame=lambda f: (reply.append(f), heard.set())),
-        )
-        session.input.audio, session.output.audio = mic, speaker
+        seeded = omni_rt.Sampling(seed=0)  # the same reply every run
+        session = AgentSession(llm=RealtimeModel(engine, max_audio_frames=40, sampling=seeded))
+        speaker = PlayoutAudioOutput(on_frame=lambda f: (reply.append(f), heard.set()))
+        mic = QueueAudioInput()
+        session.input.audio, session.output.audio = mic, speaker  # or session.start(..., room=ctx.room)
         await session.start(Agent(instructions="You are a friendly, brief assistant."), record=False)
         step = rate // 100  # 10 ms frames, paced like a microphone
         for i in range(0, len(pcm), step):

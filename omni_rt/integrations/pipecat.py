@@ -68,7 +68,7 @@ __all__ = ["OmniRtService"]
 @dataclass(eq=False)
 class _Reply:
     audio: Any
-    task: asyncio.Task | None = None
+    task: asyncio.Task | None = None  # held here: a task nobody references can be collected mid-run
     response_id: str | None = None
     interrupted: bool = False  # set first thing on an interruption: nothing of it is pushed after
     started: bool = False  # TTSStartedFrame pushed

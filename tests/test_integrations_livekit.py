@@ -160,8 +160,20 @@ async def test_server_vad_turns_and_chat_context(engine) -> None:
         for text in ("You are a pirate.", "My name is Ada."):
             ids = tok.encode(text)
             assert any(conversation[i : i + len(ids)] == ids for i in range(len(conversation))), text
+        assert [(i.role, i.text_content) for i in rt.chat_ctx.items][:2] == [
+            ("user", "My name is Ada."),
+            ("user", None),
+        ]  # fmt: skip  (the text item, then the spoken turn)
+        assert rt.chat_ctx.items[2].role == "assistant" and rt.chat_ctx.items[2].text_content
         with pytest.raises(llm.RealtimeError):
             await rt.update_chat_ctx(llm.ChatContext.empty())  # the model has heard these
+        # later instructions: a system turn ahead of the next reply, with the reply's own instructions
+        await rt.update_instructions("Speak slowly.")
+        created = await asyncio.wait_for(rt.generate_reply(instructions="Say goodbye."), WAIT_S)
+        assert [f async for f in (await message(created)).audio_stream]
+        conversation = rt.omni_session.conversation
+        system = tok.chat_prompt([("system", "Speak slowly."), ("system", "Say goodbye.")])
+        assert any(conversation[i : i + len(system)] == system for i in range(len(conversation)))
         await rt.aclose()
         await model.aclose()
 

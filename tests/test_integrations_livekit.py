@@ -250,3 +250,25 @@ async def test_unsupported_and_bad_calls_are_clear_errors(engine) -> None:
         assert rt.chat_ctx.items == []  # nothing half-applied
         await rt.aclose()
         await model.aclose()
+
+
+async def test_playout_output_plays_segments_in_turn_and_reports_how_far_an_interrupted_one_got() -> None:
+    from omni_rt.integrations.livekit_io import PlayoutAudioOutput
+
+    out = PlayoutAudioOutput()
+    finished: list = []
+    out.on("playback_finished", finished.append)
+    frame = rtc.AudioFrame(np.zeros(2400, np.int16).tobytes(), 24000, 1, 2400)  # 100 ms
+    await out.capture_frame(frame)
+    out.flush()
+    for _ in range(2):  # a second segment, queued behind the first
+        await out.capture_frame(frame)
+    out.flush()
+    last = await asyncio.wait_for(out.wait_for_playout(), WAIT_S)
+    assert [e.interrupted for e in finished] == [False, False]
+    assert [e.playback_position for e in finished] == pytest.approx([0.1, 0.2], abs=1e-3)
+    assert last is finished[-1]
+    await out.capture_frame(frame)
+    out.clear_buffer()  # stopped at once: it reports what had played, not what it held
+    assert finished[-1].interrupted and finished[-1].playback_position < 0.1
+    assert await asyncio.wait_for(out.wait_for_playout(), WAIT_S) is finished[-1]

@@ -6,9 +6,9 @@ a SIP bridge, a test, an offline run) in front of the agent instead of a LiveKit
     session.output.audio = PlayoutAudioOutput(on_frame=play)   # play(frame) feeds the app's speaker
     await session.start(agent, record=False)
 
-`PlayoutAudioOutput` keeps the playback clock a LiveKit sink must keep: a segment plays in real time from
-its first frame, so an interruption reports how far it got (what `truncate` then keeps), and a flushed
-segment reports its end once its audio has had time to play.
+`PlayoutAudioOutput` keeps the playback clock a LiveKit sink must keep: segments play one after another in
+real time, so an interruption reports how far each got (what `truncate` then keeps), and a flushed segment
+reports its end once its audio has had time to play.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from livekit import rtc
 from livekit.agents.voice import io
@@ -51,8 +52,19 @@ class QueueAudioInput(io.AudioInput):
         return frame
 
 
+@dataclass(eq=False)
+class _Segment:
+    t0: float  # when it starts playing (time.monotonic): its first frame, or the end of the one before
+    seconds: float = 0.0  # audio captured
+    flushed: bool = False
+    timer: asyncio.TimerHandle | None = None
+
+    def played(self, now: float) -> float:
+        return min(max(now - self.t0, 0.0), self.seconds)
+
+
 class PlayoutAudioOutput(io.AudioOutput):
-    """A sink that plays each segment in real time from its first frame and hands frames to `on_frame`."""
+    """A sink that plays its segments one after another in real time and hands frames to `on_frame`."""
 
     def __init__(
         self,
@@ -62,40 +74,39 @@ class PlayoutAudioOutput(io.AudioOutput):
     ) -> None:
         super().__init__(label=label, capabilities=io.AudioOutputCapabilities(pause=False))
         self.on_frame = on_frame
-        self._open = False  # a segment was captured and has not reported its end
-        self._t0 = 0.0  # when the segment started playing (time.monotonic)
-        self._seconds = 0.0  # audio captured in the segment
-        self._finish: asyncio.TimerHandle | None = None
+        self._segments: list[_Segment] = []  # not finished yet, in order; only the last can be open
 
     async def capture_frame(self, frame: rtc.AudioFrame) -> None:
         await super().capture_frame(frame)
-        if not self._open:
-            self._open, self._t0, self._seconds = True, time.monotonic(), 0.0
+        if not self._segments or self._segments[-1].flushed:
+            now = time.monotonic()
+            last = self._segments[-1] if self._segments else None
+            self._segments.append(_Segment(t0=max(now, last.t0 + last.seconds) if last else now))
             self.on_playback_started(created_at=time.time())
-        self._seconds += frame.samples_per_channel / frame.sample_rate
+        self._segments[-1].seconds += frame.samples_per_channel / frame.sample_rate
         if self.on_frame is not None:
             self.on_frame(frame)
 
     def flush(self) -> None:
         super().flush()
-        if not self._open or self._finish is not None:
+        if not self._segments or self._segments[-1].flushed:
             return
-        left = max(0.0, self._t0 + self._seconds - time.monotonic())
-        self._finish = asyncio.get_running_loop().call_later(left, self._finished, False)
+        seg = self._segments[-1]
+        seg.flushed = True
+        left = max(0.0, seg.t0 + seg.seconds - time.monotonic())
+        seg.timer = asyncio.get_running_loop().call_later(left, self._finished, seg, False)
 
     def clear_buffer(self) -> None:
-        if self._open:
-            self._finished(True)
+        for seg in list(self._segments):  # everything queued stops now, each reporting how far it got
+            self._finished(seg, True)
 
     @property
     def position(self) -> float:
-        """Seconds of the current segment played so far."""
-        return min(time.monotonic() - self._t0, self._seconds) if self._open else 0.0
+        """Seconds of the segment now playing that have been played."""
+        return self._segments[0].played(time.monotonic()) if self._segments else 0.0
 
-    def _finished(self, interrupted: bool) -> None:
-        if self._finish is not None:
-            self._finish.cancel()
-            self._finish = None
-        position = self.position
-        self._open = False
-        self.on_playback_finished(playback_position=position, interrupted=interrupted)
+    def _finished(self, seg: _Segment, interrupted: bool) -> None:
+        if seg.timer is not None:
+            seg.timer.cancel()
+        self._segments.remove(seg)
+        self.on_playback_finished(playback_position=seg.played(time.monotonic()), interrupted=interrupted)

@@ -9,10 +9,14 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 python3 -m pip install -q "torch==2.13.0"
 if [ "${1:-}" = "test" ]; then
   python3 -m pip install -q -e ".[server,bench,test]"
-  if ! command -v chromium >/dev/null 2>&1; then
-    # Debian's Chromium for the browser test (Playwright never downloads a browser here).
+  # Debian's Chromium for the browser test (Playwright never downloads a browser here); espeak-ng speaks
+  # the test utterances of the agent-framework tests.
+  apt_packages=()
+  command -v chromium >/dev/null 2>&1 || apt_packages+=(chromium)
+  command -v espeak-ng >/dev/null 2>&1 || apt_packages+=(espeak-ng)
+  if [ ${#apt_packages[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq && apt-get install -y -qq chromium >/dev/null
+    apt-get update -qq && apt-get install -y -qq "${apt_packages[@]}" >/dev/null
   fi
 else
   python3 -m pip install -q -e ".[server]"

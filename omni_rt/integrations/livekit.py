@@ -1,0 +1,493 @@
+"""omni_rt as a LiveKit Agents realtime model, in process: `AgentSession(llm=RealtimeModel(engine))`.
+
+    engine = omni_rt.Engine.load("tiny")
+    async with engine:
+        session = AgentSession(llm=RealtimeModel(engine, voice="ethan", instructions="Be brief."))
+        await session.start(agent=Agent(instructions="..."), room=ctx.room)
+
+Each `RealtimeSession` holds one omni_rt `Session` (one cache slot of the engine). What it maps:
+- `push_audio(frame)`: any rate and channel count, downmixed and resampled to 16 kHz once. With turn
+  detection (the default) omni_rt's server VAD cuts turns: `input_speech_started` (and the reply being
+  made is interrupted, as OpenAI's server VAD does), `input_speech_stopped`, then a reply on its own
+  (`generation_created` with `user_initiated=False`). `session(turn_detection_disabled=True)` leaves turns
+  to the framework: `commit_audio()` ends one, `clear_audio()` drops it, `generate_reply()` answers.
+- `generate_reply(instructions=...)`: answers the committed spoken turns and any chat items added since
+  the last reply. The instructions go into the prompt as a system turn, or, when the turn is spoken, as
+  text after the speech in the same user turn (omni_rt's spoken turns take text beside the audio, not a
+  system turn).
+- the generation: one `MessageGeneration` whose `audio_stream` yields `rtc.AudioFrame`s (mono int16 at
+  `output_sample_rate`) and whose `text_stream` yields the transcript as the audio reaches it.
+- `interrupt()`: nothing more comes out of the streams, which end at once; the engine stops the reply
+  within one codec frame. `truncate(message_id, audio_end_ms=...)` shortens the assistant item in
+  `chat_ctx` to what was played (the framework's `audio_transcript`, else the transcript the audio had
+  reached by `audio_end_ms`). The model's own context keeps the whole reply, as `omni-rt serve` does:
+  omni_rt's caches cannot be rewound (what the user said is kept either way).
+- `update_instructions`: before the first reply they become the session's system turn; later, a system
+  turn ahead of the next reply. `update_chat_ctx`: new text messages join the next reply's prompt;
+  removing what the model already heard is an error (`RealtimeError`).
+- `metrics_collected`: a `RealtimeModelMetrics` per reply; `ttft` is omni_rt's time to first audio.
+Not supported (a `RealtimeError`, or an `error` event for the streaming calls): tools, video input, `say`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from livekit import rtc
+from livekit.agents import llm, utils
+from livekit.agents.metrics import RealtimeModelMetrics
+from livekit.agents.metrics.base import Metadata
+from livekit.agents.types import NOT_GIVEN, NotGivenOr
+
+from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn, TurnSegmenter, VadConfig
+from omni_rt.config import Sampling
+from omni_rt.errors import OmniRtError
+from omni_rt.integrations._audio import SPEECH_RATE, InputAudio, TurnBuffer
+
+__all__ = ["RealtimeModel", "RealtimeSession"]
+
+FRAME_MS = 80  # audio of one codec frame; the Talker speaks one text token per frame
+KEPT_GENERATIONS = 64  # replies truncate() can still shorten, newest kept
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class RealtimeModel(llm.RealtimeModel):
+    """A LiveKit realtime model backed by an in-process `omni_rt.Engine`.
+
+    The engine may be running already (`async with engine:`); if not, the first session starts it and
+    `aclose()` stops it.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        voice: str = "ethan",
+        instructions: str | None = None,
+        sampling: Sampling | None = None,
+        output_sample_rate: int = 24000,
+        vad: VadConfig | None = None,
+        max_output_tokens: int | None = None,
+        max_audio_frames: int | None = None,
+        ignore_eos: bool = False,
+    ) -> None:
+        super().__init__(
+            capabilities=llm.RealtimeCapabilities(
+                message_truncation=True,
+                turn_detection=True,
+                user_transcription=False,  # omni_rt hears the audio itself; it writes no transcript of it
+                auto_tool_reply_generation=False,
+                audio_output=True,
+                manual_function_calls=False,
+                can_disable_turn_detection=True,
+                mutable_chat_context=True,
+                mutable_instructions=True,
+                mutable_tools=False,
+            )
+        )
+        self.engine = engine
+        self.vad = vad
+        self._session_kwargs = dict(
+            voice=voice, instructions=instructions, sampling=sampling, output_sample_rate=output_sample_rate
+        )
+        self._respond_kwargs = dict(
+            max_output_tokens=max_output_tokens, max_audio_frames=max_audio_frames, ignore_eos=ignore_eos
+        )
+        self._starting = asyncio.Lock()
+        self._owns_engine = False
+
+    @property
+    def model(self) -> str:
+        return str(getattr(self.engine, "name", "omni_rt"))
+
+    @property
+    def provider(self) -> str:
+        return "omni_rt"
+
+    def session(self, *, turn_detection_disabled: bool = False) -> RealtimeSession:
+        return RealtimeSession(self, detect=not turn_detection_disabled)
+
+    async def aclose(self) -> None:
+        if self._owns_engine:
+            self._owns_engine = False
+            await self.engine.stop()
+
+    async def _open(self, instructions: str | None) -> Any:
+        """An omni_rt session, the engine started first when nobody has."""
+        async with self._starting:
+            if not self.engine.running:
+                await self.engine.start()
+                self._owns_engine = True
+        return self.engine.session(**(self._session_kwargs | {"instructions": instructions}))
+
+
+@dataclass(eq=False)
+class _Generation:
+    """One reply as the framework sees it; `interrupted` is set first thing by `interrupt()`."""
+
+    message_id: str
+    audio: utils.aio.Chan = field(default_factory=utils.aio.Chan)
+    text: utils.aio.Chan = field(default_factory=utils.aio.Chan)
+    response_id: str | None = None
+    interrupted: bool = False
+    samples: int = 0  # audio handed to the framework, at the session's output rate
+    transcript_deltas: list[str] = field(default_factory=list)  # delta k is spoken from k * FRAME_MS
+    truncated: str | None = None  # the item's text after truncate()
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def close(self) -> None:
+        self.audio.close()
+        self.text.close()
+
+    def transcript(self, until_ms: float | None = None) -> str:
+        """The transcript, or the part of it whose audio starts before `until_ms` (the Talker takes one
+        text token per codec frame; a delta that held back part of a character counts as one token)."""
+        deltas = self.transcript_deltas
+        return "".join(deltas if until_ms is None else deltas[: max(0, -(-int(until_ms) // FRAME_MS))])
+
+
+class RealtimeSession(llm.RealtimeSession):
+    def __init__(self, model: RealtimeModel, *, detect: bool = True) -> None:
+        super().__init__(model)
+        self._model = model
+        self._input = InputAudio()
+        self._segmenter = TurnSegmenter(model.vad) if detect else None
+        self._buffer = None if detect else TurnBuffer(preroll_ms=0, always_open=True)
+        self._instructions: str | None = model._session_kwargs["instructions"]
+        self._committed: list[np.ndarray] = []  # spoken turns the next reply answers
+        self._pending: list[tuple[str, str]] = []  # (role, text) the next reply's prompt carries
+        self._pending_ids: set[str] = set()
+        self._chat_ctx = llm.ChatContext.empty()
+        self._lock = asyncio.Lock()  # one reply at a time, in the order asked
+        self._current: _Generation | None = None
+        self._generations: dict[str, _Generation] = {}  # the latest replies, by message id (truncate)
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+        self._session: Any = None
+        self._opening = asyncio.ensure_future(model._open(self._instructions))
+        self._video_refused = False
+
+    # -- state -----------------------------------------------------------------------------------------
+
+    @property
+    def chat_ctx(self) -> llm.ChatContext:
+        return self._chat_ctx.copy()
+
+    @property
+    def tools(self) -> llm.ToolContext:
+        return llm.ToolContext.empty()
+
+    @property
+    def omni_session(self) -> Any:
+        """The omni_rt `Session` behind this one (None until it is open)."""
+        return self._session
+
+    async def _ready(self) -> Any:
+        if self._session is None:
+            self._session = await self._opening
+        return self._session
+
+    async def update_instructions(self, instructions: str) -> None:
+        async with self._lock:
+            session = await self._ready()
+            if instructions == self._instructions:
+                return
+            self._instructions = instructions
+            if not session.conversation:  # nothing said yet: the instructions become the system turn
+                await session.close()
+                self._session = None
+                self._opening = asyncio.ensure_future(self._model._open(instructions))
+                await self._ready()
+            else:
+                self._pending.append(("system", instructions))
+
+    async def update_chat_ctx(self, chat_ctx: llm.ChatContext) -> None:
+        async with self._lock:
+            new_ids = {item.id for item in chat_ctx.items}
+            ours = {item.id for item in self._chat_ctx.items}
+            heard = [i for i in ours - new_ids if i not in self._pending_ids]
+            if heard:
+                raise llm.RealtimeError(
+                    f"omni_rt cannot remove items the model has already heard: {sorted(heard)}"
+                )
+            added: list[tuple[Any, str, str]] = []
+            for item in chat_ctx.items:
+                if item.id in ours:
+                    continue
+                role = _ROLES.get(getattr(item, "role", None)) if item.type == "message" else None
+                text = item.text_content if role is not None else None
+                if role is None or not text:
+                    raise llm.RealtimeError(
+                        f"omni_rt takes text messages in the chat context; item {item.id} is a {item.type}"
+                        + (f" ({item.role} without text)" if item.type == "message" else "")
+                    )
+                added.append((item, role, text))
+            for item, role, text in added:
+                self._chat_ctx.insert(item)
+                self._pending.append((role, text))
+                self._pending_ids.add(item.id)
+
+    async def update_tools(self, tools: list[Any]) -> None:
+        if tools:
+            raise llm.RealtimeError("omni_rt has no tool calling: this realtime model takes no tools")
+
+    def update_options(self, *, tool_choice: NotGivenOr[Any] = NOT_GIVEN) -> None:
+        pass  # no tools: no choice to make
+
+    # -- input audio -----------------------------------------------------------------------------------
+
+    def push_audio(self, frame: rtc.AudioFrame) -> None:
+        pcm = self._input.push(bytes(frame.data), frame.sample_rate, frame.num_channels)
+        if self._buffer is not None:
+            self._buffer.push(pcm)
+            return
+        for ev in self._segmenter.push(pcm):
+            if isinstance(ev, SpeechStarted):
+                self.emit("input_speech_started", llm.InputSpeechStartedEvent())
+                self.interrupt()  # the user talks over the reply: stop it, as server VAD does
+            elif isinstance(ev, SpeechStopped):
+                self.emit(
+                    "input_speech_stopped", llm.InputSpeechStoppedEvent(user_transcription_enabled=False)
+                )
+            elif isinstance(ev, Turn):
+                self._commit(ev.audio)
+                self._spawn(self._reply(None, user_initiated=False, instructions=None))
+
+    def push_video(self, frame: rtc.VideoFrame) -> None:
+        if not self._video_refused:
+            self._video_refused = True
+            self._error(llm.RealtimeError("omni_rt takes no video input: video frames are dropped"))
+
+    def commit_audio(self) -> None:
+        audio = self._buffer.take() if self._buffer is not None else _turn_audio(self._segmenter.commit())
+        if audio is None:
+            self._error(llm.RealtimeError("commit_audio: the input audio buffer is empty"))
+            return
+        self._commit(audio)
+
+    def clear_audio(self) -> None:
+        if self._buffer is not None:
+            self._buffer.clear()
+        else:
+            self._segmenter.clear()
+
+    def _commit(self, audio: np.ndarray) -> None:
+        self._committed.append(audio)
+        pcm = (np.clip(audio, -1.0, 1.0) * 32767.0).astype(np.int16)
+        frame = rtc.AudioFrame(pcm.tobytes(), SPEECH_RATE, 1, len(pcm))
+        self._chat_ctx.insert(llm.ChatMessage(role="user", content=[llm.AudioContent(frame=[frame])]))
+
+    # -- replies ---------------------------------------------------------------------------------------
+
+    def generate_reply(
+        self,
+        *,
+        instructions: NotGivenOr[str] = NOT_GIVEN,
+        tool_choice: NotGivenOr[Any] = NOT_GIVEN,
+        tools: NotGivenOr[list[Any]] = NOT_GIVEN,
+    ) -> asyncio.Future[llm.GenerationCreatedEvent]:
+        fut: asyncio.Future[llm.GenerationCreatedEvent] = asyncio.get_running_loop().create_future()
+        if isinstance(tools, list) and tools:
+            fut.set_exception(llm.RealtimeError("omni_rt has no tool calling: generate_reply takes no tools"))
+            return fut
+        self._spawn(self._reply(fut, user_initiated=True, instructions=instructions or None))
+        return fut
+
+    def interrupt(self) -> None:
+        """Stop the reply now: its streams end at once and carry nothing more; the engine stops it."""
+        gen = self._current
+        if gen is None or gen.done.is_set() or gen.interrupted:
+            return
+        gen.interrupted = True
+        gen.close()
+        if self._session is not None:
+            self._spawn(self._session.cancel())
+
+    def truncate(
+        self,
+        *,
+        message_id: str,
+        modalities: list[Literal["text", "audio"]],
+        audio_end_ms: int,
+        audio_transcript: NotGivenOr[str] = NOT_GIVEN,
+    ) -> None:
+        item = self._chat_ctx.get_by_id(message_id)
+        gen = self._generations.get(message_id)
+        if item is None or gen is None:
+            self._error(llm.RealtimeError(f"truncate: no assistant message {message_id!r}"))
+            return
+        played_ms = gen.samples * 1000 / self._model._session_kwargs["output_sample_rate"]
+        if audio_end_ms < 0 or audio_end_ms > played_ms + 1:  # + 1: the caller's rounding
+            self._error(
+                llm.RealtimeError(
+                    f"truncate: audio_end_ms {audio_end_ms} is outside the message's audio "
+                    f"(0..{played_ms:.0f} ms)"
+                )  # fmt: skip
+            )
+            return
+        gen.truncated = (
+            audio_transcript if isinstance(audio_transcript, str) else gen.transcript(audio_end_ms)
+        )
+        item.content = [gen.truncated]
+        item.interrupted = True
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.interrupt()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):  # a session that never opened has nothing to close
+            session = await self._ready()
+            await session.close()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _error(self, exc: Exception, recoverable: bool = True) -> None:
+        self.emit(
+            "error",
+            llm.RealtimeModelError(
+                timestamp=time.time(), label=self._model.label, error=exc, recoverable=recoverable
+            ),
+        )
+
+    def _prompt(self, session: Any, instructions: str | None) -> dict[str, Any]:
+        """What the next reply answers: the committed speech (one spoken turn), the pending chat items and
+        the reply's instructions."""
+        pending = self._pending + ([("system", instructions)] if instructions else [])
+        self._pending, self._pending_ids = [], set()
+        if self._committed:
+            audio = np.concatenate(self._committed)
+            self._committed = []
+            text = "\n".join(t for _, t in pending) or None
+            return dict(audio=audio, audio_sample_rate=SPEECH_RATE, text=text)
+        if not session.conversation and session.settings.instructions:
+            pending = [("system", session.settings.instructions), *pending]  # a verbatim prompt has none
+        return dict(input_ids=self._model.engine.tokenizer.chat_prompt(pending))
+
+    async def _reply(
+        self, fut: asyncio.Future | None, *, user_initiated: bool, instructions: str | None
+    ) -> None:
+        try:
+            async with self._lock:
+                session = await self._ready()
+                gen = _Generation(message_id=utils.shortuuid("item_"))
+                self._current = gen
+                try:
+                    await self._stream(session, gen, fut, user_initiated, self._prompt(session, instructions))
+                finally:
+                    gen.close()
+                    gen.done.set()
+        except Exception as e:  # the caller's future or an error event: never a reply that silently hangs
+            known = isinstance(e, OmniRtError | llm.RealtimeError)
+            if fut is not None and not fut.done():
+                fut.set_exception(e if isinstance(e, llm.RealtimeError) else llm.RealtimeError(str(e)))
+            else:
+                self._error(e, recoverable=known)
+            if not known:
+                raise
+
+    async def _stream(self, session, gen: _Generation, fut, user_initiated: bool, prompt: dict) -> None:
+        t_created = time.time()
+        item = None
+        async for ev in session.respond(**prompt, **self._model._respond_kwargs):
+            if ev.type == "response.created":
+                gen.response_id = ev.response_id
+                if gen.interrupted:  # interrupted before the engine had it
+                    await session.cancel()
+                item = llm.ChatMessage(id=gen.message_id, role="assistant", content=[])
+                self._generations[gen.message_id] = gen  # what truncate() needs to know about it
+                while len(self._generations) > KEPT_GENERATIONS:
+                    self._generations.pop(next(iter(self._generations)))
+                self._chat_ctx.insert(item)
+                created = _created_event(gen, user_initiated)
+                self.emit("generation_created", created)
+                if fut is not None and not fut.done():
+                    fut.set_result(created)
+            elif ev.type == "response.done":
+                gen.close()
+                if item is not None:
+                    item.content = [gen.truncated if gen.truncated is not None else gen.transcript()]
+                    item.interrupted = ev.status == "cancelled" or gen.truncated is not None
+                self.emit("metrics_collected", self._metrics(ev, t_created))
+                if ev.status == "failed":
+                    msg = ev.error.message if ev.error is not None else "the response failed"
+                    if fut is not None and not fut.done():
+                        fut.set_exception(llm.RealtimeError(msg))
+                    else:
+                        self._error(llm.RealtimeError(msg))
+            elif gen.interrupted:
+                continue  # the engine is stopping it: nothing more goes out
+            elif ev.type == "response.output_audio.delta":
+                gen.audio.send_nowait(rtc.AudioFrame(ev.pcm.tobytes(), ev.sample_rate, 1, len(ev.pcm)))
+                gen.samples += len(ev.pcm)
+            elif ev.type == "response.output_audio_transcript.delta":
+                gen.transcript_deltas.append(ev.delta)
+                gen.text.send_nowait(ev.delta)
+
+    def _metrics(self, done: Any, t_created: float) -> RealtimeModelMetrics:
+        m, u = done.metrics, done.usage
+        duration = (m.total_ms or 0.0) / 1000
+        return RealtimeModelMetrics(
+            label=self._model.label,
+            request_id=done.response_id,
+            timestamp=t_created,
+            duration=duration,
+            ttft=m.ttfa_ms / 1000 if m.ttfa_ms is not None else -1,
+            cancelled=done.status == "cancelled",
+            input_tokens=u.input_tokens + u.cached_tokens,
+            output_tokens=u.output_tokens + u.audio_frames,
+            total_tokens=u.input_tokens + u.cached_tokens + u.output_tokens + u.audio_frames,
+            tokens_per_second=m.text_tokens_per_s or 0.0,
+            input_token_details=RealtimeModelMetrics.InputTokenDetails(
+                text_tokens=u.input_tokens, cached_tokens=u.cached_tokens
+            ),
+            output_token_details=RealtimeModelMetrics.OutputTokenDetails(
+                text_tokens=u.output_tokens, audio_tokens=u.audio_frames
+            ),
+            metadata=Metadata(model_name=self._model.model, model_provider=self._model.provider),
+        )
+
+
+def _created_event(gen: _Generation, user_initiated: bool) -> llm.GenerationCreatedEvent:
+    modalities: asyncio.Future = asyncio.get_running_loop().create_future()
+    modalities.set_result(["audio", "text"])
+    messages: utils.aio.Chan = utils.aio.Chan()
+    messages.send_nowait(
+        llm.MessageGeneration(
+            message_id=gen.message_id,
+            text_stream=_until_interrupted(gen.text, gen),
+            audio_stream=_until_interrupted(gen.audio, gen),
+            modalities=modalities,
+        )  # fmt: skip
+    )
+    messages.close()
+    functions: utils.aio.Chan = utils.aio.Chan()
+    functions.close()
+    return llm.GenerationCreatedEvent(
+        message_stream=messages, function_stream=functions, user_initiated=user_initiated,
+        response_id=gen.response_id,
+    )  # fmt: skip
+
+
+async def _until_interrupted(chan: utils.aio.Chan, gen: _Generation) -> Any:
+    """The channel's items until it closes, or at once nothing more once the reply is interrupted (what
+    was made before the interrupt but not read yet is dropped too: it must not play after it)."""
+    async for x in chan:
+        if gen.interrupted:
+            return
+        yield x
+
+
+def _turn_audio(turn: Turn | None) -> np.ndarray | None:
+    return None if turn is None or not len(turn.audio) else turn.audio

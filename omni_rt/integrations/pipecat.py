@@ -1,0 +1,294 @@
+"""omni_rt as a pipecat speech-to-speech service, in process: no second server, no audio over a socket.
+
+    engine = omni_rt.Engine.load("tiny")
+    omni = OmniRtService(engine, voice="ethan", instructions="Be brief.")
+    turns = UserTurnStrategies(stop=[TurnAnalyzerUserTurnStopStrategy(
+        turn_analyzer=LocalSmartTurnAnalyzerV3(), wait_for_transcript=False)])  # no STT: audio decides
+    pipeline = Pipeline([transport.input(), VADProcessor(vad_analyzer=SileroVADAnalyzer()),
+                         UserTurnProcessor(user_turn_strategies=turns), omni, transport.output()])
+
+In: `InputAudioRawFrame` at any rate and channel count (downmixed and resampled to 16 kHz once), and the
+framework's turn frames. With `turn_detection="pipecat"` (the default) pipecat's VAD and turn analyzer
+drive turns: `UserStartedSpeakingFrame` opens a turn (with the last `preroll_ms` of audio as its lead-in),
+`UserStoppedSpeakingFrame` sends it to the model, `InterruptionFrame` stops the reply. With
+`turn_detection="omni_rt"` the service cuts turns itself with omni_rt's server VAD and broadcasts the
+same user-turn frames and the interruption, as pipecat's own realtime services do.
+
+Out, per reply: `LLMFullResponseStartFrame`, `TTSStartedFrame`, `TTSAudioRawFrame`s (mono int16 at the
+pipeline's output rate when the session can make it: 16, 24 or 48 kHz, else 24 kHz for the transport to
+resample), `LLMTextFrame`s (the model's text as it is sampled; not appended to the context),
+`TTSTextFrame`s (the text the audio has reached), `TTSStoppedFrame`, `LLMFullResponseEndFrame`; metrics
+frames (TTFB = time to the first audio, TTFA = to the first audible sample, processing time, token usage)
+when the pipeline enables metrics.
+
+An `InterruptionFrame` cancels the reply before the service passes the frame on: the engine stops it
+within one codec frame, and no audio of it is pushed after, so nothing of it is queued behind the
+interruption that the output transport clears.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pipecat.frames.frames import (
+    CancelFrame,
+    EndFrame,
+    Frame,
+    InputAudioRawFrame,
+    InterruptionFrame,
+    LLMFullResponseEndFrame,
+    LLMFullResponseStartFrame,
+    LLMServiceMetadataFrame,
+    LLMTextFrame,
+    TTSAudioRawFrame,
+    TTSStartedFrame,
+    TTSStoppedFrame,
+    TTSTextFrame,
+    UserStartedSpeakingFrame,
+    UserStoppedSpeakingFrame,
+)
+from pipecat.metrics.metrics import LLMTokenUsage
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessorSetup
+from pipecat.services.ai_service import AIService
+from pipecat.services.settings import ServiceSettings
+from pipecat.turns.user_turn_strategies import ExternalUserTurnStrategies
+from pipecat.utils.text.base_text_aggregator import TextType
+
+from omni_rt.audio.vad import SpeechStarted, Turn, TurnSegmenter, VadConfig
+from omni_rt.config import OUTPUT_SAMPLE_RATES, Sampling
+from omni_rt.errors import ConfigError
+from omni_rt.integrations._audio import SPEECH_RATE, InputAudio, TurnBuffer
+
+__all__ = ["OmniRtService"]
+
+
+@dataclass(eq=False)
+class _Reply:
+    audio: Any
+    task: asyncio.Task | None = None  # held here: a task nobody references can be collected mid-run
+    response_id: str | None = None
+    interrupted: bool = False  # set first thing on an interruption: nothing of it is pushed after
+    started: bool = False  # TTSStartedFrame pushed
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class OmniRtService(AIService):
+    """A pipecat speech-to-speech service backed by an in-process `omni_rt.Engine` (one session).
+
+    The engine may be started already (`async with engine:`, shared by several pipelines); if it is not,
+    the service starts it at the pipeline's start and stops it at its end.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        voice: str = "ethan",
+        instructions: str | None = None,
+        sampling: Sampling | None = None,
+        turn_detection: Literal["pipecat", "omni_rt"] = "pipecat",
+        vad: VadConfig | None = None,
+        preroll_ms: int = 500,
+        max_output_tokens: int | None = None,
+        max_audio_frames: int | None = None,
+        ignore_eos: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if turn_detection not in ("pipecat", "omni_rt"):
+            raise ConfigError(f"turn_detection must be 'pipecat' or 'omni_rt', got {turn_detection!r}")
+        super().__init__(settings=ServiceSettings(model=getattr(engine, "name", "omni_rt")), **kwargs)
+        self.engine = engine
+        self.turn_detection = turn_detection
+        self._session_kwargs = dict(voice=voice, instructions=instructions, sampling=sampling)
+        self._respond_kwargs = dict(
+            max_output_tokens=max_output_tokens, max_audio_frames=max_audio_frames, ignore_eos=ignore_eos
+        )
+        self._input = InputAudio()
+        self._turn = TurnBuffer(preroll_ms=preroll_ms)
+        self._segmenter = TurnSegmenter(vad) if turn_detection == "omni_rt" else None
+        self._out_rate = 24000
+        self._session: Any = None
+        self._owns_engine = False
+        self._replies: list[_Reply] = []  # replies not done yet: the running one, then those waiting
+        # on_response_done(service, ev): each reply's omni_rt `response.done` (status, usage, metrics)
+        self._register_event_handler("on_response_done")
+
+    def can_generate_metrics(self) -> bool:
+        return True
+
+    def service_metadata_frame(self) -> LLMServiceMetadataFrame:
+        """A realtime service: pipecat's context aggregator then ends turns without waiting for a transcript;
+        with omni_rt's VAD the service's own turn frames are the ones to follow."""
+        return LLMServiceMetadataFrame(
+            service_name=self.name,
+            is_realtime_service=True,
+            user_turn_strategies=ExternalUserTurnStrategies() if self._segmenter is not None else None,
+        )
+
+    @property
+    def session(self) -> Any:
+        """The omni_rt `Session` of this pipeline (None before the pipeline starts)."""
+        return self._session
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    async def setup(self, setup: FrameProcessorSetup) -> None:
+        await super().setup(setup)
+        rate = setup.audio_out_sample_rate
+        self._out_rate = rate if rate in OUTPUT_SAMPLE_RATES else 24000  # else the transport resamples
+
+    async def start(self, frame: Frame) -> None:
+        await super().start(frame)
+        if not self.engine.running:
+            await self.engine.start()
+            self._owns_engine = True
+        self._session = self.engine.session(output_sample_rate=self._out_rate, **self._session_kwargs)
+
+    async def stop(self, frame: EndFrame) -> None:
+        """At the pipeline's end a reply still being made is finished, as everything queued before it is."""
+        await super().stop(frame)
+        for reply in list(self._replies):
+            await reply.done.wait()
+        await self._close()
+
+    async def cancel(self, frame: CancelFrame) -> None:
+        await super().cancel(frame)
+        await self._interrupt()
+        await self._close()
+
+    async def _close(self) -> None:
+        try:
+            if self._session is not None:
+                await self._session.close()
+        finally:
+            self._session = None
+            if self._owns_engine:
+                self._owns_engine = False
+                await self.engine.stop()
+
+    # -- frames ----------------------------------------------------------------------------------------
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        if isinstance(frame, InterruptionFrame):
+            # before the base class stops all metrics: an unanswered TTFB is no measurement
+            await self.cancel_ttfb_metrics()
+            await self._interrupt()
+        await super().process_frame(frame, direction)
+        if isinstance(frame, InputAudioRawFrame):
+            await self._on_audio(frame)
+        elif self.turn_detection == "pipecat" and isinstance(frame, UserStartedSpeakingFrame):
+            self._turn.start()
+        elif self.turn_detection == "pipecat" and isinstance(frame, UserStoppedSpeakingFrame):
+            audio = self._turn.take()
+            if audio is not None:
+                self._respond(audio)
+        await self.push_frame(frame, direction)
+
+    async def _on_audio(self, frame: InputAudioRawFrame) -> None:
+        pcm = self._input.push(frame.audio, frame.sample_rate, frame.num_channels)
+        if self._segmenter is None:
+            self._turn.push(pcm)
+            return
+        for ev in self._segmenter.push(pcm):
+            if isinstance(ev, SpeechStarted):
+                await self.broadcast_frame(UserStartedSpeakingFrame)
+                await self.cancel_ttfb_metrics()
+                await self._interrupt()
+                await self.broadcast_interruption()
+            elif isinstance(ev, Turn):
+                await self.broadcast_frame(UserStoppedSpeakingFrame)
+                self._respond(ev.audio)
+
+    # -- replies ---------------------------------------------------------------------------------------
+
+    def _respond(self, audio: Any) -> None:
+        """Answer a turn. One reply at a time: a turn that ends while a reply runs is answered after it."""
+        self._replies = [r for r in self._replies if not r.done.is_set()]
+        previous = self._replies[-1] if self._replies else None
+        reply = _Reply(audio)
+        reply.task = self.create_task(self._run(reply, previous), name="omni_rt_reply")
+        self._replies.append(reply)
+
+    async def _interrupt(self) -> None:
+        """Stop the reply being made, and drop those waiting behind it, before anything else happens
+        (as pipecat's realtime services drop a response owed behind an interrupted one)."""
+        pending = [r for r in self._replies if not r.done.is_set()]
+        if not pending:
+            return
+        for r in pending:
+            r.interrupted = True
+        if self._session is not None:
+            await self._session.cancel()  # returns once the engine has stopped it (within a codec frame)
+        for r in pending:
+            await r.done.wait()
+
+    async def _run(self, reply: _Reply, previous: _Reply | None) -> None:
+        try:
+            if previous is not None:
+                await previous.done.wait()
+            if not reply.interrupted and self._session is not None:
+                await self._stream(reply)
+        except Exception as e:  # the reply's end reaches the pipeline as an error, never a silent stop
+            await self.push_error(f"omni_rt reply failed: {e}", exception=e)
+        finally:
+            reply.done.set()
+
+    async def _stream(self, reply: _Reply) -> None:
+        t0 = time.time()
+        await self.start_ttfb_metrics(start_time=t0)
+        await self.start_processing_metrics(start_time=t0)
+        await self.push_frame(LLMFullResponseStartFrame())
+        stream = self._session.respond(
+            audio=reply.audio, audio_sample_rate=SPEECH_RATE, **self._respond_kwargs
+        )
+        async for ev in stream:
+            if ev.type == "response.created":
+                reply.response_id = ev.response_id
+                if reply.interrupted:  # interrupted while its spoken turn was being encoded
+                    await self._session.cancel()
+            elif ev.type == "response.done":
+                await self._finish(reply, ev)
+            elif reply.interrupted:
+                continue  # the engine is stopping it: drop what was already on its way
+            elif ev.type == "response.output_audio.delta":
+                if not reply.started:
+                    reply.started = True
+                    await self.stop_ttfb_metrics()
+                    await self.push_frame(TTSStartedFrame(context_id=reply.response_id))
+                out = TTSAudioRawFrame(
+                    audio=ev.pcm.tobytes(), sample_rate=ev.sample_rate, num_channels=1,
+                    context_id=reply.response_id,
+                )  # fmt: skip
+                await self.process_ttfa_metrics(out)
+                await self.push_frame(out)
+            elif ev.type == "response.output_text.delta" and ev.delta:
+                text = LLMTextFrame(ev.delta)
+                text.append_to_context = False  # the spoken transcript (TTSTextFrame) is what was said
+                await self.push_frame(text)
+            elif ev.type == "response.output_audio_transcript.delta":
+                spoken = TTSTextFrame(ev.delta, text_type=TextType.TOKEN, context_id=reply.response_id)
+                spoken.includes_inter_frame_spaces = True  # deltas carry their own spaces
+                await self.push_frame(spoken)
+
+    async def _finish(self, reply: _Reply, done: Any) -> None:
+        if reply.started:
+            await self.push_frame(TTSStoppedFrame(context_id=reply.response_id))
+        await self.push_frame(LLMFullResponseEndFrame())
+        await self.cancel_ttfb_metrics()  # a reply that made no audio has no time to first audio
+        await self.stop_processing_metrics()
+        u = done.usage
+        await self.start_llm_usage_metrics(
+            LLMTokenUsage(
+                prompt_tokens=u.input_tokens + u.cached_tokens,
+                completion_tokens=u.output_tokens,
+                total_tokens=u.input_tokens + u.cached_tokens + u.output_tokens,
+                cache_read_input_tokens=u.cached_tokens,
+                output_audio_tokens=u.audio_frames,
+            )
+        )
+        await self._call_event_handler("on_response_done", done)
+        if done.status == "failed" and done.error is not None:
+            await self.push_error(f"omni_rt response failed: {done.error.message}")

@@ -1,0 +1,274 @@
+"""omni_rt as a LiveKit Agents realtime model: the `RealtimeSession` driven directly, as `AgentSession` drives
+it, without a LiveKit server, on the tiny preset, with espeak-ng speech pushed as room audio frames."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from integrations_support import chunks, silence, spoken, tiny_engine
+from livekit import rtc
+from livekit.agents import llm
+
+from omni_rt.audio.resample import resample
+from omni_rt.integrations.livekit import RealtimeModel
+
+WAIT_S = 120.0
+REPLY = dict(max_output_tokens=48, max_audio_frames=32, ignore_eos=True)  # runs to its limits: 2.56 s
+
+
+@pytest.fixture
+def engine():
+    return tiny_engine()
+
+
+def room_frames(pcm: np.ndarray, rate: int, out_rate: int = 48000, channels: int = 2) -> list[rtc.AudioFrame]:
+    """int16 speech as a LiveKit room delivers it: 48 kHz stereo, 10 ms frames."""
+    x = resample(pcm.astype(np.float32) / 32768, rate, out_rate)
+    x = (np.clip(x, -1, 1) * 32767).astype(np.int16)
+    out = []
+    for c in chunks(x, out_rate, ms=10):
+        out.append(rtc.AudioFrame(np.repeat(c, channels).tobytes(), out_rate, channels, len(c)))
+    return out
+
+
+class Recorder:
+    """Every event of a session, in order; `wait(name, n)` returns once `n` of that event came."""
+
+    NAMES = (
+        "input_speech_started",
+        "input_speech_stopped",
+        "generation_created",
+        "metrics_collected",
+        "error",
+    )
+
+    def __init__(self, rt: llm.RealtimeSession) -> None:
+        self.events: list[tuple[str, object]] = []
+        self._changed = asyncio.Event()
+        for name in self.NAMES:
+            rt.on(name, lambda ev, name=name: self._add(name, ev))
+
+    def _add(self, name: str, ev: object) -> None:
+        self.events.append((name, ev))
+        self._changed.set()
+
+    def of(self, name: str) -> list:
+        return [ev for n, ev in self.events if n == name]
+
+    async def wait(self, name: str, n: int = 1) -> list:
+        async def until() -> None:
+            while len(self.of(name)) < n:
+                self._changed.clear()
+                await self._changed.wait()
+
+        await asyncio.wait_for(until(), WAIT_S)
+        return self.of(name)
+
+
+async def message(created: llm.GenerationCreatedEvent) -> llm.MessageGeneration:
+    async for msg in created.message_stream:
+        return msg
+    raise AssertionError("a generation without a message")
+
+
+async def test_generate_reply_interrupt_truncate_and_a_second_reply(engine) -> None:
+    """Framework-driven turns: the user's speech is pushed and committed, generate_reply(instructions) answers
+    with audio frames; interrupt() ends the audio stream at once; truncate() shortens the assistant item to
+    what was played; a second reply works; metrics carry the time to first audio."""
+    pcm, rate = spoken("Good morning to you")
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        rt = model.session(turn_detection_disabled=True)
+        rec = Recorder(rt)
+        for frame in room_frames(np.concatenate([pcm, silence(0.3, rate)]), rate):
+            rt.push_audio(frame)
+        rt.commit_audio()
+        created = await asyncio.wait_for(rt.generate_reply(instructions="Answer briefly."), WAIT_S)
+        assert created.user_initiated and created.response_id
+        msg = await message(created)
+        assert await msg.modalities == ["audio", "text"]
+
+        got, after = [], 0
+        async for frame in msg.audio_stream:
+            if len(got) >= 3:  # interrupted: nothing may come after
+                after += 1
+                continue
+            got.append(frame)
+            if len(got) == 3:  # 1 + 2 + 4 codec frames: the reply is well under way, not done (32)
+                rt.interrupt()
+        assert after == 0 and all(f.sample_rate == 24000 and f.num_channels == 1 for f in got)
+        played_ms = sum(f.samples_per_channel for f in got) / 24
+        first = (await rec.wait("metrics_collected"))[0]
+        assert first.cancelled and first.ttft > 0 and first.request_id == created.response_id
+
+        ctx = rt.chat_ctx
+        assert [(i.role) for i in ctx.items] == ["user", "assistant"]
+        assert isinstance(ctx.items[0].content[0], llm.AudioContent) and ctx.items[1].interrupted
+        full = ctx.items[1].text_content
+        rt.truncate(message_id=msg.message_id, modalities=["audio", "text"], audio_end_ms=int(played_ms // 2))
+        cut = rt.chat_ctx.get_by_id(msg.message_id).text_content
+        assert cut and full.startswith(cut) and len(cut) < len(full), (cut, full)
+        rt.truncate(
+            message_id=msg.message_id, modalities=["audio"], audio_end_ms=100, audio_transcript="Good"
+        )
+        assert rt.chat_ctx.get_by_id(msg.message_id).text_content == "Good"  # the framework's own alignment
+        rt.truncate(
+            message_id=msg.message_id, modalities=["audio", "text"], audio_end_ms=int(played_ms) + 500
+        )
+        assert isinstance((await rec.wait("error"))[0].error, llm.RealtimeError)  # past the audio
+
+        second = await asyncio.wait_for(rt.generate_reply(), WAIT_S)
+        frames = [f async for f in (await message(second)).audio_stream]
+        done = (await rec.wait("metrics_collected", 2))[1]
+        assert not done.cancelled and done.ttft > 0
+        samples = sum(f.samples_per_channel for f in frames)
+        assert 31 * 1920 < samples <= 32 * 1920  # the whole reply, to its limit of 32 codec frames
+        assert [i.role for i in rt.chat_ctx.items] == ["user", "assistant", "assistant"]
+        await rt.aclose()
+        await model.aclose()
+
+
+async def test_server_vad_turns_and_chat_context(engine) -> None:
+    """omni_rt's VAD cuts the turn from pushed room audio and answers it on its own (user_initiated=False);
+    instructions set before the first reply become its system turn; chat items added join the prompt."""
+    pcm, rate = spoken("Good morning to you")
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        rt = model.session()
+        rec = Recorder(rt)
+        await rt.update_instructions("You are a pirate.")
+        chat = rt.chat_ctx
+        chat.add_message(role="user", content="My name is Ada.")
+        await rt.update_chat_ctx(chat)
+        for frame in room_frames(np.concatenate([silence(0.3, rate), pcm, silence(1.0, rate)]), rate):
+            rt.push_audio(frame)
+        created = (await rec.wait("generation_created"))[0]
+        assert not created.user_initiated
+        frames = [f async for f in (await message(created)).audio_stream]
+        assert 31 * 1920 < sum(f.samples_per_channel for f in frames) <= 32 * 1920
+        names = [n for n, _ in rec.events]
+        assert (
+            names.index("input_speech_started")
+            < names.index("input_speech_stopped")
+            < names.index("generation_created")
+        )
+        await rec.wait("metrics_collected")
+        tok = engine.tokenizer
+        conversation = rt.omni_session.conversation
+        for text in ("You are a pirate.", "My name is Ada."):
+            ids = tok.encode(text)
+            assert any(conversation[i : i + len(ids)] == ids for i in range(len(conversation))), text
+        # chat context out: the text item, then the spoken turn, then the reply
+        said = [(i.role, i.text_content) for i in rt.chat_ctx.items]
+        assert said[:2] == [("user", "My name is Ada."), ("user", None)]
+        assert rt.chat_ctx.items[2].role == "assistant" and rt.chat_ctx.items[2].text_content
+        with pytest.raises(llm.RealtimeError):
+            await rt.update_chat_ctx(llm.ChatContext.empty())  # the model has heard these
+        # later instructions: a system turn ahead of the next reply, with the reply's own instructions
+        await rt.update_instructions("Speak slowly.")
+        created = await asyncio.wait_for(rt.generate_reply(instructions="Say goodbye."), WAIT_S)
+        assert [f async for f in (await message(created)).audio_stream]
+        conversation = rt.omni_session.conversation
+        system = tok.chat_prompt([("system", "Speak slowly."), ("system", "Say goodbye.")])
+        assert any(conversation[i : i + len(system)] == system for i in range(len(conversation)))
+        await rt.aclose()
+        await model.aclose()
+
+
+async def test_agent_session_without_a_server(engine) -> None:
+    """A LiveKit `AgentSession` runs the omni_rt realtime model with in-process I/O: generate_reply plays
+    audio, session.interrupt() stops it (no frame reaches the speaker after) and the framework truncates the
+    reply to what was played, and a second reply plays to its end."""
+    from livekit.agents import Agent, AgentSession
+
+    from omni_rt.integrations.livekit_io import PlayoutAudioOutput, QueueAudioInput
+
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        opened: list = []
+        session_of = model.session
+        model.session = lambda **kw: opened.append(session_of(**kw)) or opened[-1]  # to look inside
+        heard: list[rtc.AudioFrame] = []
+        first = asyncio.Event()
+        speaker = PlayoutAudioOutput(on_frame=lambda f: (heard.append(f), first.set()))
+        session = AgentSession(llm=model)
+        session.input.audio, session.output.audio = QueueAudioInput(), speaker
+        await session.start(Agent(instructions="You are brief."), record=False)
+
+        handle = session.generate_reply(instructions="Greet the caller.")
+        await asyncio.wait_for(first.wait(), WAIT_S)
+        await session.interrupt()
+        n_at_interrupt = len(heard)
+        await asyncio.wait_for(handle.wait_for_playout(), WAIT_S)
+        assert handle.interrupted and len(heard) == n_at_interrupt
+
+        second = session.generate_reply()
+        await asyncio.wait_for(second.wait_for_playout(), WAIT_S)
+        assert not second.interrupted
+        reply2 = sum(f.samples_per_channel for f in heard[n_at_interrupt:])
+        assert 31 * 1920 < reply2 <= 32 * 1920
+
+        (rt,) = opened
+        said = [i for i in rt.chat_ctx.items if i.role == "assistant"]
+        assert len(said) == 2 and said[0].interrupted and not said[1].interrupted
+        assert len(said[0].text_content or "") < len(said[1].text_content)  # truncated to what was played
+        # the framework's record of the interrupted reply (what it forwarded before the cut) is the model's
+        kept = session.history.get_by_id(said[0].id)
+        assert kept.interrupted and kept.text_content == said[0].text_content
+        await session.aclose()
+        await model.aclose()
+
+
+async def test_unsupported_and_bad_calls_are_clear_errors(engine) -> None:
+    """What omni_rt cannot do (tools, video) and calls that make no sense are errors, events for the
+    fire-and-forget calls; the session goes on."""
+
+    @llm.function_tool
+    async def lookup(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        rt = model.session(turn_detection_disabled=True)
+        rec = Recorder(rt)
+        rt.commit_audio()  # nothing was pushed
+        rt.truncate(message_id="item_unknown", modalities=["audio"], audio_end_ms=0)
+        rt.push_video(rtc.VideoFrame(2, 2, rtc.VideoBufferType.RGBA, bytes(16)))
+        errors = await rec.wait("error", 3)
+        assert all(isinstance(e.error, llm.RealtimeError) and e.recoverable for e in errors)
+        with pytest.raises(llm.RealtimeError, match="tool"):
+            await rt.update_tools([lookup])
+        with pytest.raises(llm.RealtimeError, match="tool"):
+            await rt.generate_reply(tools=[lookup])
+        ctx = rt.chat_ctx
+        ctx.insert(llm.FunctionCall(call_id="c1", name="lookup", arguments="{}"))
+        with pytest.raises(llm.RealtimeError, match="text messages"):
+            await rt.update_chat_ctx(ctx)
+        assert rt.chat_ctx.items == []  # nothing half-applied
+        await rt.aclose()
+        await model.aclose()
+
+
+async def test_playout_output_plays_segments_in_turn_and_reports_how_far_an_interrupted_one_got() -> None:
+    from omni_rt.integrations.livekit_io import PlayoutAudioOutput
+
+    out = PlayoutAudioOutput()
+    finished: list = []
+    out.on("playback_finished", finished.append)
+    frame = rtc.AudioFrame(np.zeros(2400, np.int16).tobytes(), 24000, 1, 2400)  # 100 ms
+    await out.capture_frame(frame)
+    out.flush()
+    for _ in range(2):  # a second segment, queued behind the first
+        await out.capture_frame(frame)
+    out.flush()
+    last = await asyncio.wait_for(out.wait_for_playout(), WAIT_S)
+    assert [e.interrupted for e in finished] == [False, False]
+    assert [e.playback_position for e in finished] == pytest.approx([0.1, 0.2], abs=1e-3)
+    assert last is finished[-1]
+    await out.capture_frame(frame)
+    out.clear_buffer()  # stopped at once: it reports what had played, not what it held
+    assert finished[-1].interrupted and finished[-1].playback_position < 0.1
+    assert await asyncio.wait_for(out.wait_for_playout(), WAIT_S) is finished[-1]

@@ -1,0 +1,232 @@
+"""omni_rt inside pipecat: pipecat's own test harness (`pipecat.tests.utils.run_test`) feeds espeak-ng speech
+as audio frames through a pipeline with `OmniRtService` on the tiny preset, and the frames out are checked.
+
+Steps are ordered by events, not sleeps: a `Gate` at the head of the pipeline holds every frame behind an
+`_Await` frame until the `Tap` at its end has seen what that frame waits for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from integrations_support import chunks, silence, spoken, tiny_engine
+from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
+from pipecat.audio.vad.silero import SileroVADAnalyzer
+from pipecat.frames.frames import (
+    ErrorFrame,
+    Frame,
+    InputAudioRawFrame,
+    InterruptionFrame,
+    LLMFullResponseEndFrame,
+    MetricsFrame,
+    SystemFrame,
+    TTSAudioRawFrame,
+    TTSStartedFrame,
+    TTSStoppedFrame,
+    TTSTextFrame,
+    UserStartedSpeakingFrame,
+    UserStoppedSpeakingFrame,
+)
+from pipecat.metrics.metrics import TTFBMetricsData
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat.pipeline.worker import PipelineParams
+from pipecat.processors.audio.vad_processor import VADProcessor
+from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from pipecat.tests.utils import run_test
+from pipecat.turns.user_stop import TurnAnalyzerUserTurnStopStrategy
+from pipecat.turns.user_turn_processor import UserTurnProcessor
+from pipecat.turns.user_turn_strategies import UserTurnStrategies
+
+from omni_rt.audio.resample import resample
+from omni_rt.integrations.pipecat import OmniRtService
+
+WAIT_S = 120.0  # a step that never comes fails the test instead of hanging it
+# replies run to their limits (the tiny preset's random weights may say EOS at once): 32 codec frames, 2.56 s
+REPLY = dict(max_output_tokens=48, max_audio_frames=32, ignore_eos=True)
+
+
+@pytest.fixture
+def engine():
+    return tiny_engine()
+
+
+@dataclass
+class _Await(SystemFrame):
+    """Holds the frames behind it at the Gate until `event` is set."""
+
+    event: asyncio.Event | None = None
+
+
+class Gate(FrameProcessor):
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        if isinstance(frame, _Await):
+            await asyncio.wait_for(frame.event.wait(), WAIT_S)
+            return
+        await self.push_frame(frame, direction)
+
+
+class Tap(FrameProcessor):
+    """Sets `audio[n]` at reply n's first audio frame and `ended[n]` at its end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.audio = [asyncio.Event() for _ in range(3)]
+        self.ended = [asyncio.Event() for _ in range(3)]
+        self._replies = 0
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        if direction == FrameDirection.DOWNSTREAM:
+            if isinstance(frame, TTSAudioRawFrame):
+                self.audio[self._replies].set()
+            elif isinstance(frame, LLMFullResponseEndFrame):
+                self.ended[self._replies].set()
+                self._replies += 1
+        await self.push_frame(frame, direction)
+
+
+def audio_frames(pcm: np.ndarray, rate: int, channels: int = 1) -> list[InputAudioRawFrame]:
+    out = []
+    for c in chunks(pcm, rate):
+        data = np.repeat(c, channels) if channels > 1 else c  # interleaved: every sample on each channel
+        out.append(
+            InputAudioRawFrame(audio=data.astype("<i2").tobytes(), sample_rate=rate, num_channels=channels)
+        )
+    return out
+
+
+def replies(frames: list[Frame]) -> list[list[Frame]]:
+    """The frames from each TTSStartedFrame up to the next one."""
+    out: list[list[Frame]] = []
+    for f in frames:
+        if isinstance(f, TTSStartedFrame):
+            out.append([])
+        if out:
+            out[-1].append(f)
+    return out
+
+
+def ttfbs(frames: list[Frame], service: OmniRtService) -> list[float]:
+    return [
+        d.value
+        for f in frames
+        if isinstance(f, MetricsFrame)
+        for d in f.data
+        if isinstance(d, TTFBMetricsData) and d.processor == service.name and d.value > 0
+    ]  # (the worker's initial metrics frame says 0.0 for every processor)
+
+
+def check_interrupted_reply_stopped(down: list[Frame], done: list) -> None:
+    """Reply 1 was cancelled mid-way; after the interruption no audio of it went out, and reply 2 came."""
+    assert [d.status for d in done] == ["cancelled", "completed"], [d.status for d in done]
+    cut = next(i for i, f in enumerate(down) if isinstance(f, InterruptionFrame) and i > down.index(
+        next(f for f in down if isinstance(f, TTSAudioRawFrame))))  # fmt: skip
+    nxt = next(i for i in range(cut, len(down)) if isinstance(down[i], TTSStartedFrame))
+    assert not any(isinstance(f, TTSAudioRawFrame) for f in down[cut:nxt]), "audio after the interruption"
+    first, second = replies(down)
+    assert isinstance(first[-1], TTSStoppedFrame) or any(isinstance(f, TTSStoppedFrame) for f in first)
+    # the engine stopped reply 1 early: less audio than the reply's limit, and all of it was delivered
+    n1 = sum(f.num_frames for f in first if isinstance(f, TTSAudioRawFrame))
+    assert 0 < n1 < REPLY["max_audio_frames"] * 1920
+    assert abs(n1 / 24000 - done[0].metrics.audio_seconds) < 1e-6
+    n2 = sum(f.num_frames for f in second if isinstance(f, TTSAudioRawFrame))
+    assert n2 > 0 and abs(n2 / 24000 - done[1].metrics.audio_seconds) < 1e-6
+    assert all(
+        f.sample_rate == 24000 and f.num_channels == 1
+        for f in first + second
+        if isinstance(f, TTSAudioRawFrame)
+    )
+
+
+def check_first_audio_metrics(down: list[Frame], service: OmniRtService, done: list) -> None:
+    """One TTFB per reply, and each is the engine's own time to first audio (its clock starts a hair later)."""
+    got = ttfbs(down, service)
+    assert len(got) == 2, got
+    for ttfb, d in zip(got, done, strict=True):
+        assert ttfb > 0 and d.metrics.ttfa_ms is not None
+        assert -0.005 < ttfb - d.metrics.ttfa_ms / 1000 < 0.25, (ttfb, d.metrics.ttfa_ms)
+
+
+async def test_pipecat_vad_and_turn_analyzer_drive_turns_and_barge_in(engine) -> None:
+    """pipecat's Silero VAD and smart-turn analyzer cut the turns: the user speaks, the reply starts, the
+    user talks over it (pipecat's interruption stops it at once), and the second turn is answered."""
+    hello, rate = spoken("Good morning to you")
+    again, _ = spoken("Say that once more")
+    hello16, again16 = (resample(x.astype(np.float32) / 32768, rate, 16000) for x in (hello, again))
+    hello16, again16 = ((np.clip(x, -1, 1) * 32767).astype(np.int16) for x in (hello16, again16))
+
+    service = OmniRtService(engine, **REPLY)
+    done: list = []
+    service.add_event_handler("on_response_done", lambda _s, ev: done.append(ev))
+    tap = Tap()
+    # the smart-turn model decides the end of a turn from the audio alone: no transcript to wait for
+    stop = TurnAnalyzerUserTurnStopStrategy(
+        turn_analyzer=LocalSmartTurnAnalyzerV3(), wait_for_transcript=False
+    )
+    turns = UserTurnStrategies(stop=[stop])
+    pipeline = Pipeline([
+        Gate(), VADProcessor(vad_analyzer=SileroVADAnalyzer()), UserTurnProcessor(user_turn_strategies=turns),
+        service, tap,
+    ])  # fmt: skip
+    tail = silence(1.0, 16000)
+    frames = [
+        *audio_frames(np.concatenate([silence(0.3, 16000), hello16, tail]), 16000),
+        _Await(event=tap.audio[0]),  # reply 1 is playing: talk over it
+        *audio_frames(np.concatenate([again16, tail]), 16000),
+        _Await(event=tap.ended[1]),
+    ]
+    async with engine:
+        down, _ = await run_test(
+            pipeline, frames_to_send=frames,
+            pipeline_params=PipelineParams(enable_metrics=True, enable_usage_metrics=True, audio_in_sample_rate=16000),
+        )  # fmt: skip
+    types = [type(f) for f in down]
+    assert types.count(UserStartedSpeakingFrame) == 2 and types.count(UserStoppedSpeakingFrame) == 2
+    check_interrupted_reply_stopped(down, done)
+    check_first_audio_metrics(down, service, done)
+    assert any(isinstance(f, TTSTextFrame) for f in down)
+
+
+async def test_omni_rt_vad_setting_any_rate_and_an_interruption_frame(engine) -> None:
+    """turn_detection="omni_rt": the service cuts turns from 22.05 kHz stereo frames (downmixed, resampled
+    once) and broadcasts the user-turn frames; an InterruptionFrame sent mid-reply stops the reply within a
+    codec frame; the next spoken turn is answered."""
+    hello, rate = spoken("Good morning to you")
+    again, _ = spoken("Tell me more")
+    service = OmniRtService(engine, turn_detection="omni_rt", **REPLY)
+    done: list = []
+    service.add_event_handler("on_response_done", lambda _s, ev: done.append(ev))
+    tap = Tap()
+    tail = silence(1.0, rate)
+    frames = [
+        *audio_frames(np.concatenate([silence(0.3, rate), hello, tail]), rate, channels=2),
+        _Await(event=tap.audio[0]),
+        InterruptionFrame(),
+        *audio_frames(np.concatenate([again, tail]), rate, channels=2),
+        _Await(event=tap.ended[1]),
+    ]
+    async with engine:
+        down, up = await run_test(
+            Pipeline([Gate(), service, tap]), frames_to_send=frames,
+            pipeline_params=PipelineParams(enable_metrics=True),
+        )  # fmt: skip
+    for frames_seen in (down, up):  # broadcast both ways, as pipecat's realtime services do
+        types = [type(f) for f in frames_seen]
+        assert types.count(UserStartedSpeakingFrame) == 2 and types.count(UserStoppedSpeakingFrame) == 2
+    check_interrupted_reply_stopped(down, done)
+    check_first_audio_metrics(down, service, done)
+
+
+async def test_a_malformed_audio_frame_is_an_error_upstream_and_the_service_goes_on(engine) -> None:
+    service = OmniRtService(engine, turn_detection="omni_rt", **REPLY)
+    good = audio_frames(silence(0.2, 16000), 16000)
+    frames = [InputAudioRawFrame(audio=b"\x00\x00\x00", sample_rate=16000, num_channels=1), *good]
+    async with engine:
+        down, up = await run_test(service, frames_to_send=frames)
+    errors = [f for f in up if isinstance(f, ErrorFrame)]
+    assert len(errors) == 1 and "whole int16 samples" in errors[0].error
+    assert sum(isinstance(f, InputAudioRawFrame) for f in down) == len(good)  # the rest went through

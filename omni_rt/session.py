@@ -95,6 +95,9 @@ class Session:
         # the Thinker's hidden states of a spoken turn the Talker never prefilled (its reply was cut before
         # that): the next turn's Talker prompt reads them at that turn's audio positions
         self._talker_hidden = None
+        # log-mel features of the clips in conversation[_thinker_cached:] (spoken turns kept without a
+        # reply: the Thinker never prefilled them), for the next turn's prefill to encode again
+        self._uncached_clips: list[Any] = []
         self._caches_of = engine.pipeline  # the run whose caches hold them (a restart starts empty)
         self._current: _Response | None = None
         self._last: _Response | None = None  # the previous response, until the pipeline lets go of it
@@ -179,11 +182,15 @@ class Session:
                 # the last await before _build: a previous response that is still stopping can commit
                 # its turn only until here, so this turn builds on the conversation as it ends up
                 await self._settle_last()
-                if starting.cancelled:  # cancel() came while this turn was being prepared
+                if starting.cancelled and self._closed:  # close() came while this turn was being prepared
                     yield ResponseDone(response_id=rid, status="cancelled")
                     return
                 req, rate = self._build(rid, t0, text, input_ids, audio, voice, sampling, max_output_tokens,
                                         max_audio_frames, ignore_eos)  # fmt: skip
+                if starting.cancelled:  # cancel() came while this turn was being prepared: no reply, but
+                    self._commit(req, "cancelled")  # what the user said is the conversation all the same
+                    yield ResponseDone(response_id=rid, status="cancelled")
+                    return
             except OmniRtError as e:
                 yield ErrorEvent.from_exception(e, rid)
                 yield ResponseDone(response_id=rid, status="failed", error=ErrorEvent.from_exception(e).error)
@@ -340,6 +347,7 @@ class Session:
                 f"the user turns ({talker_prompt - 9} tokens) do not fit the Talker's context "
                 f"({s.max_talker_context})"
             )
+        clips = self._uncached_clips + ([] if audio is None else [audio])  # in prompt order
         speaker = self.speaker_id if voice is None else self.engine.speaker_id(voice)
         rate = self.settings.output_sample_rate
         max_tokens = self.settings.max_output_tokens if max_output_tokens is None else int(max_output_tokens)
@@ -361,7 +369,7 @@ class Session:
             sink=lambda msg: None,
             t0=t0,
             ignore_eos=ignore_eos,
-            audio_features=None if audio is None else [audio],
+            audio_features=clips or None,
             carried_hidden=self._talker_hidden,
         )
         return req, rate
@@ -375,19 +383,25 @@ class Session:
         )
 
     def _close_turn(self) -> list[int]:
-        """Tokens that end the previous assistant turn: `<|im_end|>` (unless the reply had it) and `\\n`."""
-        if not self.conversation:
+        """Tokens that end the previous assistant turn: `<|im_end|>` (unless the reply had it) and `\\n`;
+        none after a user turn kept without a reply (it ends closed)."""
+        if not self.conversation or self.conversation[-2:] == [self.ids.im_end, self.ids.newline]:
             return []
         return ([] if self.conversation[-1] == self.ids.im_end else [self.ids.im_end]) + [self.ids.newline]
 
     def _commit(self, req: Request, status: str) -> None:
-        """Record the turn in the conversation (a cancelled reply is kept as far as it got)."""
+        """Record the turn in the conversation (a cancelled reply is kept as far as it got; a reply
+        cancelled before its first token keeps the user's turn). A failed turn is not recorded."""
         if status == "failed" or not req.tokens:
             # the stages may have written this turn into the caches: trust them only up to its start
             self._thinker_cached = min(self._thinker_cached, req.thinker_start)
             self._talker_cached = min(self._talker_cached, req.talker_start)
+            if status != "failed":  # the user's turn without the assistant header nobody answered
+                self.conversation = req.prompt_ids[:-3]
+                self._uncached_clips = list(req.audio_features or [])
             return
         self.conversation = req.prompt_ids + req.tokens
+        self._uncached_clips = []
         self._thinker_cached = len(self.conversation) - 1  # the last sampled token was never fed
         if req.talker_prefilled:
             self._talker_cached = count_user_tokens(req.prompt_ids, self.ids.im_start, self.ids.user)

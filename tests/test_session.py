@@ -136,6 +136,18 @@ async def test_cancel_on_the_tiny_model():
         assert again[-1].status == "completed" and audio(again).size > 0
 
 
+async def test_a_spoken_turn_kept_without_a_reply_is_encoded_with_the_next_on_the_tiny_model():
+    q1, q2 = np.zeros(16000, np.float32), np.zeros(8000, np.float32)
+    engine = omni_rt.Engine.load("tiny")
+    async with engine, engine.session() as s:
+        await cancel_after_created(s, audio=q1)
+        done = await s.run(audio=q2, max_output_tokens=3, max_audio_frames=3)
+        assert done.status == "completed" and done.usage.audio_frames > 0
+        assert s.conversation.count(CFG.ids.audio_start) == 2
+        more = await s.run("and?", max_output_tokens=3, max_audio_frames=3)
+        assert more.status == "completed" and more.usage.cached_tokens > 0
+
+
 def _failed(events) -> str:
     """The error message of a failed response (asserting its shape)."""
     assert types(events) == ["response.created", "error", "response.done"], types(events)
@@ -314,7 +326,7 @@ async def test_cancel_while_a_spoken_turn_is_still_being_prepared(monkeypatch):
         events = await task
         assert types(events) == ["response.created", "response.done"]
         assert events[-1].status == "cancelled"
-        assert s.conversation == []
+        assert s.conversation.count(CFG.ids.audio) == 13  # the user's turn stays, without a reply
         again = await collect(s, "Still there?", max_output_tokens=3)
         assert again[-1].status == "completed"
 
@@ -501,3 +513,80 @@ async def test_a_reply_cut_mid_character_still_adds_up_to_its_decode():
     text = "".join(e.delta for e in deltas)
     assert text == TOK.decode(cut) and text.endswith("\ufffd")
     assert events[-1].type == "response.done" and events[-1].usage.output_tokens == len(cut)
+
+
+class ClipCounter(FakeThinker):
+    """Records how many clips each prefill was given to encode."""
+
+    clips: list[int] = []
+
+    def prefill(self, reqs):
+        ClipCounter.clips += [len(r.audio_features or []) for r in reqs]
+        return super().prefill(reqs)
+
+
+def counting_engine():
+    t = FakeTimings(thinker_prefill=0.001, thinker_decode=0.001, talker_prefix=0.001)
+    ClipCounter.clips = []
+
+    def stages(s):
+        return ClipCounter(t, CFG.ids, reply_len=4), FakeTalker(t, CFG.ids), FakeCode2Wav(t)
+
+    return Engine(CFG, TOK, stages, omni_rt.EngineSettings())
+
+
+async def cancel_after_created(s, *args, **kw):
+    """respond(), read response.created, cancel(): the reply is cancelled before its first token."""
+    events = s.respond(*args, **kw)
+    assert (await events.__anext__()).type == "response.created"
+    await s.cancel()
+    rest = [ev async for ev in events]
+    assert [e.type for e in rest] == ["response.done"] and rest[-1].status == "cancelled"
+
+
+async def test_a_text_turn_cancelled_before_its_first_token_stays_in_the_conversation():
+    async with counting_engine() as engine, engine.session() as s:
+        await cancel_after_created(s, "first question")
+        done = await s.run("second question")
+        assert done.status == "completed"
+        want = TOK.chat_prompt([("user", "first question")], add_generation_prompt=False)
+        want += TOK.chat_prompt([("user", "second question")])
+        assert s.conversation[: len(want)] == want  # both user turns, in order, then the reply
+        assert done.usage.input_tokens == len(want) and done.usage.cached_tokens == 0
+        before = len(s.conversation)
+        third = await s.run("third")
+        assert third.usage.cached_tokens == before - 1  # all cached from here on, but the last token
+        assert ClipCounter.clips == [0, 0]
+
+
+async def test_a_spoken_turn_cancelled_before_its_first_token_stays_in_the_conversation():
+    q1, q2 = np.zeros(16000, np.float32), np.zeros(8000, np.float32)
+    async with counting_engine() as engine, engine.session() as s:
+        await cancel_after_created(s, audio=q1)
+        done = await s.run(audio=q2)
+        assert done.status == "completed" and done.usage.cached_tokens == 0
+        ids = CFG.ids
+        starts = [i for i, t in enumerate(s.conversation) if t == ids.audio_start]
+        assert len(starts) == 2  # q1's turn, then q2's
+        assert s.conversation[: starts[0]] == [ids.im_start, ids.user, ids.newline]
+        assert s.conversation.count(ids.audio) == 13 + 7
+        assert ClipCounter.clips == [2]  # q1's features were encoded with q2's
+
+
+async def test_a_reply_the_pipeline_cancelled_before_its_first_token_keeps_the_turn():
+    # cancelled after submission, before the Thinker admitted it (it was busy with another session)
+    async with counting_engine() as engine, engine.session() as s:
+        await s.run("Hello")
+        clip = np.zeros(16000, np.float32)
+        from omni_rt.session import _speech_features
+
+        req, _ = s._build("r", 0.0, "and this", None, _speech_features(clip, 16000), None, None, 4, 4, False)
+        before = len(s.conversation)
+        s._commit(req, "cancelled")  # no tokens: the Thinker never prefilled it
+        assert s.conversation == req.prompt_ids[:-3] and s._thinker_cached == req.thinker_start < before
+        nxt, _ = s._build("r2", 0.0, "well?", None, None, None, None, 4, 4, False)
+        assert nxt.thinker_start == req.thinker_start and len(nxt.audio_features) == 1
+        assert nxt.prompt_ids[: len(s.conversation)] == s.conversation
+        failed, _ = s._build("r3", 0.0, "lost", None, None, None, None, 4, 4, False)
+        s._commit(failed, "failed")  # a failed turn is not recorded
+        assert s.conversation == req.prompt_ids[:-3]

@@ -590,3 +590,36 @@ async def test_a_reply_the_pipeline_cancelled_before_its_first_token_keeps_the_t
         failed, _ = s._build("r3", 0.0, "lost", None, None, None, None, 4, 4, False)
         s._commit(failed, "failed")  # a failed turn is not recorded
         assert s.conversation == req.prompt_ids[:-3]
+
+
+class EarlyCodecEnd(FakeTalker):
+    """Ends the audio (codec EOS) after 4 frames, whatever the text still says."""
+
+    def _code0(self, req, text_id):
+        if self._frames[req.slot] >= 4:
+            return self.ids.codec_eos
+        return super()._code0(req, text_id)
+
+
+@pytest.mark.parametrize("end", ["audio cap", "codec end"])
+async def test_an_audio_reply_ends_when_its_audio_ends(end):
+    # the Thinker used to go on generating unspoken text up to max_output_tokens, holding the response
+    # (and the session: a new response was refused) long after its last audio
+    t = FakeTimings(thinker_prefill=0.002, thinker_decode=0.002, talker_prefix=0.001)
+    talker = FakeTalker if end == "audio cap" else EarlyCodecEnd
+
+    def stages(s):
+        return FakeThinker(t, CFG.ids, reply_len=100_000), talker(t, CFG.ids), FakeCode2Wav(t)
+
+    frames = 5 if end == "audio cap" else 4096
+    async with Engine(CFG, TOK, stages, omni_rt.EngineSettings()) as engine, engine.session() as s:
+        events = await collect(s, "Talk", max_output_tokens=20_000, max_audio_frames=frames)
+        done = events[-1]
+        assert done.status == "completed" and done.usage.audio_frames in (4, 5)
+        assert types(events).count("response.output_audio.done") == 1
+        # the Thinker stops within a few steps of the Talker (it runs a little ahead); 20,000 tokens at
+        # 2 ms each would take 40 s
+        assert done.usage.output_tokens < 200
+        text = [i for e in events if e.type == "response.output_text.delta" for i in e.token_ids]
+        assert s.conversation[-len(text) :] == text  # the reply as far as the Thinker got
+        assert (await s.run("Next", max_output_tokens=3)).status == "completed"

@@ -282,6 +282,12 @@ class Pipeline:
             self._release(req, "thinker")
         admitted = []
         for kind, req in msgs:
+            if kind == "spoken":  # the Talker has said its last: the spoken text is the reply, so it ends
+                if req in active and not req.text_done:
+                    req.text_done = True
+                    active.remove(req)
+                    self._release(req, "thinker")
+                continue
             if kind != "admit":
                 continue  # "stop": the request is dropped above or at admission
             if req.stopped:
@@ -551,6 +557,10 @@ class Pipeline:
         s.done = True
         seqs.pop(s.req, None)
         self.code2wav_inbox.put(("end", s.req))
+        # the audio ended first (codec end, audio cap): text nobody hears stops too; the benchmark's
+        # fixed lengths (ignore_eos) keep the Thinker to max_output_tokens
+        if not s.text_done and not s.req.ignore_eos:
+            self.thinker_inbox.put(("spoken", s.req))
         self._release(s.req, "talker")
 
     def _talker_drop(self, s: _TalkerSeq, seqs: dict[Request, _TalkerSeq]) -> None:

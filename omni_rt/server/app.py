@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -85,6 +86,7 @@ class Server:
             s.host,
             s.port,
             process_request=self._process_request,
+            server_header="omni-rt",  # no versions for a probe to match against
             # Our own limit answers with an error event; this one is the backstop for absurd frames.
             max_size=4 * s.peer.max_message_bytes,
             max_queue=16,
@@ -133,6 +135,14 @@ class Server:
     # -- HTTP, before any upgrade ---------------------------------------------------------------------
 
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        if request.method not in ("GET", "HEAD"):  # nothing here takes a body
+            return _response(HTTPStatus.METHOD_NOT_ALLOWED, b"Only GET and HEAD.\n", "text/plain")
+        response = self._route(connection, request)
+        if request.method == "HEAD" and response is not None:  # the headers of a GET, no body
+            response = dataclasses.replace(response, body=b"")
+        return response
+
+    def _route(self, connection: ServerConnection, request: Request) -> Response | None:
         url = urlsplit(request.path)
         if url.path == "/ws":
             return self._check_ws(connection, request, url.query)
@@ -180,10 +190,14 @@ class Server:
         if self.web_dir is None:
             return _response(HTTPStatus.NOT_FOUND, b"The demo page is not installed; /ws is.\n", "text/plain")
         name = "index.html" if path in ("/", "/index.html") else path.lstrip("/")
-        file = (self.web_dir / name).resolve()
-        # Only plain files directly inside web/: no traversal, no hidden files, no directories.
-        if file.parent != self.web_dir or name.startswith(".") or not file.is_file():
-            return _response(HTTPStatus.NOT_FOUND, b"Not found.\n", "text/plain")
+        not_found = _response(HTTPStatus.NOT_FOUND, b"Not found.\n", "text/plain")
+        try:
+            file = (self.web_dir / name).resolve()
+            # Only plain files directly inside web/: no traversal, no hidden files, no directories.
+            if file.parent != self.web_dir or name.startswith(".") or not file.is_file():
+                return not_found
+        except (ValueError, OSError):  # a NUL byte, a name too long for the file system: no such file
+            return not_found
         kind = mimetypes.guess_type(file.name)[0] or "application/octet-stream"
         if kind.startswith("text/") or kind in ("application/javascript", "text/javascript"):
             kind += "; charset=utf-8"
@@ -254,6 +268,8 @@ def _response(status: HTTPStatus, body: bytes, content_type: str) -> Response:
     headers["Connection"] = "close"  # one request per connection: this is a WebSocket server at heart
     headers["X-Content-Type-Options"] = "nosniff"
     headers["Referrer-Policy"] = "no-referrer"  # the page's URL may carry the token
+    if status == HTTPStatus.METHOD_NOT_ALLOWED:
+        headers["Allow"] = "GET, HEAD"
     return Response(status.value, status.phrase, headers, body)
 
 

@@ -11,7 +11,7 @@ checkpoint's config.json or a preset).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -234,3 +234,8 @@ class SessionSettings(_Settings):
     sampling: Sampling = Field(default_factory=Sampling)
     max_output_tokens: int = Field(1024, ge=1)
     max_audio_frames: int = Field(4096, ge=1)
+    truncation: Literal["auto", "disabled"] | Annotated[float, Field(gt=0.0, le=1.0)] = Field(
+        "auto",
+        description="when the conversation outgrows the context, drop its oldest turns (the system turn "
+        "stays) down to this fraction of the input limit; 'auto': 0.75; 'disabled': a too-long turn fails",
+    )

@@ -473,7 +473,7 @@ async def test_hidden_states_of_a_turn_the_talker_never_prefilled_go_to_the_next
     async with fake_engine() as engine, engine.session() as s:
 
         def build(text):
-            req, _ = s._build("r", 0.0, text, None, None, None, None, 4, 4, False)
+            req, *_ = s._build("r", 0.0, text, None, None, None, None, 4, 4, False)
             return req
 
         first = build("Hello")
@@ -525,14 +525,14 @@ class ClipCounter(FakeThinker):
         return super().prefill(reqs)
 
 
-def counting_engine():
+def counting_engine(**settings):
     t = FakeTimings(thinker_prefill=0.001, thinker_decode=0.001, talker_prefix=0.001)
     ClipCounter.clips = []
 
     def stages(s):
         return ClipCounter(t, CFG.ids, reply_len=4), FakeTalker(t, CFG.ids), FakeCode2Wav(t)
 
-    return Engine(CFG, TOK, stages, omni_rt.EngineSettings())
+    return Engine(CFG, TOK, stages, omni_rt.EngineSettings(**settings))
 
 
 async def cancel_after_created(s, *args, **kw):
@@ -580,14 +580,14 @@ async def test_a_reply_the_pipeline_cancelled_before_its_first_token_keeps_the_t
         clip = np.zeros(16000, np.float32)
         from omni_rt.session import _speech_features
 
-        req, _ = s._build("r", 0.0, "and this", None, _speech_features(clip, 16000), None, None, 4, 4, False)
+        req, *_ = s._build("r", 0.0, "and this", None, _speech_features(clip, 16000), None, None, 4, 4, False)
         before = len(s.conversation)
         s._commit(req, "cancelled")  # no tokens: the Thinker never prefilled it
         assert s.conversation == req.prompt_ids[:-3] and s._thinker_cached == req.thinker_start < before
-        nxt, _ = s._build("r2", 0.0, "well?", None, None, None, None, 4, 4, False)
+        nxt, *_ = s._build("r2", 0.0, "well?", None, None, None, None, 4, 4, False)
         assert nxt.thinker_start == req.thinker_start and len(nxt.audio_features) == 1
         assert nxt.prompt_ids[: len(s.conversation)] == s.conversation
-        failed, _ = s._build("r3", 0.0, "lost", None, None, None, None, 4, 4, False)
+        failed, *_ = s._build("r3", 0.0, "lost", None, None, None, None, 4, 4, False)
         s._commit(failed, "failed")  # a failed turn is not recorded
         assert s.conversation == req.prompt_ids[:-3]
 
@@ -623,3 +623,93 @@ async def test_an_audio_reply_ends_when_its_audio_ends(end):
         text = [i for e in events if e.type == "response.output_text.delta" for i in e.token_ids]
         assert s.conversation[-len(text) :] == text  # the reply as far as the Thinker got
         assert (await s.run("Next", max_output_tokens=3)).status == "completed"
+
+
+async def test_a_full_context_drops_the_oldest_turns_and_says_so():
+    # one long message filled the context; every turn after it used to fail ("the prompt ... is longer
+    # than the context") and the conversation was stuck
+    system = TOK.chat_prompt([("system", "Be brief.")], add_generation_prompt=False)
+    async with counting_engine(max_context=256, max_talker_context=256) as engine:
+        async with engine.session(instructions="Be brief.", max_output_tokens=8) as s:
+            long = (await collect(s, "x" * 230))[-1]
+            assert long.status == "completed"
+            events = await collect(s, "hi")
+            assert types(events)[:2] == ["response.created", "conversation.truncated"]
+            cut, done = events[1], events[-1]
+            assert done.status == "completed" and cut.response_id == done.response_id
+            assert cut.dropped_turns == 2 and cut.dropped_tokens > 230 and cut.kept_tokens == len(system)
+            assert cut.retention_ratio == 0.75
+            assert s.conversation[: len(system)] == system  # the instructions stay
+            assert TOK.decode(s.conversation).count("x" * 230) == 0
+            assert done.usage.cached_tokens == len(system)  # the kept prefix's cache is reused
+            # from here on the conversation grows and is cached again, without truncating every turn
+            for n in range(3):
+                before = len(s.conversation)
+                more = await collect(s, f"and {n}?")
+                assert "conversation.truncated" not in types(more)
+                assert more[-1].status == "completed" and more[-1].usage.cached_tokens == before - 1
+
+
+async def test_truncation_keeps_to_the_retention_ratio_and_spoken_turns_are_encoded_again():
+    clip = np.zeros(16000, np.float32)  # 13 placeholders
+    async with counting_engine(max_context=200, max_talker_context=400) as engine:
+        async with engine.session(max_output_tokens=8, truncation=0.5) as s:
+            await s.run(audio=clip)
+            cuts = []
+            for n in range(12):
+                events = await collect(s, f"turn number {n} " + "y" * 20)
+                assert events[-1].status == "completed", n
+                cuts += [e for e in events if e.type == "conversation.truncated"]
+            assert cuts and all(c.retention_ratio == 0.5 for c in cuts)
+            limit = 200 - 8  # the input limit: the context less the reply's room
+            first = cuts[0]
+            # the kept conversation and the new turn fit half the limit; the spoken turn went first
+            assert first.kept_tokens + 40 <= 0.5 * limit
+            assert CFG.ids.audio_start not in s.conversation
+            assert s.conversation[:3] == [CFG.ids.im_start, CFG.ids.user, CFG.ids.newline]
+    async with counting_engine(max_context=200, max_talker_context=400) as engine:
+        async with engine.session(max_output_tokens=8, truncation=0.9) as s:
+            await s.run("a" * 90)
+            await s.run(audio=clip)  # kept by the truncation below: its clip is encoded again
+            ClipCounter.clips = []
+            events = await collect(s, "b" * 70)
+            assert "conversation.truncated" in types(events) and events[-1].status == "completed"
+            assert s.conversation.count(CFG.ids.audio_start) == 1 and ClipCounter.clips == [1]
+            assert events[-1].usage.cached_tokens == 0  # no system turn: nothing before the drop
+
+
+async def test_with_truncation_disabled_a_full_context_is_a_clear_error_that_loses_nothing():
+    async with counting_engine(max_context=256, max_talker_context=256) as engine:
+        async with engine.session(max_output_tokens=8, truncation="disabled") as s:
+            await s.run("x" * 235)
+            before = list(s.conversation)
+            assert "longer than the context" in _failed(await collect(s, "hi"))
+            assert s.conversation == before
+        async with engine.session(max_output_tokens=8) as s:
+            await s.run("hello")
+            before = list(s.conversation)
+            # a turn too long by itself: an error that names it, and the conversation is untouched
+            assert "does not fit the context" in _failed(await collect(s, "z" * 300))
+            assert s.conversation == before
+            assert (await s.run("short")).status == "completed"
+
+
+async def test_truncation_setting_is_validated():
+    async with counting_engine() as engine:
+        for bad in (0.0, 1.5, "sometimes"):
+            with pytest.raises(omni_rt.errors.InvalidRequestError, match="truncation"):
+                engine.session(truncation=bad)
+
+
+async def test_truncation_on_the_tiny_model_prefills_the_kept_turns_again():
+    clip = np.zeros(16000, np.float32)
+    engine = omni_rt.Engine.load("tiny", max_context=192, max_talker_context=192)
+    async with engine, engine.session(instructions="Hi.", max_output_tokens=4, max_audio_frames=3) as s:
+        await s.run("a" * 100)
+        await s.run(audio=clip)
+        events = await collect(s, "b" * 60)
+        assert "conversation.truncated" in types(events)
+        done = events[-1]
+        assert done.status == "completed" and done.usage.audio_frames > 0
+        assert s.conversation.count(CFG.ids.audio_start) == 1  # the spoken turn was kept and re-encoded
+        assert (await s.run("c")).usage.cached_tokens > 100  # cached again after the re-prefill

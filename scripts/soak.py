@@ -25,7 +25,7 @@ import random
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -114,6 +114,7 @@ class Conversation:
         self.n, self.url, self.report, self.deadline, self.stuck_s = n, url, report, deadline, stuck_s
         self.rng = random.Random(seed)
         self.audio_rng = np.random.default_rng(seed)
+        self.recent: deque[str] = deque(maxlen=12)  # the last events and actions, for a stuck report
 
     async def run(self) -> None:
         while time.monotonic() < self.deadline:
@@ -156,6 +157,7 @@ class Conversation:
             await asyncio.sleep(0.25)
 
     async def _turn(self, ws, action: str) -> bool:
+        self.recent.append(f"<{action}>")
         if action == "speech":
             clip = speech_like(self.audio_rng, self.rng.uniform(0.4, 1.2))
             for i in range(0, len(clip), RATE_IN // 5):  # 200 ms per append, as a microphone would
@@ -205,12 +207,16 @@ class Conversation:
             try:
                 raw = await asyncio.wait_for(ws.recv(), max(0.0, limit - time.monotonic()))
             except TimeoutError:
-                self.report.stuck.append(f"conversation {self.n}: no {'/'.join(types)} after {what}")
+                self.report.stuck.append(
+                    f"conversation {self.n}: no {'/'.join(types)} after {what} (last: {list(self.recent)})"
+                )
                 return None
             except websockets.exceptions.ConnectionClosed as e:
                 self.report.stuck.append(f"conversation {self.n}: closed waiting for {'/'.join(types)}: {e}")
                 return None
             ev = json.loads(raw)
+            if not ev["type"].endswith("delta"):
+                self.recent.append(ev["type"])
             if ev["type"] == "error":
                 self.report.errors.append(ev["error"].get("code") or "?")
             if ev["type"] in types:

@@ -334,3 +334,63 @@ async def test_reply_after_reply_stays_prompt():
         latencies = await page.evaluate("window.omni.latencies")
         assert len(latencies) == 4 and max(latencies) < 400, latencies
         assert errors == []
+
+
+CONTROLS = ["#connect", "#text", "#speak", "#stop", "#voice", "label.switch .slider", "#listen", "#speaking"]
+
+# For each control: inside the viewport and the topmost element at its centre (nothing covers it).
+LAYOUT_PROBE = """sel => {
+    const e = document.querySelector(sel), r = e.getBoundingClientRect();
+    e.scrollIntoView({block: "center", inline: "nearest"});
+    const q = e.getBoundingClientRect();
+    const top = document.elementFromPoint(q.left + q.width / 2, q.top + q.height / 2);
+    return {left: r.left, right: r.right, width: r.width, height: r.height,
+            covered: !(top && (top === e || e.contains(top) || top.contains(e)))};
+}"""
+
+
+@pytest.mark.parametrize("width", [360, 390])
+async def test_the_page_fits_a_phone_and_nothing_covers_its_controls(width):
+    engine = FakeEngine(step_s=0.05, frames_per_word=3, reply="a short reply")
+    async with Server(engine, ServerSettings(port=0)) as server, playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = await browser.new_page(viewport={"width": width, "height": 780})
+            await page.goto(server.url, timeout=15_000)
+            await page.click("#connect")
+            await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
+            assert await page.text_content("#speak") == "Send"  # a conversation, not text-to-speech
+            assert "say" not in (await page.get_attribute("#text", "placeholder")).split()[-1]
+            await page.evaluate("toast('A long error message that must not cover any of the buttons at all')")
+            for _ in range(2):  # with the toast up, then with a message typed at the limit
+                overflow = await page.evaluate("document.documentElement.scrollWidth")
+                assert overflow <= width, f"the page is {overflow} px wide at {width} px"
+                for sel in CONTROLS:
+                    box = await page.evaluate(LAYOUT_PROBE, sel)
+                    assert box["width"] > 0 and box["height"] > 0, sel
+                    assert box["left"] >= 0 and box["right"] <= width, (sel, box)
+                    assert not box["covered"], sel
+                await page.fill("#text", "x" * 5000)  # the box keeps 4,000 and says so
+            assert len(await page.input_value("#text")) == 4000
+            assert await page.is_visible("#text-limit")
+            await page.press("#text", "Enter")
+            await page.wait_for_selector("#text-limit", state="hidden", timeout=5_000)
+            OUT.mkdir(exist_ok=True)
+            await page.screenshot(path=str(OUT / f"browser-{width}px.png"), timeout=60_000)
+        finally:
+            await browser.close()
+
+
+async def test_one_speaking_badge_with_the_microphone_on():
+    engine = FakeEngine(step_s=0.05, frames_per_word=3, reply=" ".join(["la"] * 60))
+    async with Server(engine, ServerSettings(port=0)) as server, open_page(server) as (page, errors):
+        await page.click("label.switch")
+        await page.wait_for_selector('#listen[data-kind="listening"]', timeout=10_000)
+        await page.fill("#text", "talk")
+        await page.press("#text", "Enter")
+        await page.wait_for_selector('#listen[data-kind="speaking"]', timeout=20_000)
+        shown = await page.evaluate(
+            "[...document.querySelectorAll('.badge')].filter(b => b.offsetParent).map(b => b.textContent)"
+        )
+        assert shown.count("speaking") == 1, shown
+        assert errors == []

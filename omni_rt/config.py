@@ -61,6 +61,12 @@ class EngineSettings(_Settings):
         description="longest the Thinker's next step waits for a pending frame 0 (or first audio, `yield_until`); "
         "on an H200 the first PCM chunk is out ~10 ms after the first token",
     )
+    max_text_lead: int | None = Field(
+        32,
+        ge=1,
+        description="audio before text: the Thinker decodes no further than this many tokens ahead of what "
+        "the Talker has spoken (32 tokens: ~2.5 s of speech queued); None: as fast as it can",
+    )
     yield_until: Literal["frame0", "first_audio"] = Field(
         "first_audio",
         description="what the Thinker's yield (`yield_to_talker_ms`) waits for: the response's frame 0 leaving "
@@ -143,6 +149,7 @@ class EngineSettings(_Settings):
             max_chunk_frames=4,
             yield_to_talker_ms=0.0,
             yield_until="frame0",
+            max_text_lead=None,
             cuda_graphs=False,
             prefill_graphs=False,
             prefill_launch_order=False,

@@ -713,3 +713,33 @@ async def test_truncation_on_the_tiny_model_prefills_the_kept_turns_again():
         assert done.status == "completed" and done.usage.audio_frames > 0
         assert s.conversation.count(CFG.ids.audio_start) == 1  # the spoken turn was kept and re-encoded
         assert (await s.run("c")).usage.cached_tokens > 100  # cached again after the re-prefill
+
+
+class LeadRecorder(FakeThinker):
+    """Records how far ahead of the Talker each decode step starts."""
+
+    leads: list[int] = []
+
+    def decode(self, reqs):
+        LeadRecorder.leads += [len(r.tokens) - r.frames for r in reqs]
+        return super().decode(reqs)
+
+
+@pytest.mark.parametrize("lead", [8, None])
+async def test_audio_before_text_the_thinker_keeps_within_its_lead_of_the_talker(lead):
+    # a Thinker much faster than the Talker used to run to max_output_tokens first, taking the CPU
+    # from the audio (the page's track ran dry on a 2-core machine)
+    t = FakeTimings(thinker_prefill=0.001, thinker_decode=0.001, talker_prefix=0.001, talker_step=0.01)
+    LeadRecorder.leads = []
+
+    def stages(s):
+        return LeadRecorder(t, CFG.ids, reply_len=80), FakeTalker(t, CFG.ids), FakeCode2Wav(t)
+
+    settings = omni_rt.EngineSettings(max_text_lead=lead)
+    async with Engine(CFG, TOK, stages, settings) as engine, engine.session() as s:
+        done = await s.run("Talk", max_output_tokens=80, max_audio_frames=200)
+    assert done.status == "completed" and done.usage.output_tokens == 80
+    if lead is None:
+        assert max(LeadRecorder.leads) > 40  # it ran far ahead
+    else:
+        assert max(LeadRecorder.leads) <= lead

@@ -131,6 +131,7 @@ class Pipeline:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._inflight: set[Request] = set()  # submitted, not done yet
+        self._text_waiting: set[Request] = set()  # held at max_text_lead until the Talker catches up
         self._stopping = False
         self.running = False
         self.steps: list[StepRecord] = []  # bounded: see _log
@@ -222,6 +223,7 @@ class Pipeline:
             req.t_done = self.clock()
             with self._lock:
                 self._inflight.discard(req)
+                self._text_waiting.discard(req)
             self._post(req, DoneOut(req.status))
 
     def _clear_frame0(self, req: Request) -> None:
@@ -252,7 +254,11 @@ class Pipeline:
         held: list[tuple] = []  # "after_step" hand-off: the previous iteration's messages to the Talker
         try:
             while True:
-                msgs = self.thinker_inbox.take(block=not active)
+                # every active request held at its text lead (and no text held for hand-off, which the
+                # Talker may be waiting for): sleep until the Talker's progress wakes this thread
+                msgs = self.thinker_inbox.take(
+                    block=not held and not any(self._may_decode(r) for r in active)
+                )
                 try:
                     active, held = self._thinker_iteration(msgs, active, held)
                 except Exception as e:  # a scheduler bug: fail what this stage holds, keep serving
@@ -322,7 +328,7 @@ class Pipeline:
             self._deliver(out)
             out = []
 
-        batch = [r for r in active if not r.stopped]
+        batch = [r for r in active if not r.stopped and self._may_decode(r)]
         if batch:
             self._yield_to_talker(batch)
             t0 = self.clock()
@@ -352,6 +358,20 @@ class Pipeline:
             return active, out
         self._deliver(out)
         return active, []
+
+    def _may_decode(self, req: Request) -> bool:
+        """Audio before text: a request more than `max_text_lead` tokens ahead of the Talker waits (it
+        goes in `_text_waiting`, and the Talker's next frame for it wakes this thread). The benchmark's
+        fixed lengths (ignore_eos) and a stopped request (it is released, not decoded) never wait."""
+        lead = self.settings.max_text_lead
+        if lead is None or req.ignore_eos or req.stopped:
+            return True
+        with self._lock:
+            if len(req.tokens) - req.frames <= lead:
+                self._text_waiting.discard(req)
+                return True
+            self._text_waiting.add(req)
+            return False
 
     def _accept_token(self, req: Request, token: int, out: list[tuple]) -> None:
         first = not req.tokens
@@ -547,11 +567,20 @@ class Pipeline:
             s.last_frame = codes
             index = s.req.frames
             s.req.frames += 1
+            self._text_progress(s.req)
             self.code2wav_inbox.put(("frame", s.req, codes, index))
             if index == 0 and self.settings.yield_until == "frame0":
                 self._clear_frame0(s.req)  # wakes a Thinker yielding to this frame
             if s.codes_sampled >= s.req.max_audio_frames:
                 self._talker_finish(s, seqs)
+
+    def _text_progress(self, req: Request) -> None:
+        """A frame was spoken: wake the Thinker if it holds `req` at its text lead and may go on."""
+        with self._lock:
+            if req not in self._text_waiting or len(req.tokens) - req.frames > self.settings.max_text_lead:
+                return
+            self._text_waiting.discard(req)
+        self.thinker_inbox.put(("progress", req))
 
     def _talker_finish(self, s: _TalkerSeq, seqs: dict[Request, _TalkerSeq]) -> None:
         s.done = True

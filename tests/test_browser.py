@@ -394,3 +394,63 @@ async def test_one_speaking_badge_with_the_microphone_on():
         )
         assert shown.count("speaking") == 1, shown
         assert errors == []
+
+
+# Samples the page's analyser (what the <audio> element plays) every 5 ms: [ms, peak] pairs.
+LEVEL_PROBE = """() => {
+    window.levels = [];
+    const buf = new Float32Array(512);
+    window.levelTimer = setInterval(() => {
+        const a = window.omni.state.analyser;
+        if (!a) return;
+        a.getFloatTimeDomainData(buf);
+        let peak = 0;
+        for (const v of buf) peak = Math.max(peak, Math.abs(v));
+        window.levels.push([performance.now(), peak]);
+    }, 5);
+}"""
+
+
+def audibility(levels: list[list[float]], threshold: float = 0.01) -> tuple[float, float, float]:
+    """(seconds from the first sound to the last, share of that heard, longest silence in ms)."""
+    loud = [t for t, peak in levels if peak > threshold]
+    if not loud:
+        return 0.0, 0.0, float("inf")
+    span = [(t, peak) for t, peak in levels if loud[0] <= t <= loud[-1]]
+    heard = gap = longest = 0.0
+    for (t0, p0), (t1, _) in zip(span, span[1:], strict=False):
+        if p0 > threshold:
+            heard += t1 - t0
+            gap = 0.0
+        else:
+            gap += t1 - t0
+            longest = max(longest, gap)
+    total = loud[-1] - loud[0]
+    return total / 1000, heard / total if total else 0.0, longest
+
+
+async def test_a_tiny_reply_plays_without_gaps(tiny):
+    """The embedded default as `omni-rt serve` runs it (tiny, 8 s replies, 1024 text tokens), heard in
+    Chromium: the track must never run dry (its random-weight audio is loud throughout, so any silence
+    inside the reply is an underrun)."""
+    from omni_rt.server import PeerSettings
+    from omni_rt.server.app import TINY_REPLY_SECONDS
+
+    peer = PeerSettings(max_audio_frames=round(TINY_REPLY_SECONDS / 0.08))
+    async with (
+        tiny,
+        Server(tiny, ServerSettings(port=0, peer=peer)) as server,
+        open_page(server) as (page, errors),
+    ):
+        await page.evaluate(LEVEL_PROBE)
+        await page.fill("#text", "Hello! Tell me about the sea.")
+        await page.press("#text", "Enter")
+        await page.wait_for_function(
+            "window.omni.events.includes('output_audio_buffer.stopped')", timeout=120_000
+        )
+        await asyncio.sleep(0.3)  # the last frames through the jitter buffer
+        levels = await page.evaluate("clearInterval(window.levelTimer), window.levels")
+        seconds, share, longest_gap = audibility(levels)
+        assert seconds > 0.9 * TINY_REPLY_SECONDS, seconds  # the whole reply was heard
+        assert share >= 0.95 and longest_gap <= 100, (share, longest_gap, seconds)
+        assert errors == []

@@ -12,6 +12,9 @@ a Condition (`Inbox`); nothing sleeps on a timer or polls.
                                                     ▼ "frame", "end"
     Code2Wav thread  chunks of 1, 2, 4, ... frames → exact streaming decode → PCM → session
 
+Back from the Talker to the Thinker: "progress" (a frame was spoken: a Thinker held `max_text_lead`
+tokens ahead may go on) and "spoken" (the audio has ended: so does the text).
+
 A request is held by all three stages; the last stage to let go of it posts `DoneOut` to the session,
 after everything else it sent. A failing stage fails only the requests of the failing call.
 """

@@ -316,7 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     failures = report.failures(args.max_rss_growth_mb)
     print("stuck: none" if not report.stuck else f"stuck: {report.stuck}")
     if args.json:
-        data = asdict(report) | {"rss_growth_mb": report.rss_growth_mb, "failures": failures}
+        data = vars(report) | {
+            "samples": [asdict(x) for x in report.samples],
+            "statuses": dict(report.statuses),  # asdict() would rebuild the Counter from its items
+            "rss_growth_mb": report.rss_growth_mb,
+            "failures": failures,
+        }
         Path(args.json).write_text(json.dumps(data, indent=1))
         print(f"wrote {args.json}")
     for f in failures:

@@ -59,8 +59,6 @@ def triton_runs(device: Any) -> bool:
 def _check_fits_in_memory(cfg: OmniConfig, dtype: Any, name: str) -> None:
     """A model whose weights alone outgrow this machine's free memory is a ConfigError before the build
     (the build would take minutes and end in an out-of-memory kill or a raw traceback)."""
-    import torch
-
     from omni_rt.model.omni import OmniModel
 
     meta = OmniModel.build(cfg, device="meta", dtype=dtype)  # shapes only: nothing is allocated
@@ -73,7 +71,6 @@ def _check_fits_in_memory(cfg: OmniConfig, dtype: Any, name: str) -> None:
             f"this machine has {free / gb:.0f} GB free: use a GPU (device='cuda'), a smaller dtype, or "
             "the 'tiny' preset"
         )
-    del meta, torch
 
 
 def _available_memory() -> int | None:

@@ -24,6 +24,7 @@ from omni_rt.errors import (
     WeightError,
 )
 from omni_rt.events import (
+    ConversationTruncated,
     ErrorEvent,
     Event,
     Metrics,
@@ -54,6 +55,7 @@ __all__ = [
     "ResponseOutputAudioDelta",
     "ResponseOutputAudioDone",
     "ResponseDone",
+    "ConversationTruncated",
     "ErrorEvent",
     "Usage",
     "Metrics",

@@ -234,11 +234,26 @@ def _save(path: str, meta: dict[str, Any], rows: list[dict[str, Any]], load: lis
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="omni-rt bench", description="the omni_rt benchmark protocol")
+    ap = argparse.ArgumentParser(
+        prog="omni-rt bench",
+        description="The omni_rt benchmark protocol: one row per optimisation switch (all off, each on, all "
+        "on), concurrency rows and the reference implementation, timed per request; a table on stdout, "
+        "--json and --png written at the end. The real shapes need a CUDA GPU; on a CPU try "
+        "--preset tiny --device cpu --requests 1.",
+    )
     ap.add_argument("--preset", default="qwen3-omni-30b-a3b", help="preset name or checkpoint dir")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda or cpu (default: cuda if any)",
+    )
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--no-random-weights", dest="random_weights", action="store_false")
+    ap.add_argument(
+        "--no-random-weights",
+        dest="random_weights",
+        action="store_false",
+        help="load --preset as a checkpoint directory's weights (default: seeded random weights)",
+    )
     ap.add_argument("--requests", type=int, default=5, help="timed requests per prompt")
     ap.add_argument("--warmup", type=int, default=1, help="warm-up requests per prompt")
     ap.add_argument(
@@ -251,9 +266,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="stop a row's timed requests after this many seconds, one per prompt at least (0: no limit; "
         "the slow rows then show fewer requests in the n column)",
     )
-    ap.add_argument("--text-tokens", type=int, default=64)
-    ap.add_argument("--frames", type=int, default=64)
-    ap.add_argument("--system-len", type=int, default=20)
+    ap.add_argument("--text-tokens", type=int, default=64, help="text tokens per reply (fixed length)")
+    ap.add_argument(
+        "--frames", type=int, default=64, help="codec frames per reply, 80 ms each (fixed length)"
+    )
+    ap.add_argument("--system-len", type=int, default=20, help="system-turn length in ids")
     ap.add_argument("--prompts", default="8,24,64", help="user-turn lengths in ids")
     ap.add_argument(
         "--rows",
@@ -264,14 +281,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--concurrency", default="1,4,8", help="simultaneous sessions for the all-on rows; '' none"
     )
-    ap.add_argument("--conc-repeats", type=int, default=2)
+    ap.add_argument("--conc-repeats", type=int, default=2, help="rounds of each concurrency row")
     ap.add_argument(
         "--agreement",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="a greedy pass per row (one untimed request per prompt) for the agreement checks",
     )
-    ap.add_argument("--reference", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument(
+        "--reference",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="time the reference implementation's generate too (auto: where it is installed)",
+    )
     ap.add_argument("--reference-requests", type=int, default=1, help="per prompt (generate is slow)")
     ap.add_argument(
         "--reference-warmup", type=int, default=1, help="short warm-up generate calls, first prompt"
@@ -283,7 +305,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="after the rows: all on + deterministic=True, the same request alone and concurrently, bits "
         "compared, greedy and seeded-sampled",
     )
-    ap.add_argument("--determinism-concurrency", type=int, default=4)
+    ap.add_argument(
+        "--determinism-concurrency", type=int, default=4, help="sessions of the determinism check"
+    )
     ap.add_argument(
         "--load", default="", help="the load protocol's levels (conversations), e.g. 1,8,16,32,64"
     )
@@ -291,11 +315,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--load-speech", action="store_true", help="5 s spoken turns instead of the text prompt")
     ap.add_argument("--load-sampling", choices=("default", "greedy"), default="default")
     ap.add_argument("--load-user-len", type=int, default=24, help="user-turn ids of the load prompt (57 ids)")
-    ap.add_argument("--load-png", default="bench-load.png")
-    ap.add_argument("--voice", default="ethan")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default="bench.json")
-    ap.add_argument("--png", default="bench.png")
+    ap.add_argument("--load-png", default="bench-load.png", help="where the load chart goes")
+    ap.add_argument("--voice", default="ethan", help="speaker of every reply")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and sampling")
+    ap.add_argument("--json", default="bench.json", help="where the rows go as JSON (default: bench.json)")
+    ap.add_argument("--png", default="bench.png", help="where the chart goes (default: bench.png)")
     args = ap.parse_args(argv)
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"

@@ -4,7 +4,8 @@
     omni-rt say --audio question.wav --out reply.wav        (a spoken prompt: mono 16-bit WAV)
 
 `say` streams one response into a 24 kHz mono 16-bit WAV (or the rate asked for), printing a progress
-line while it works and the response's metrics at the end. `serve` and `bench` belong to the server and
+line while it works and the response's metrics at the end; the file is written only when the response
+completes (a temporary file renamed over it), so a failed run leaves an existing file as it was. `serve` and `bench` belong to the server and
 the benchmark; they are imported only when asked for, so `say` stays light.
 """
 
@@ -12,12 +13,38 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
+import tempfile
 import time
 import wave
 from collections.abc import Sequence
+from pathlib import Path
+from typing import BinaryIO
 
-USAGE = "omni-rt {say,serve,bench} ...  (omni-rt <command> --help for each)"
+USAGE = """usage: omni-rt [--version] <command> [options]   (omni-rt <command> --help for each)
+
+Real-time Qwen3-Omni speech: the Thinker writes the reply, the Talker and Code2Wav speak it as it goes.
+
+commands:
+  say     speak one reply to TEXT (or a spoken --audio WAV) into a WAV file
+            omni-rt say "Tell me a story" --out reply.wav
+  serve   the demo page and realtime sessions (WebRTC, WebSocket) on one port
+            omni-rt serve --port 8080        then open http://127.0.0.1:8080/
+  bench   the benchmark protocol: a table, bench.json and bench.png (a CUDA GPU for the real model)
+            omni-rt bench --preset tiny --device cpu
+
+say and serve run the 'tiny' preset (seeded random weights, on the CPU) unless given --model DIR."""
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("omni-rt")
+    except PackageNotFoundError:  # a source checkout that was never installed
+        return "unknown (not installed)"
 
 
 def _say_parser() -> argparse.ArgumentParser:
@@ -49,23 +76,43 @@ def _say_parser() -> argparse.ArgumentParser:
 
 
 async def _say(args: argparse.Namespace) -> int:
+    from omni_rt.errors import InvalidRequestError
+
+    # The reply goes to a temporary file beside --out, renamed over it only when the response completes:
+    # a failed run leaves an existing file as it was. Opened before the model loads: a bad path fails
+    # at once, not after minutes of loading.
+    target = Path(args.out)
+    if target.is_dir():
+        raise InvalidRequestError(f"cannot write {args.out}: it is a directory")
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
+    except OSError as e:
+        raise InvalidRequestError(f"cannot write {args.out}: {e.strerror or e}") from None
+    tmp = Path(tmp_name)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(fd, 0o666 & ~umask)  # as open() would have made it (mkstemp's are private)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            ok = await _say_into(args, out)
+        if ok:
+            os.replace(tmp, target)
+        return 0 if ok else 1
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+async def _say_into(args: argparse.Namespace, out: BinaryIO) -> bool:
     import numpy as np
 
     import omni_rt
-    from omni_rt.errors import InvalidRequestError
 
-    try:
-        out = open(args.out, "wb")  # before the model loads: a bad path fails at once, not in a traceback
-    except OSError as e:
-        raise InvalidRequestError(f"cannot write {args.out}: {e.strerror or e}") from None
+    if not args.quiet:
+        print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     t_load = time.perf_counter()
-    try:
-        engine = omni_rt.Engine.load(
-            args.model, device=args.device, dtype=args.dtype, random_weights=args.random_weights
-        )
-    except BaseException:
-        out.close()
-        raise
+    engine = omni_rt.Engine.load(
+        args.model, device=args.device, dtype=args.dtype, random_weights=args.random_weights
+    )
     load_s = time.perf_counter() - t_load
     tiny = args.model == "tiny"  # random weights never stop on their own: keep the default reply short
     max_tokens = args.max_tokens or (32 if tiny else 1024)
@@ -78,7 +125,7 @@ async def _say(args: argparse.Namespace) -> int:
     )
     text, samples, done = [], 0, None
     progress = not args.quiet and sys.stderr.isatty()
-    with out, wave.open(out, "wb") as wav:
+    with wave.open(out, "wb") as wav:
         wav.setnchannels(1)
         wav.setsampwidth(2)
         wav.setframerate(args.sample_rate)
@@ -112,8 +159,8 @@ async def _say(args: argparse.Namespace) -> int:
     if progress:
         print(file=sys.stderr)
     if done is None or done.status != "completed":
-        print(f"response {done.status if done else 'lost'}", file=sys.stderr)
-        return 1
+        print(f"response {done.status if done else 'lost'}: {args.out} left as it was", file=sys.stderr)
+        return False
     m = done.metrics
     print(f"text: {''.join(text)!r}")
     print(f"wrote {args.out}: {samples / args.sample_rate:.2f} s, {args.sample_rate} Hz mono 16-bit")
@@ -127,7 +174,7 @@ async def _say(args: argparse.Namespace) -> int:
         f"{fmt(m.talker_first_code_ms)} | first pcm {fmt(m.first_pcm_ms)} | "
         f"{fmt(m.text_tokens_per_s, 'tok/s')} | audio {m.audio_seconds:.2f} s | rtf {fmt(m.rtf, '')}"
     )
-    return 0
+    return True
 
 
 def _read_wav(path: str):
@@ -164,21 +211,30 @@ def say(argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"omni-rt {version()}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "say":
         return say(rest)
-    if command == "serve":
-        from omni_rt.server.app import main as serve_main  # imported only when asked for
+    if command not in ("serve", "bench"):
+        print(f"omni-rt: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    from omni_rt.errors import OmniRtError
 
-        return serve_main(rest) or 0
-    if command == "bench":
+    try:
+        if command == "serve":
+            from omni_rt.server.app import main as serve_main  # imported only when asked for
+
+            return serve_main(rest) or 0
         from omni_rt.bench import main as bench_main
 
         return bench_main(rest) or 0
-    print(f"omni-rt: unknown command {command!r}\n{USAGE}", file=sys.stderr)
-    return 2
+    except OmniRtError as e:  # a bad model, device or setting: a line, not a traceback
+        print(f"omni-rt {command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

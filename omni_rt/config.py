@@ -12,7 +12,7 @@ checkpoint's config.json or a preset).
 from __future__ import annotations
 
 import secrets
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -61,6 +61,12 @@ class EngineSettings(_Settings):
         le=1000.0,
         description="longest the Thinker's next step waits for a pending frame 0 (or first audio, `yield_until`); "
         "the design card's 12 ms: on an H200 the first PCM chunk is out ~10 ms after the first token",
+    )
+    max_text_lead: int | None = Field(
+        32,
+        ge=1,
+        description="audio before text: the Thinker decodes no further than this many tokens ahead of what "
+        "the Talker has spoken (32 tokens: ~2.5 s of speech queued); None: as fast as it can",
     )
     yield_until: Literal["frame0", "first_audio"] = Field(
         "first_audio",
@@ -144,6 +150,7 @@ class EngineSettings(_Settings):
             max_chunk_frames=4,
             yield_to_talker_ms=0.0,
             yield_until="frame0",
+            max_text_lead=None,
             cuda_graphs=False,
             prefill_graphs=False,
             prefill_launch_order=False,
@@ -244,3 +251,8 @@ class SessionSettings(_Settings):
     sampling: Sampling = Field(default_factory=Sampling)
     max_output_tokens: int = Field(1024, ge=1)
     max_audio_frames: int = Field(4096, ge=1)
+    truncation: Literal["auto", "disabled"] | Annotated[float, Field(gt=0.0, le=1.0)] = Field(
+        "auto",
+        description="when the conversation outgrows the context, drop its oldest turns (the system turn "
+        "stays) down to this fraction of the input limit; 'auto': 0.75; 'disabled': a too-long turn fails",
+    )

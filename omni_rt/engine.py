@@ -56,6 +56,35 @@ def triton_runs(device: Any) -> bool:
     return triton_available()
 
 
+def _check_fits_in_memory(cfg: OmniConfig, dtype: Any, name: str) -> None:
+    """A model whose weights alone outgrow this machine's free memory is a ConfigError before the build
+    (the build would take minutes and end in an out-of-memory kill or a raw traceback)."""
+    from omni_rt.model.omni import OmniModel
+
+    meta = OmniModel.build(cfg, device="meta", dtype=dtype)  # shapes only: nothing is allocated
+    need = sum(p.numel() for p in meta.parameters()) * dtype.itemsize
+    free = _available_memory()
+    if free is not None and need > free:
+        gb = 1024**3
+        raise ConfigError(
+            f"{name} in {str(dtype).removeprefix('torch.')} needs {need / gb:.0f} GB for its weights and "
+            f"this machine has {free / gb:.0f} GB free: use a GPU (device='cuda'), a smaller dtype, or "
+            "the 'tiny' preset"
+        )
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory free for a new allocation (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class KernelChoice(NamedTuple):
     """The fast-path pieces installed on a model from outside (`apply_kernels`)."""
 
@@ -208,12 +237,17 @@ class Engine:
             kind = torch.device(device).type
         except (RuntimeError, TypeError) as e:
             raise ConfigError(f"unknown device {device!r}: {e}") from None
+        if kind == "cuda" and not torch.cuda.is_available():
+            why = "this PyTorch was built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+            raise ConfigError(f"device {device!r}: CUDA is not available here ({why}); use device='cpu'")
         dtype = dtype or ("float32" if kind == "cpu" else "bfloat16")
         resolved = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), None)
         if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
             raise ConfigError(
                 f"dtype must name a floating-point torch dtype (float32, bfloat16, ...), got {dtype!r}"
             )
+        if kind == "cpu":
+            _check_fits_in_memory(cfg, resolved, name)
         # a kernel the settings demand where it cannot run: fail before the build, not after
         kernel_choice(settings, torch.device(device))
         layers_impl = settings.moe_backend  # "auto"/"plain"/"triton": layers.py's own choice underneath

@@ -22,6 +22,7 @@ __all__ = [
     "ResponseOutputAudioDelta",
     "ResponseOutputAudioDone",
     "ResponseDone",
+    "ConversationTruncated",
     "InputAudioBufferSpeechStarted",
     "InputAudioBufferSpeechStopped",
     "InputAudioBufferCommitted",
@@ -175,6 +176,17 @@ class ResponseDone(_ResponseEvent):
         return {"type": self.type, "event_id": self.event_id, "response": response}
 
 
+class ConversationTruncated(_ResponseEvent):
+    """The conversation with this response's turn outgrew the context: its oldest turns were dropped
+    (the session's `truncation`; the system turn stays). Comes right after response.created."""
+
+    type: Literal["conversation.truncated"] = "conversation.truncated"
+    dropped_turns: int
+    dropped_tokens: int
+    kept_tokens: int  # the conversation before this turn, after the drop
+    retention_ratio: float
+
+
 # -- the input audio buffer (speech input with server VAD) ------------------------------------------------
 # Times are milliseconds of audio written to the input buffer since it began, as the Realtime API counts.
 
@@ -232,6 +244,7 @@ AnyEvent = Annotated[
     | ResponseOutputAudioDelta
     | ResponseOutputAudioDone
     | ResponseDone
+    | ConversationTruncated
     | InputAudioBufferSpeechStarted
     | InputAudioBufferSpeechStopped
     | InputAudioBufferCommitted

@@ -23,8 +23,19 @@ import numpy as np
 
 from omni_rt.audio.resample import StreamingResampler
 from omni_rt.config import OUTPUT_SAMPLE_RATES, Sampling, SessionSettings
+from omni_rt.conversation import (
+    TALKER_PROMPT_EXTRA,
+    Truncation,
+    close_turn,
+    count_user_tokens,
+    input_limit,
+    retention_ratio,
+    system_head,
+    truncate,
+)
 from omni_rt.errors import CapacityError, EngineClosedError, InvalidRequestError, OmniRtError, StageError
 from omni_rt.events import (
+    ConversationTruncated,
     ErrorEvent,
     Event,
     Metrics,
@@ -53,17 +64,6 @@ if TYPE_CHECKING:
 NATIVE_RATE = 24000
 STOP_TIMEOUT_S = 60.0  # the longest a stopping response may take before the pipeline counts as stuck
 _response_ids = itertools.count(1)
-
-
-def count_user_tokens(ids: Sequence[int], im_start: int, user: int) -> int:
-    """Tokens inside user turns (a turn runs from its `<|im_start|>` to the next one), as the Talker's
-    prompt takes them (`omni_rt.model.talker.user_turn_mask`, restated without torch)."""
-    n, role = 0, ids[1] if len(ids) > 1 else None
-    for i, tok in enumerate(ids):
-        if tok == im_start:
-            role = ids[i + 1] if i + 1 < len(ids) else None
-        n += role == user
-    return n
 
 
 @dataclass(eq=False)
@@ -95,6 +95,9 @@ class Session:
         # the Thinker's hidden states of a spoken turn the Talker never prefilled (its reply was cut before
         # that): the next turn's Talker prompt reads them at that turn's audio positions
         self._talker_hidden = None
+        # log-mel features of every clip in the conversation, in order: a prefill of turns the Thinker has
+        # not cached (kept without a reply, or kept by a truncation) encodes them again
+        self._clips: list[Any] = []
         self._caches_of = engine.pipeline  # the run whose caches hold them (a restart starts empty)
         self._current: _Response | None = None
         self._last: _Response | None = None  # the previous response, until the pipeline lets go of it
@@ -179,11 +182,20 @@ class Session:
                 # the last await before _build: a previous response that is still stopping can commit
                 # its turn only until here, so this turn builds on the conversation as it ends up
                 await self._settle_last()
-                if starting.cancelled:  # cancel() came while this turn was being prepared
+                if starting.cancelled and self._closed:  # close() came while this turn was being prepared
                     yield ResponseDone(response_id=rid, status="cancelled")
                     return
-                req, rate = self._build(rid, t0, text, input_ids, audio, voice, sampling, max_output_tokens,
-                                        max_audio_frames, ignore_eos)  # fmt: skip
+                req, rate, cut = self._build(rid, t0, text, input_ids, audio, voice, sampling,
+                                             max_output_tokens, max_audio_frames, ignore_eos)  # fmt: skip
+                if cut is not None:
+                    yield ConversationTruncated(
+                        response_id=rid, dropped_turns=cut.dropped_turns, dropped_tokens=cut.dropped_tokens,
+                        kept_tokens=len(cut.kept), retention_ratio=retention_ratio(self.settings.truncation),
+                    )  # fmt: skip
+                if starting.cancelled:  # cancel() came while this turn was being prepared: no reply, but
+                    self._commit(req, "cancelled")  # what the user said is the conversation all the same
+                    yield ResponseDone(response_id=rid, status="cancelled")
+                    return
             except OmniRtError as e:
                 yield ErrorEvent.from_exception(e, rid)
                 yield ResponseDone(response_id=rid, status="failed", error=ErrorEvent.from_exception(e).error)
@@ -327,32 +339,39 @@ class Session:
                 "the prompt must end with the assistant header [<|im_start|>, assistant, \\n] "
                 f"= {[self.ids.im_start, self.ids.assistant, self.ids.newline]}"
             )
-        prompt = self.conversation + self._close_turn() + new
-        s = self.engine.settings
-        if len(prompt) >= s.max_context:
-            raise InvalidRequestError(
-                f"the prompt ({len(prompt)} tokens with the conversation so far) is longer than the "
-                f"context ({s.max_context} tokens)"
-            )
-        talker_prompt = count_user_tokens(prompt, self.ids.im_start, self.ids.user) + 9
-        if talker_prompt >= s.max_talker_context:
-            raise InvalidRequestError(
-                f"the user turns ({talker_prompt - 9} tokens) do not fit the Talker's context "
-                f"({s.max_talker_context})"
-            )
         speaker = self.speaker_id if voice is None else self.engine.speaker_id(voice)
         rate = self.settings.output_sample_rate
         max_tokens = self.settings.max_output_tokens if max_output_tokens is None else int(max_output_tokens)
         max_frames = self.settings.max_audio_frames if max_audio_frames is None else int(max_audio_frames)
         if max_tokens < 1 or max_frames < 1:
             raise InvalidRequestError("max_output_tokens and max_audio_frames must be >= 1")
+        cut = self._truncate(new, max_tokens, max_frames)
+        prompt = self.conversation + close_turn(self.conversation, self.ids) + new
+        s = self.engine.settings
+        if len(prompt) >= s.max_context:
+            raise InvalidRequestError(
+                f"the prompt ({len(prompt)} tokens with the conversation so far) is longer than the "
+                f"context ({s.max_context} tokens)"
+            )
+        talker_prompt = self._talker_prompt_len(prompt)
+        if talker_prompt >= s.max_talker_context:
+            raise InvalidRequestError(
+                f"the user turns ({talker_prompt - TALKER_PROMPT_EXTRA} tokens) do not fit the Talker's "
+                f"context ({s.max_talker_context})"
+            )
+        # the clips whose placeholders the Thinker has not prefilled: earlier turns kept without a reply
+        # (or re-prefilled after a truncation), then this turn's
+        thinker_start = min(self._thinker_cached, len(prompt) - 1)
+        clips = (self._clips + ([] if audio is None else [audio]))[
+            prompt[:thinker_start].count(self.ids.audio_start) :
+        ]
         # the Talker's cache must hold its prompt plus one position per frame after the first
         max_frames = min(max_frames, s.max_talker_context - talker_prompt + 1)
         req = Request(
             id=rid,
             slot=self.slot,
             prompt_ids=prompt,
-            thinker_start=min(self._thinker_cached, len(prompt) - 1),
+            thinker_start=thinker_start,
             talker_start=self._talker_cached,
             speaker_id=speaker,
             sampling=sampling or self.settings.sampling,
@@ -361,10 +380,46 @@ class Session:
             sink=lambda msg: None,
             t0=t0,
             ignore_eos=ignore_eos,
-            audio_features=None if audio is None else [audio],
+            audio_features=clips or None,
             carried_hidden=self._talker_hidden,
         )
-        return req, rate
+        return req, rate, cut
+
+    def _talker_prompt_len(self, prompt: list[int]) -> int:
+        return count_user_tokens(prompt, self.ids.im_start, self.ids.user) + TALKER_PROMPT_EXTRA
+
+    def _truncate(self, new: list[int], max_tokens: int, max_frames: int) -> Truncation | None:
+        """Drop the oldest turns when the conversation with `new` outgrows the input limits (room left
+        for the reply in both stages' caches), as the session's `truncation` says. Applied at once: the
+        dropped turns are gone whatever becomes of this response. None: nothing dropped."""
+        ratio = retention_ratio(self.settings.truncation)
+        s = self.engine.settings
+        limits = (input_limit(s.max_context, max_tokens), input_limit(s.max_talker_context, max_frames))
+
+        def fits(conv: list[int], share: float) -> bool:
+            prompt = conv + close_turn(conv, self.ids) + new
+            return len(prompt) <= share * limits[0] and self._talker_prompt_len(prompt) <= share * limits[1]
+
+        if ratio is None or not self.conversation or fits(self.conversation, 1.0):
+            return None
+        # down to the retention ratio; failing that, as far as the turn itself needs
+        cut = truncate(self.conversation, self.ids, lambda kept: fits(kept, ratio)) or truncate(
+            self.conversation, self.ids, lambda kept: fits(kept, 1.0)
+        )
+        if cut is None:
+            head = system_head(self.conversation, self.ids)
+            raise InvalidRequestError(
+                f"this turn ({len(new)} tokens) does not fit the context even with every earlier turn "
+                f"dropped ({limits[0] - head} tokens for it, leaving room for a reply of {max_tokens}): "
+                "send a shorter one or ask for a shorter reply"
+            )
+        self.conversation = cut.kept
+        self._clips = self._clips[cut.dropped_clips :]
+        # positions after the system turn moved: both caches are valid only up to it
+        self._thinker_cached = min(self._thinker_cached, cut.head)
+        self._talker_cached = 0  # the Talker caches user turns only; the system turn is none
+        self._talker_hidden = None  # the Thinker prefills every kept turn again, hidden states included
+        return cut
 
     def _system_turn(self) -> list[int]:
         """The instructions as a system turn (first turn only), chat-formatted."""
@@ -374,19 +429,18 @@ class Session:
             [("system", self.settings.instructions)], add_generation_prompt=False
         )
 
-    def _close_turn(self) -> list[int]:
-        """Tokens that end the previous assistant turn: `<|im_end|>` (unless the reply had it) and `\\n`."""
-        if not self.conversation:
-            return []
-        return ([] if self.conversation[-1] == self.ids.im_end else [self.ids.im_end]) + [self.ids.newline]
-
     def _commit(self, req: Request, status: str) -> None:
-        """Record the turn in the conversation (a cancelled reply is kept as far as it got)."""
+        """Record the turn in the conversation (a cancelled reply is kept as far as it got; a reply
+        cancelled before its first token keeps the user's turn). A failed turn is not recorded."""
         if status == "failed" or not req.tokens:
             # the stages may have written this turn into the caches: trust them only up to its start
             self._thinker_cached = min(self._thinker_cached, req.thinker_start)
             self._talker_cached = min(self._talker_cached, req.talker_start)
+            if status != "failed":  # the user's turn without the assistant header nobody answered
+                self._keep_clips(req)
+                self.conversation = req.prompt_ids[:-3]
             return
+        self._keep_clips(req)
         self.conversation = req.prompt_ids + req.tokens
         self._thinker_cached = len(self.conversation) - 1  # the last sampled token was never fed
         if req.talker_prefilled:
@@ -394,6 +448,11 @@ class Session:
             self._talker_hidden = None
         elif req.thinker_hidden is not None:  # a spoken turn cut before the Talker's prefill: keep its
             self._talker_hidden = req.thinker_hidden  # hidden states (and any carried) for the next turn
+
+    def _keep_clips(self, req: Request) -> None:
+        """This turn's clip, if it was spoken, joins the clips of the conversation."""
+        if req.prompt_ids.count(self.ids.audio_start) > len(self._clips):
+            self._clips.append(req.audio_features[-1])
 
     async def _events(self, resp: _Response, rid: str, rate: int, t0: float) -> AsyncIterator[Event]:
         req = resp.req

@@ -334,3 +334,123 @@ async def test_reply_after_reply_stays_prompt():
         latencies = await page.evaluate("window.omni.latencies")
         assert len(latencies) == 4 and max(latencies) < 400, latencies
         assert errors == []
+
+
+CONTROLS = ["#connect", "#text", "#speak", "#stop", "#voice", "label.switch .slider", "#listen", "#speaking"]
+
+# For each control: inside the viewport and the topmost element at its centre (nothing covers it).
+LAYOUT_PROBE = """sel => {
+    const e = document.querySelector(sel), r = e.getBoundingClientRect();
+    e.scrollIntoView({block: "center", inline: "nearest"});
+    const q = e.getBoundingClientRect();
+    const top = document.elementFromPoint(q.left + q.width / 2, q.top + q.height / 2);
+    return {left: r.left, right: r.right, width: r.width, height: r.height,
+            covered: !(top && (top === e || e.contains(top) || top.contains(e)))};
+}"""
+
+
+@pytest.mark.parametrize("width", [360, 390])
+async def test_the_page_fits_a_phone_and_nothing_covers_its_controls(width):
+    engine = FakeEngine(step_s=0.05, frames_per_word=3, reply="a short reply")
+    async with Server(engine, ServerSettings(port=0)) as server, playwright_api.async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = await browser.new_page(viewport={"width": width, "height": 780})
+            await page.goto(server.url, timeout=15_000)
+            await page.click("#connect")
+            await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
+            assert await page.text_content("#speak") == "Send"  # a conversation, not text-to-speech
+            assert "say" not in (await page.get_attribute("#text", "placeholder")).split()[-1]
+            await page.evaluate("toast('A long error message that must not cover any of the buttons at all')")
+            for _ in range(2):  # with the toast up, then with a message typed at the limit
+                overflow = await page.evaluate("document.documentElement.scrollWidth")
+                assert overflow <= width, f"the page is {overflow} px wide at {width} px"
+                for sel in CONTROLS:
+                    box = await page.evaluate(LAYOUT_PROBE, sel)
+                    assert box["width"] > 0 and box["height"] > 0, sel
+                    assert box["left"] >= 0 and box["right"] <= width, (sel, box)
+                    assert not box["covered"], sel
+                await page.fill("#text", "x" * 5000)  # the box keeps 4,000 and says so
+            assert len(await page.input_value("#text")) == 4000
+            assert await page.is_visible("#text-limit")
+            await page.press("#text", "Enter")
+            await page.wait_for_selector("#text-limit", state="hidden", timeout=5_000)
+            OUT.mkdir(exist_ok=True)
+            await page.screenshot(path=str(OUT / f"browser-{width}px.png"), timeout=60_000)
+        finally:
+            await browser.close()
+
+
+async def test_one_speaking_badge_with_the_microphone_on():
+    engine = FakeEngine(step_s=0.05, frames_per_word=3, reply=" ".join(["la"] * 60))
+    async with Server(engine, ServerSettings(port=0)) as server, open_page(server) as (page, errors):
+        await page.click("label.switch")
+        await page.wait_for_selector('#listen[data-kind="listening"]', timeout=10_000)
+        await page.fill("#text", "talk")
+        await page.press("#text", "Enter")
+        await page.wait_for_selector('#listen[data-kind="speaking"]', timeout=20_000)
+        shown = await page.evaluate(
+            "[...document.querySelectorAll('.badge')].filter(b => b.offsetParent).map(b => b.textContent)"
+        )
+        assert shown.count("speaking") == 1, shown
+        assert errors == []
+
+
+# Samples the page's analyser (what the <audio> element plays) every 5 ms: [ms, peak] pairs.
+LEVEL_PROBE = """() => {
+    window.levels = [];
+    const buf = new Float32Array(512);
+    window.levelTimer = setInterval(() => {
+        const a = window.omni.state.analyser;
+        if (!a) return;
+        a.getFloatTimeDomainData(buf);
+        let peak = 0;
+        for (const v of buf) peak = Math.max(peak, Math.abs(v));
+        window.levels.push([performance.now(), peak]);
+    }, 5);
+}"""
+
+
+def audibility(levels: list[list[float]], threshold: float = 0.01) -> tuple[float, float, float]:
+    """(seconds from the first sound to the last, share of that heard, longest silence in ms)."""
+    loud = [t for t, peak in levels if peak > threshold]
+    if not loud:
+        return 0.0, 0.0, float("inf")
+    span = [(t, peak) for t, peak in levels if loud[0] <= t <= loud[-1]]
+    heard = gap = longest = 0.0
+    for (t0, p0), (t1, _) in zip(span, span[1:], strict=False):
+        if p0 > threshold:
+            heard += t1 - t0
+            gap = 0.0
+        else:
+            gap += t1 - t0
+            longest = max(longest, gap)
+    total = loud[-1] - loud[0]
+    return total / 1000, heard / total if total else 0.0, longest
+
+
+async def test_a_tiny_reply_plays_without_gaps(tiny):
+    """The embedded default as `omni-rt serve` runs it (tiny, 8 s replies, 1024 text tokens), heard in
+    Chromium: the track must never run dry (its random-weight audio is loud throughout, so any silence
+    inside the reply is an underrun)."""
+    from omni_rt.server import PeerSettings
+    from omni_rt.server.app import TINY_REPLY_SECONDS
+
+    peer = PeerSettings(max_audio_frames=round(TINY_REPLY_SECONDS / 0.08))
+    async with (
+        tiny,
+        Server(tiny, ServerSettings(port=0, peer=peer)) as server,
+        open_page(server) as (page, errors),
+    ):
+        await page.evaluate(LEVEL_PROBE)
+        await page.fill("#text", "Hello! Tell me about the sea.")
+        await page.press("#text", "Enter")
+        await page.wait_for_function(
+            "window.omni.events.includes('output_audio_buffer.stopped')", timeout=120_000
+        )
+        await asyncio.sleep(0.3)  # the last frames through the jitter buffer
+        levels = await page.evaluate("clearInterval(window.levelTimer), window.levels")
+        seconds, share, longest_gap = audibility(levels)
+        assert seconds > 0.9 * TINY_REPLY_SECONDS, seconds  # the whole reply was heard
+        assert share >= 0.95 and longest_gap <= 100, (share, longest_gap, seconds)
+        assert errors == []

@@ -57,11 +57,86 @@ def test_cli_import_stays_light():
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60).returncode == 0
 
 
-def test_usage_and_unknown_command(capsys):
+def test_usage_version_and_unknown_command(capsys):
     assert cli.main([]) == 2
     assert cli.main(["--help"]) == 0
+    usage = capsys.readouterr().out
+    assert all(f"  {c} " in usage for c in ("say", "serve", "bench")) and len(usage.splitlines()) > 5
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("omni-rt ")
     assert cli.main(["dance"]) == 2
     assert "unknown command" in capsys.readouterr().err
+
+
+def omni_rt_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "omni_rt.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_a_failed_say_leaves_an_existing_file_as_it_was(tmp_path):
+    out = tmp_path / "reply.wav"
+    out.write_bytes(b"an earlier reply")
+    r = omni_rt_cli("say", "hi", "--out", str(out), "--voice", "nobody", "--max-tokens", "2")
+    assert r.returncode == 2 and "unknown voice" in r.stderr
+    assert r.stderr.startswith("loading tiny")  # not silent while the model loads
+    assert out.read_bytes() == b"an earlier reply"
+    assert [p.name for p in tmp_path.iterdir()] == ["reply.wav"]  # no temporary file left behind
+    ok = omni_rt_cli("say", "hi", "--out", str(out), "--max-tokens", "2", "--max-frames", "2", "--quiet")
+    assert ok.returncode == 0 and out.read_bytes()[:4] == b"RIFF" and not ok.stderr
+    assert oct(out.stat().st_mode & 0o777) != oct(0o600)  # as a plain open() makes it, not mkstemp's
+
+
+def test_cuda_without_cuda_is_a_clear_error(tmp_path):
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    r = omni_rt_cli("say", "hi", "--out", str(tmp_path / "x.wav"), "--device", "cuda")
+    assert r.returncode == 2 and "CUDA is not available" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_model_too_big_for_memory_is_a_clear_error(monkeypatch):
+    from omni_rt import engine as engine_module
+    from omni_rt.errors import ConfigError
+
+    monkeypatch.setattr(engine_module, "_available_memory", lambda: 1 << 20)  # 1 MB free
+    with pytest.raises(ConfigError, match=r"tiny in float32 needs .* GB .* 0 GB free: use a GPU"):
+        engine_module.Engine.load("tiny")
+
+
+def test_serve_and_bench_errors_are_a_line_not_a_traceback(monkeypatch, capsys):
+    from omni_rt.errors import ConfigError
+
+    fake = types.ModuleType("omni_rt.bench")
+
+    def fail(argv):
+        raise ConfigError("qwen3-omni-30b-a3b in float32 needs 129 GB")
+
+    fake.main = fail
+    monkeypatch.setitem(sys.modules, "omni_rt.bench", fake)
+    assert cli.main(["bench"]) == 2
+    assert (
+        capsys.readouterr().err == "omni-rt bench: ConfigError: qwen3-omni-30b-a3b in float32 needs 129 GB\n"
+    )
+
+
+def test_serve_checks_its_voice_and_port_before_loading_the_model():
+    import socket
+
+    r = omni_rt_cli("serve", "--voice", "bob", "--port", "0")
+    assert r.returncode == 1 and "unknown voice 'bob'" in r.stderr and "loading" not in r.stdout
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = omni_rt_cli("serve", "--port", str(port))
+    assert r.returncode == 1 and "in use" in r.stderr and "loading" not in r.stdout
 
 
 def test_say_answers_a_spoken_prompt(tmp_path):

@@ -347,13 +347,17 @@ def test_stop_fails_in_flight_and_leaves_no_threads():
 def test_max_limits_end_the_response():
     p = make(reply_len=1000)
     try:
-        req, sink = request("r", max_output_tokens=5, max_audio_frames=3)
+        req, sink = request("r", max_output_tokens=5, max_audio_frames=1000)
         run(p, (req, sink))
+        capped, capped_sink = request("c", max_output_tokens=1000, max_audio_frames=3)
+        run(p, (capped, capped_sink))
     finally:
         p.stop()
     assert len(req.tokens) == 5
-    assert req.frames == 3
     assert sink.of(DoneOut)[0].status == "completed"
+    # the audio cap ends the text too: what is not spoken is not the reply
+    assert capped.frames == 3 and len(capped.tokens) < 1000
+    assert capped_sink.of(DoneOut)[0].status == "completed"
 
 
 def test_text_id_rule_matches_the_talker_module():

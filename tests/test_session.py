@@ -136,6 +136,18 @@ async def test_cancel_on_the_tiny_model():
         assert again[-1].status == "completed" and audio(again).size > 0
 
 
+async def test_a_spoken_turn_kept_without_a_reply_is_encoded_with_the_next_on_the_tiny_model():
+    q1, q2 = np.zeros(16000, np.float32), np.zeros(8000, np.float32)
+    engine = omni_rt.Engine.load("tiny")
+    async with engine, engine.session() as s:
+        await cancel_after_created(s, audio=q1)
+        done = await s.run(audio=q2, max_output_tokens=3, max_audio_frames=3)
+        assert done.status == "completed" and done.usage.audio_frames > 0
+        assert s.conversation.count(CFG.ids.audio_start) == 2
+        more = await s.run("and?", max_output_tokens=3, max_audio_frames=3)
+        assert more.status == "completed" and more.usage.cached_tokens > 0
+
+
 def _failed(events) -> str:
     """The error message of a failed response (asserting its shape)."""
     assert types(events) == ["response.created", "error", "response.done"], types(events)
@@ -314,7 +326,7 @@ async def test_cancel_while_a_spoken_turn_is_still_being_prepared(monkeypatch):
         events = await task
         assert types(events) == ["response.created", "response.done"]
         assert events[-1].status == "cancelled"
-        assert s.conversation == []
+        assert s.conversation.count(CFG.ids.audio) == 13  # the user's turn stays, without a reply
         again = await collect(s, "Still there?", max_output_tokens=3)
         assert again[-1].status == "completed"
 
@@ -461,7 +473,7 @@ async def test_hidden_states_of_a_turn_the_talker_never_prefilled_go_to_the_next
     async with fake_engine() as engine, engine.session() as s:
 
         def build(text):
-            req, _ = s._build("r", 0.0, text, None, None, None, None, 4, 4, False)
+            req, *_ = s._build("r", 0.0, text, None, None, None, None, 4, 4, False)
             return req
 
         first = build("Hello")
@@ -501,3 +513,233 @@ async def test_a_reply_cut_mid_character_still_adds_up_to_its_decode():
     text = "".join(e.delta for e in deltas)
     assert text == TOK.decode(cut) and text.endswith("\ufffd")
     assert events[-1].type == "response.done" and events[-1].usage.output_tokens == len(cut)
+
+
+class ClipCounter(FakeThinker):
+    """Records how many clips each prefill was given to encode."""
+
+    clips: list[int] = []
+
+    def prefill(self, reqs):
+        ClipCounter.clips += [len(r.audio_features or []) for r in reqs]
+        return super().prefill(reqs)
+
+
+def counting_engine(**settings):
+    t = FakeTimings(thinker_prefill=0.001, thinker_decode=0.001, talker_prefix=0.001)
+    ClipCounter.clips = []
+
+    def stages(s):
+        return ClipCounter(t, CFG.ids, reply_len=4), FakeTalker(t, CFG.ids), FakeCode2Wav(t)
+
+    return Engine(CFG, TOK, stages, omni_rt.EngineSettings(**settings))
+
+
+async def cancel_after_created(s, *args, **kw):
+    """respond(), read response.created, cancel(): the reply is cancelled before its first token."""
+    events = s.respond(*args, **kw)
+    assert (await events.__anext__()).type == "response.created"
+    await s.cancel()
+    rest = [ev async for ev in events]
+    assert [e.type for e in rest] == ["response.done"] and rest[-1].status == "cancelled"
+
+
+async def test_a_text_turn_cancelled_before_its_first_token_stays_in_the_conversation():
+    async with counting_engine() as engine, engine.session() as s:
+        await cancel_after_created(s, "first question")
+        done = await s.run("second question")
+        assert done.status == "completed"
+        want = TOK.chat_prompt([("user", "first question")], add_generation_prompt=False)
+        want += TOK.chat_prompt([("user", "second question")])
+        assert s.conversation[: len(want)] == want  # both user turns, in order, then the reply
+        assert done.usage.input_tokens == len(want) and done.usage.cached_tokens == 0
+        before = len(s.conversation)
+        third = await s.run("third")
+        assert third.usage.cached_tokens == before - 1  # all cached from here on, but the last token
+        assert ClipCounter.clips == [0, 0]
+
+
+async def test_a_spoken_turn_cancelled_before_its_first_token_stays_in_the_conversation():
+    q1, q2 = np.zeros(16000, np.float32), np.zeros(8000, np.float32)
+    async with counting_engine() as engine, engine.session() as s:
+        await cancel_after_created(s, audio=q1)
+        done = await s.run(audio=q2)
+        assert done.status == "completed" and done.usage.cached_tokens == 0
+        ids = CFG.ids
+        starts = [i for i, t in enumerate(s.conversation) if t == ids.audio_start]
+        assert len(starts) == 2  # q1's turn, then q2's
+        assert s.conversation[: starts[0]] == [ids.im_start, ids.user, ids.newline]
+        assert s.conversation.count(ids.audio) == 13 + 7
+        assert ClipCounter.clips == [2]  # q1's features were encoded with q2's
+
+
+async def test_a_reply_the_pipeline_cancelled_before_its_first_token_keeps_the_turn():
+    # cancelled after submission, before the Thinker admitted it (it was busy with another session)
+    async with counting_engine() as engine, engine.session() as s:
+        await s.run("Hello")
+        clip = np.zeros(16000, np.float32)
+        from omni_rt.session import _speech_features
+
+        req, *_ = s._build("r", 0.0, "and this", None, _speech_features(clip, 16000), None, None, 4, 4, False)
+        before = len(s.conversation)
+        s._commit(req, "cancelled")  # no tokens: the Thinker never prefilled it
+        assert s.conversation == req.prompt_ids[:-3] and s._thinker_cached == req.thinker_start < before
+        nxt, *_ = s._build("r2", 0.0, "well?", None, None, None, None, 4, 4, False)
+        assert nxt.thinker_start == req.thinker_start and len(nxt.audio_features) == 1
+        assert nxt.prompt_ids[: len(s.conversation)] == s.conversation
+        failed, *_ = s._build("r3", 0.0, "lost", None, None, None, None, 4, 4, False)
+        s._commit(failed, "failed")  # a failed turn is not recorded
+        assert s.conversation == req.prompt_ids[:-3]
+
+
+class EarlyCodecEnd(FakeTalker):
+    """Ends the audio (codec EOS) after 4 frames, whatever the text still says."""
+
+    def _code0(self, req, text_id):
+        if self._frames[req.slot] >= 4:
+            return self.ids.codec_eos
+        return super()._code0(req, text_id)
+
+
+@pytest.mark.parametrize("end", ["audio cap", "codec end"])
+async def test_an_audio_reply_ends_when_its_audio_ends(end):
+    # the Thinker used to go on generating unspoken text up to max_output_tokens, holding the response
+    # (and the session: a new response was refused) long after its last audio
+    t = FakeTimings(thinker_prefill=0.002, thinker_decode=0.002, talker_prefix=0.001)
+    talker = FakeTalker if end == "audio cap" else EarlyCodecEnd
+
+    def stages(s):
+        return FakeThinker(t, CFG.ids, reply_len=100_000), talker(t, CFG.ids), FakeCode2Wav(t)
+
+    frames = 5 if end == "audio cap" else 4096
+    async with Engine(CFG, TOK, stages, omni_rt.EngineSettings()) as engine, engine.session() as s:
+        events = await collect(s, "Talk", max_output_tokens=20_000, max_audio_frames=frames)
+        done = events[-1]
+        assert done.status == "completed" and done.usage.audio_frames in (4, 5)
+        assert types(events).count("response.output_audio.done") == 1
+        # the Thinker stops within a few steps of the Talker (it runs a little ahead); 20,000 tokens at
+        # 2 ms each would take 40 s
+        assert done.usage.output_tokens < 200
+        text = [i for e in events if e.type == "response.output_text.delta" for i in e.token_ids]
+        assert s.conversation[-len(text) :] == text  # the reply as far as the Thinker got
+        assert (await s.run("Next", max_output_tokens=3)).status == "completed"
+
+
+async def test_a_full_context_drops_the_oldest_turns_and_says_so():
+    # one long message filled the context; every turn after it used to fail ("the prompt ... is longer
+    # than the context") and the conversation was stuck
+    system = TOK.chat_prompt([("system", "Be brief.")], add_generation_prompt=False)
+    async with counting_engine(max_context=256, max_talker_context=256) as engine:
+        async with engine.session(instructions="Be brief.", max_output_tokens=8) as s:
+            long = (await collect(s, "x" * 230))[-1]
+            assert long.status == "completed"
+            events = await collect(s, "hi")
+            assert types(events)[:2] == ["response.created", "conversation.truncated"]
+            cut, done = events[1], events[-1]
+            assert done.status == "completed" and cut.response_id == done.response_id
+            assert cut.dropped_turns == 2 and cut.dropped_tokens > 230 and cut.kept_tokens == len(system)
+            assert cut.retention_ratio == 0.75
+            assert s.conversation[: len(system)] == system  # the instructions stay
+            assert TOK.decode(s.conversation).count("x" * 230) == 0
+            assert done.usage.cached_tokens == len(system)  # the kept prefix's cache is reused
+            # from here on the conversation grows and is cached again, without truncating every turn
+            for n in range(3):
+                before = len(s.conversation)
+                more = await collect(s, f"and {n}?")
+                assert "conversation.truncated" not in types(more)
+                assert more[-1].status == "completed" and more[-1].usage.cached_tokens == before - 1
+
+
+async def test_truncation_keeps_to_the_retention_ratio_and_spoken_turns_are_encoded_again():
+    clip = np.zeros(16000, np.float32)  # 13 placeholders
+    async with counting_engine(max_context=200, max_talker_context=400) as engine:
+        async with engine.session(max_output_tokens=8, truncation=0.5) as s:
+            await s.run(audio=clip)
+            cuts = []
+            for n in range(12):
+                events = await collect(s, f"turn number {n} " + "y" * 20)
+                assert events[-1].status == "completed", n
+                cuts += [e for e in events if e.type == "conversation.truncated"]
+            assert cuts and all(c.retention_ratio == 0.5 for c in cuts)
+            limit = 200 - 8  # the input limit: the context less the reply's room
+            first = cuts[0]
+            # the kept conversation and the new turn fit half the limit; the spoken turn went first
+            assert first.kept_tokens + 40 <= 0.5 * limit
+            assert CFG.ids.audio_start not in s.conversation
+            assert s.conversation[:3] == [CFG.ids.im_start, CFG.ids.user, CFG.ids.newline]
+    async with counting_engine(max_context=200, max_talker_context=400) as engine:
+        async with engine.session(max_output_tokens=8, truncation=0.9) as s:
+            await s.run("a" * 90)
+            await s.run(audio=clip)  # kept by the truncation below: its clip is encoded again
+            ClipCounter.clips = []
+            events = await collect(s, "b" * 70)
+            assert "conversation.truncated" in types(events) and events[-1].status == "completed"
+            assert s.conversation.count(CFG.ids.audio_start) == 1 and ClipCounter.clips == [1]
+            assert events[-1].usage.cached_tokens == 0  # no system turn: nothing before the drop
+
+
+async def test_with_truncation_disabled_a_full_context_is_a_clear_error_that_loses_nothing():
+    async with counting_engine(max_context=256, max_talker_context=256) as engine:
+        async with engine.session(max_output_tokens=8, truncation="disabled") as s:
+            await s.run("x" * 235)
+            before = list(s.conversation)
+            assert "longer than the context" in _failed(await collect(s, "hi"))
+            assert s.conversation == before
+        async with engine.session(max_output_tokens=8) as s:
+            await s.run("hello")
+            before = list(s.conversation)
+            # a turn too long by itself: an error that names it, and the conversation is untouched
+            assert "does not fit the context" in _failed(await collect(s, "z" * 300))
+            assert s.conversation == before
+            assert (await s.run("short")).status == "completed"
+
+
+async def test_truncation_setting_is_validated():
+    async with counting_engine() as engine:
+        for bad in (0.0, 1.5, "sometimes"):
+            with pytest.raises(omni_rt.errors.InvalidRequestError, match="truncation"):
+                engine.session(truncation=bad)
+
+
+async def test_truncation_on_the_tiny_model_prefills_the_kept_turns_again():
+    clip = np.zeros(16000, np.float32)
+    engine = omni_rt.Engine.load("tiny", max_context=192, max_talker_context=192)
+    async with engine, engine.session(instructions="Hi.", max_output_tokens=4, max_audio_frames=3) as s:
+        await s.run("a" * 100)
+        await s.run(audio=clip)
+        events = await collect(s, "b" * 60)
+        assert "conversation.truncated" in types(events)
+        done = events[-1]
+        assert done.status == "completed" and done.usage.audio_frames > 0
+        assert s.conversation.count(CFG.ids.audio_start) == 1  # the spoken turn was kept and re-encoded
+        assert (await s.run("c")).usage.cached_tokens > 100  # cached again after the re-prefill
+
+
+class LeadRecorder(FakeThinker):
+    """Records how far ahead of the Talker each decode step starts."""
+
+    leads: list[int] = []
+
+    def decode(self, reqs):
+        LeadRecorder.leads += [len(r.tokens) - r.frames for r in reqs]
+        return super().decode(reqs)
+
+
+@pytest.mark.parametrize("lead", [8, None])
+async def test_audio_before_text_the_thinker_keeps_within_its_lead_of_the_talker(lead):
+    # a Thinker much faster than the Talker used to run to max_output_tokens first, taking the CPU
+    # from the audio (the page's track ran dry on a 2-core machine)
+    t = FakeTimings(thinker_prefill=0.001, thinker_decode=0.001, talker_prefix=0.001, talker_step=0.01)
+    LeadRecorder.leads = []
+
+    def stages(s):
+        return LeadRecorder(t, CFG.ids, reply_len=80), FakeTalker(t, CFG.ids), FakeCode2Wav(t)
+
+    settings = omni_rt.EngineSettings(max_text_lead=lead)
+    async with Engine(CFG, TOK, stages, settings) as engine, engine.session() as s:
+        done = await s.run("Talk", max_output_tokens=80, max_audio_frames=200)
+    assert done.status == "completed" and done.usage.output_tokens == 80
+    if lead is None:
+        assert max(LeadRecorder.leads) > 40  # it ran far ahead
+    else:
+        assert max(LeadRecorder.leads) <= lead

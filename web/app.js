@@ -111,7 +111,7 @@ function onConnected() {
   ui.connect.disabled = false;
   ui.connect.textContent = "Disconnect";
   ui.text.disabled = ui.speak.disabled = ui.mic.disabled = false;
-  ui.text.placeholder = "Type something for the model to say…";
+  ui.text.placeholder = "Say something, or type a message…";
   ui.text.focus();
   sendVoice();
 }
@@ -449,8 +449,13 @@ ui.composer.addEventListener("submit", (e) => {
   const text = ui.text.value.trim();
   if (!text || !state.ws) return;
   ui.text.value = "";
+  document.getElementById("text-limit").hidden = true;
   speak(text);
 });
 ui.stop.addEventListener("click", stop);
+// The box stops at its maxlength without a word; say so when a message reaches it (a paste cut short).
+ui.text.addEventListener("input", () => {
+  document.getElementById("text-limit").hidden = ui.text.value.length < ui.text.maxLength;
+});
 ui.voice.addEventListener("change", () => { if (state.ws) sendVoice(); });
 ui.mic.addEventListener("change", () => setMic(ui.mic.checked));

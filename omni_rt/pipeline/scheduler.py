@@ -12,6 +12,9 @@ a Condition (`Inbox`); nothing sleeps on a timer or polls.
                                                     ▼ "frame", "end"
     Code2Wav thread  chunks of 1, 2, 4, ... frames → exact streaming decode → PCM → session
 
+Back from the Talker to the Thinker: "progress" (a frame was spoken: a Thinker held `max_text_lead`
+tokens ahead may go on) and "spoken" (the audio has ended: so does the text).
+
 A request is held by all three stages; the last stage to let go of it posts `DoneOut` to the session,
 after everything else it sent. A failing stage fails only the requests of the failing call.
 """
@@ -131,6 +134,7 @@ class Pipeline:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._inflight: set[Request] = set()  # submitted, not done yet
+        self._text_waiting: set[Request] = set()  # held at max_text_lead until the Talker catches up
         self._stopping = False
         self.running = False
         self.steps: list[StepRecord] = []  # bounded: see _log
@@ -222,6 +226,7 @@ class Pipeline:
             req.t_done = self.clock()
             with self._lock:
                 self._inflight.discard(req)
+                self._text_waiting.discard(req)
             self._post(req, DoneOut(req.status))
 
     def _clear_frame0(self, req: Request) -> None:
@@ -252,7 +257,11 @@ class Pipeline:
         held: list[tuple] = []  # "after_step" hand-off: the previous iteration's messages to the Talker
         try:
             while True:
-                msgs = self.thinker_inbox.take(block=not active)
+                # every active request held at its text lead (and no text held for hand-off, which the
+                # Talker may be waiting for): sleep until the Talker's progress wakes this thread
+                msgs = self.thinker_inbox.take(
+                    block=not held and not any(self._may_decode(r) for r in active)
+                )
                 try:
                     active, held = self._thinker_iteration(msgs, active, held)
                 except Exception as e:  # a scheduler bug: fail what this stage holds, keep serving
@@ -282,6 +291,12 @@ class Pipeline:
             self._release(req, "thinker")
         admitted = []
         for kind, req in msgs:
+            if kind == "spoken":  # the Talker has said its last: the spoken text is the reply, so it ends
+                if req in active and not req.text_done:
+                    req.text_done = True
+                    active.remove(req)
+                    self._release(req, "thinker")
+                continue
             if kind != "admit":
                 continue  # "stop": the request is dropped above or at admission
             if req.stopped:
@@ -316,7 +331,7 @@ class Pipeline:
             self._deliver(out)
             out = []
 
-        batch = [r for r in active if not r.stopped]
+        batch = [r for r in active if not r.stopped and self._may_decode(r)]
         if batch:
             self._yield_to_talker(batch)
             t0 = self.clock()
@@ -346,6 +361,20 @@ class Pipeline:
             return active, out
         self._deliver(out)
         return active, []
+
+    def _may_decode(self, req: Request) -> bool:
+        """Audio before text: a request more than `max_text_lead` tokens ahead of the Talker waits (it
+        goes in `_text_waiting`, and the Talker's next frame for it wakes this thread). The benchmark's
+        fixed lengths (ignore_eos) and a stopped request (it is released, not decoded) never wait."""
+        lead = self.settings.max_text_lead
+        if lead is None or req.ignore_eos or req.stopped:
+            return True
+        with self._lock:
+            if len(req.tokens) - req.frames <= lead:
+                self._text_waiting.discard(req)
+                return True
+            self._text_waiting.add(req)
+            return False
 
     def _accept_token(self, req: Request, token: int, out: list[tuple]) -> None:
         first = not req.tokens
@@ -541,16 +570,29 @@ class Pipeline:
             s.last_frame = codes
             index = s.req.frames
             s.req.frames += 1
+            self._text_progress(s.req)
             self.code2wav_inbox.put(("frame", s.req, codes, index))
             if index == 0 and self.settings.yield_until == "frame0":
                 self._clear_frame0(s.req)  # wakes a Thinker yielding to this frame
             if s.codes_sampled >= s.req.max_audio_frames:
                 self._talker_finish(s, seqs)
 
+    def _text_progress(self, req: Request) -> None:
+        """A frame was spoken: wake the Thinker if it holds `req` at its text lead and may go on."""
+        with self._lock:
+            if req not in self._text_waiting or len(req.tokens) - req.frames > self.settings.max_text_lead:
+                return
+            self._text_waiting.discard(req)
+        self.thinker_inbox.put(("progress", req))
+
     def _talker_finish(self, s: _TalkerSeq, seqs: dict[Request, _TalkerSeq]) -> None:
         s.done = True
         seqs.pop(s.req, None)
         self.code2wav_inbox.put(("end", s.req))
+        # the audio ended first (codec end, audio cap): text nobody hears stops too; the benchmark's
+        # fixed lengths (ignore_eos) keep the Thinker to max_output_tokens
+        if not s.text_done and not s.req.ignore_eos:
+            self.thinker_inbox.put(("spoken", s.req))
         self._release(s.req, "talker")
 
     def _talker_drop(self, s: _TalkerSeq, seqs: dict[Request, _TalkerSeq]) -> None:

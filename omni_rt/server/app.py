@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import ipaddress
 import json
 import logging
 import mimetypes
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.datastructures import Headers, MultipleValuesError
 from websockets.http11 import Request, Response
 
+from omni_rt.model.config import PRESETS, preset
 from omni_rt.server import protocol
 from omni_rt.server.peer import CLOSE_TIMEOUT_S, Peer, PeerSettings
 from omni_rt.server.protocol import ProtocolError
@@ -64,9 +67,12 @@ class ServerSettings:
 class Server:
     """Serves one started `Engine` to browsers and realtime clients. Use as `async with Server(...)`."""
 
-    def __init__(self, engine: Any, settings: ServerSettings | None = None) -> None:
+    def __init__(self, engine: Any, settings: ServerSettings | None = None, sock: Any = None) -> None:
+        """`sock`: a listening socket bound before (`omni-rt serve` binds before the model loads);
+        None: bind `settings.host` and `settings.port` at start."""
         self.engine = engine
         self.settings = settings or ServerSettings()
+        self._sock = sock
         web_dir = self.settings.web_dir or find_web_dir()
         self.web_dir = web_dir.resolve() if web_dir is not None else None
         if self.web_dir is None:
@@ -80,11 +86,12 @@ class Server:
 
     async def start(self) -> None:
         s = self.settings
+        where = {"sock": self._sock} if self._sock is not None else {"host": s.host, "port": s.port}
         self._server = await serve(
             self._handle,
-            s.host,
-            s.port,
+            **where,
             process_request=self._process_request,
+            server_header="omni-rt",  # no versions for a probe to match against
             # Our own limit answers with an error event; this one is the backstop for absurd frames.
             max_size=4 * s.peer.max_message_bytes,
             max_queue=16,
@@ -133,6 +140,14 @@ class Server:
     # -- HTTP, before any upgrade ---------------------------------------------------------------------
 
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        if request.method not in ("GET", "HEAD"):  # nothing here takes a body
+            return _response(HTTPStatus.METHOD_NOT_ALLOWED, b"Only GET and HEAD.\n", "text/plain")
+        response = self._route(connection, request)
+        if request.method == "HEAD" and response is not None:  # the headers of a GET, no body
+            response = dataclasses.replace(response, body=b"")
+        return response
+
+    def _route(self, connection: ServerConnection, request: Request) -> Response | None:
         url = urlsplit(request.path)
         if url.path == "/ws":
             return self._check_ws(connection, request, url.query)
@@ -180,10 +195,14 @@ class Server:
         if self.web_dir is None:
             return _response(HTTPStatus.NOT_FOUND, b"The demo page is not installed; /ws is.\n", "text/plain")
         name = "index.html" if path in ("/", "/index.html") else path.lstrip("/")
-        file = (self.web_dir / name).resolve()
-        # Only plain files directly inside web/: no traversal, no hidden files, no directories.
-        if file.parent != self.web_dir or name.startswith(".") or not file.is_file():
-            return _response(HTTPStatus.NOT_FOUND, b"Not found.\n", "text/plain")
+        not_found = _response(HTTPStatus.NOT_FOUND, b"Not found.\n", "text/plain")
+        try:
+            file = (self.web_dir / name).resolve()
+            # Only plain files directly inside web/: no traversal, no hidden files, no directories.
+            if file.parent != self.web_dir or name.startswith(".") or not file.is_file():
+                return not_found
+        except (ValueError, OSError):  # a NUL byte, a name too long for the file system: no such file
+            return not_found
         kind = mimetypes.guess_type(file.name)[0] or "application/octet-stream"
         if kind.startswith("text/") or kind in ("application/javascript", "text/javascript"):
             kind += "; charset=utf-8"
@@ -254,6 +273,8 @@ def _response(status: HTTPStatus, body: bytes, content_type: str) -> Response:
     headers["Connection"] = "close"  # one request per connection: this is a WebSocket server at heart
     headers["X-Content-Type-Options"] = "nosniff"
     headers["Referrer-Policy"] = "no-referrer"  # the page's URL may carry the token
+    if status == HTTPStatus.METHOD_NOT_ALLOWED:
+        headers["Allow"] = "GET, HEAD"
     return Response(status.value, status.phrase, headers, body)
 
 
@@ -331,9 +352,21 @@ async def serve_forever(args: argparse.Namespace) -> None:
         load_kwargs["device"] = args.device
     if args.dtype:
         load_kwargs["dtype"] = args.dtype
+    if args.model in PRESETS:  # a voice the preset lacks: say so now, not as a refused connection later
+        _check_voice(preset(args.model), args.voice)
+    # Bind before the model loads (minutes on a real checkpoint): a port in use fails now. Connections
+    # that come meanwhile wait in the listen backlog.
+    sock = socket.create_server(
+        (args.host, args.port), family=socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    )
     print(f"omni-rt: loading {args.model} ...", flush=True)
-    # One engine slot per session the server admits.
-    engine = omni_rt.Engine.load(args.model, max_sessions=args.max_sessions, **load_kwargs)
+    try:
+        # One engine slot per session the server admits.
+        engine = omni_rt.Engine.load(args.model, max_sessions=args.max_sessions, **load_kwargs)
+        _check_voice(engine.cfg, args.voice)
+    except BaseException:
+        sock.close()
+        raise
     settings = ServerSettings(
         host=args.host,
         port=args.port,
@@ -357,10 +390,19 @@ async def serve_forever(args: argparse.Namespace) -> None:
         print(
             "omni-rt: warning: listening beyond this machine without --token: anyone who can reach it can talk"
         )
-    async with engine, Server(engine, settings) as server:
+    async with engine, Server(engine, settings, sock=sock) as server:
         print(f"omni-rt: serving {args.model} at {server.url}  (Ctrl-C to stop)", flush=True)
         await stop.wait()
     print("omni-rt: stopped", flush=True)
+
+
+def _check_voice(cfg: Any, voice: str) -> None:
+    from omni_rt.errors import ConfigError
+
+    try:
+        cfg.speaker_id(voice)
+    except KeyError as e:
+        raise ConfigError(f"--voice {voice}: {e.args[0]}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

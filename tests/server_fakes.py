@@ -48,6 +48,7 @@ class FakeSession:
         self.rate = output_sample_rate
         self._cancel = asyncio.Event()
         self.pcm_samples: dict[str, int] = {}  # response id → samples yielded
+        self.conversation: list[int] = []  # as the Session's: grows with each response
 
     async def respond(
         self,
@@ -56,12 +57,16 @@ class FakeSession:
         audio: np.ndarray | None = None,
         audio_sample_rate: int = 16000,
         max_output_tokens: int = 256,
+        input_ids: list | None = None,
+        voice: str | None = None,
         **_: object,
     ):
         rid = f"resp_{next(self.engine.ids)}"
         self._cancel.clear()
         self.engine.running += 1
-        self.engine.requests.append(text)
+        self.engine.requests.append(text if input_ids is None else input_ids)
+        self.engine.voices.append(voice or self.voice)
+        self.conversation.append(0)
         if audio is not None:
             self.engine.audio_requests.append((audio, audio_sample_rate))
             text = f"{len(audio) / audio_sample_rate:.1f} seconds" if text is None else text
@@ -135,6 +140,8 @@ class FakeEngine:
         self.requests: list[str | None] = []  # the text of each response (None: speech only)
         self.audio_requests: list[tuple[np.ndarray, int]] = []  # (speech, its rate) of spoken turns
         self.sessions: list[FakeSession] = []
+        self.voices: list[str] = []  # the voice of each response
+        self.tokenizer = FakeTokenizer()
 
     def speaker_id(self, voice: str) -> int:
         if voice not in VOICES:
@@ -157,6 +164,13 @@ class FakeEngine:
         finally:
             await s.cancel()
             self.open_sessions -= 1
+
+
+class FakeTokenizer:
+    """The one method the server uses: a chat prompt, here as readable (role, text) pairs."""
+
+    def chat_prompt(self, messages, add_generation_prompt: bool = True) -> list:
+        return [*map(tuple, messages), *([("assistant", "")] if add_generation_prompt else [])]
 
 
 def user_message(text: str) -> dict:

@@ -40,7 +40,7 @@ def test_parses_the_ga_client_events():
     assert isinstance(ev, protocol.SessionUpdate)
     assert ev.event_id == "c1" and ev.session.audio.output.voice == "chelsie"
     item = parse_client_event(json.dumps(user_message("hello")))
-    assert protocol.user_text(item.item) == "hello"
+    assert protocol.message_text(item.item) == "hello"
     assert isinstance(parse_client_event('{"type": "response.create"}'), protocol.ResponseCreate)
     assert isinstance(parse_client_event('{"type": "response.cancel"}'), protocol.ResponseCancel)
     assert parse_client_event(b'{"type": "webrtc.offer", "sdp": "v=0"}').sdp == "v=0"
@@ -130,7 +130,7 @@ def test_malformed_append_audio_is_an_invalid_value(audio, message):
             False,
         ),
         (
-            '{"type": "session.update", "session": {"turn_detection": {"type": "semantic_vad"}}}',
+            '{"type": "session.update", "session": {"turn_detection": {"type": "push_to_talk"}}}',
             "invalid_value",
             False,
         ),
@@ -284,8 +284,10 @@ async def test_a_whole_turn_in_order(served):
     rid = events[0]["response"]["id"]
     assert all(e.get("response_id", rid) == rid for e in events[1:-1])
     done = events[-1]["response"]
-    assert done["id"] == rid and done["status"] == "completed"
-    assert done["output"][0]["role"] == "assistant"
+    # The one token allowed was used up: the reply was stopped by the limit, not by the model.
+    assert done["id"] == rid and done["status"] == "incomplete"
+    assert done["status_details"] == {"type": "incomplete", "reason": "max_output_tokens"}
+    assert done["output"][0]["role"] == "assistant" and done["output"][0]["status"] == "incomplete"
     assert done["output"][0]["content"][0]["transcript"] == "fine"
     assert done["usage"]["output_tokens"] == 1
     assert engine.requests == ["how are you?"]

@@ -178,7 +178,7 @@ async def test_protocol_mistakes_get_an_error_and_keep_the_connection():
             await recv_json(ws)
             mistakes = [
                 ({"type": "no.such.event", "event_id": "e1"}, "unknown_event"),
-                ({"type": "response.create"}, "no_input"),
+                ({"type": "response.create", "response": {"metadata": {"k": "v" * 513}}}, "invalid_value"),
                 ({"type": "response.cancel"}, "response_cancel_not_active"),
                 ({"type": "conversation.item.create", "item": {"content": []}}, "invalid_value"),
                 (

@@ -105,6 +105,7 @@ async def test_appended_speech_with_server_vad_gets_a_spoken_reply():
             assert stopped["audio_end_ms"] == pytest.approx(1500, abs=40)
             assert t.index("conversation.item.added") < t.index("response.created")
             assert "response.output_audio.delta" in t and events[-1]["response"]["status"] == "completed"
+            reply_item = events[-1]["response"]["output"][0]["id"]
 
             # The session got the turn's audio at 16 kHz: what was appended, resampled.
             ((turn, rate),) = engine.audio_requests
@@ -119,7 +120,8 @@ async def test_appended_speech_with_server_vad_gets_a_spoken_reply():
             second = next(e for e in events if e["type"] == "input_audio_buffer.speech_started")
             assert second["audio_start_ms"] >= stopped["audio_end_ms"]
             committed = next(e for e in events if e["type"] == "input_audio_buffer.committed")
-            assert committed["previous_item_id"] == started["item_id"]
+            # The conversation: user turn, its reply, then this turn.
+            assert committed["previous_item_id"] == reply_item
             assert len(engine.audio_requests) == 2
 
 
@@ -436,7 +438,8 @@ async def test_tiny_engine_answers_appended_speech(tiny):
             events = await until(ws, "response.done")
             check_turn_events(events)
             done = events[-1]["response"]
-            assert done["status"] == "completed", done
+            # random weights: 8 tokens may not end the reply (incomplete, the limit stopped it)
+            assert done["status"] in ("completed", "incomplete"), done
             pcm = b"".join(
                 base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta"
             )

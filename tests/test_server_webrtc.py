@@ -216,7 +216,7 @@ async def test_tiny_engine_reply_over_webrtc(tiny, sent_frames):
             types = [e["type"] for e in events]
             assert types.index("response.created") < types.index("output_audio_buffer.started")
             done = next(e for e in events if e["type"] == "response.done")["response"]
-            assert done["status"] == "completed"
+            assert done["status"] in ("completed", "incomplete")  # random weights may use every token
             metrics = done["metrics"]
             assert 0 < metrics["ttft_ms"] <= metrics["ttfa_ms"] < metrics["total_ms"]
             assert done["usage"]["audio_frames"] == 20

@@ -41,6 +41,7 @@ from omni_rt.events import (
 )
 from omni_rt.server import protocol, webrtc
 from omni_rt.server.protocol import ProtocolError
+from omni_rt.server.responses import CancelReason, Response
 from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, InputRate, TurnDetection
 from omni_rt.server.track import FRAME_SAMPLES, AudioOutputTrack, Idle
 from omni_rt.server.track import SAMPLE_RATE as TRACK_RATE
@@ -83,18 +84,6 @@ class PeerSettings:
     max_pending_audio_ms: int = 60_000
 
 
-@dataclass
-class _Response:
-    item_id: str
-    task: asyncio.Task | None = None
-    id: str | None = None  # the session's response id, once it says response.created
-    cancelled: bool = False
-    transcript: list[str] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    audio_ms: float = 0.0  # audio the session made for it
-    played_ms: float | None = None  # what the client said it played (conversation.item.truncate)
-
-
 class Peer:
     def __init__(self, engine: Any, ws: ServerConnection, settings: PeerSettings) -> None:
         self.engine = engine
@@ -119,14 +108,14 @@ class Peer:
         self.channel: Any = None  # the `events` RTCDataChannel once the client opens it
         self.track: AudioOutputTrack | None = None
         # (response, pcm or _END, sample rate): the response rides along so a cancelled one is skipped.
-        self._audio: asyncio.Queue[tuple[_Response, Any, int]] = asyncio.Queue(AUDIO_QUEUE_SIZE)
+        self._audio: asyncio.Queue[tuple[Response, Any, int]] = asyncio.Queue(AUDIO_QUEUE_SIZE)
 
-        self._pending_input: list[str] = []  # user text since the last response.create
+        self._pending_input: list[tuple[str, str]] = []  # (role, text) messages since the last response
         self._pending_audio: list[np.ndarray] = []  # committed user speech (16 kHz) since then
         self._last_item_id: str | None = None
-        self._response: _Response | None = None
+        self._response: Response | None = None
         self._respond_when_idle = False  # a VAD turn ended during a response: answer it after
-        self._items: OrderedDict[str, _Response] = OrderedDict()  # recent assistant items by id
+        self._items: OrderedDict[str, Response] = OrderedDict()  # recent assistant items by id
 
         self.turn_detection = settings.turn_detection
         self.input = InputAudioBuffer(self.turn_detection, settings.max_turn_ms)
@@ -367,6 +356,12 @@ class Peer:
     async def _on_session_update(self, event: protocol.SessionUpdate) -> None:
         s = event.session
         voice = s.voice or (s.audio.output.voice if s.audio and s.audio.output else None)
+        if voice is not None:
+            try:
+                voice = self._model_voice(voice)  # checked before the current session is given up
+            except ProtocolError as exc:
+                exc.param, exc.event_id = "session.audio.output.voice", event.event_id
+                raise
         instructions = s.instructions
         changed = (voice is not None and voice != self.voice) or (
             instructions is not None and instructions != self.instructions
@@ -377,13 +372,6 @@ class Peer:
                 "voice and instructions cannot change while a response is in progress",
                 event_id=event.event_id,
             )
-        if voice is not None and hasattr(self.engine, "speaker_id"):
-            try:
-                self.engine.speaker_id(voice)  # checked before the current session is given up
-            except OmniRtError as exc:
-                raise ProtocolError(
-                    "invalid_value", str(exc), param="session.audio.output.voice", event_id=event.event_id
-                ) from None
         given, detection = event.turn_detection()
         # Valid: apply all of it.
         if given:
@@ -411,33 +399,34 @@ class Peer:
                 ) from None
         self.send(protocol.session_updated(self._session_object()))
         if self._respond_when_idle and self._response is None:
-            self._start_response(self._max_tokens(), list(self.output_modalities))
+            self._start_response()
 
     def _on_item_create(self, event: protocol.ConversationItemCreate) -> None:
         item = event.item
-        if item.role != "user":
+        if event.previous_item_id is not None and event.previous_item_id != self._last_item_id:
             raise ProtocolError(
                 "invalid_value",
-                "only user messages can be added; set instructions with session.update",
-                param="item.role",
+                "items can only be added at the end of the conversation (previous_item_id must be the "
+                f"last item, {self._last_item_id!r})",
+                param="previous_item_id",
                 event_id=event.event_id,
             )
         try:
-            text = protocol.user_text(item)
+            text = protocol.message_text(item)
         except ProtocolError as exc:
             exc.event_id = event.event_id
             raise
-        pending = sum(map(len, self._pending_input)) + len(text)
+        pending = sum(len(t) for _, t in self._pending_input) + len(text)
         if pending > self.settings.max_pending_text_chars:
             raise ProtocolError(
                 "pending_input_full",
-                f"at most {self.settings.max_pending_text_chars} characters of user text wait for a "
+                f"at most {self.settings.max_pending_text_chars} characters of text wait for a "
                 f"response ({pending} with this message): send response.create, or a shorter message",
                 event_id=event.event_id,
             )
         item_id = item.id or protocol.new_id("item")
-        self._pending_input.append(text)
-        wire = protocol.item_object(item_id, "user", text)
+        self._pending_input.append((item.role, text))
+        wire = protocol.item_object(item_id, item.role, text)
         self.send(protocol.conversation_item_added(wire, self._last_item_id))
         self.send(protocol.conversation_item_done(wire, self._last_item_id))
         self._last_item_id = item_id
@@ -449,22 +438,33 @@ class Peer:
                 "a response is already in progress; cancel it first",
                 event_id=event.event_id,
             )
-        if not self._pending_input and not self._pending_audio:
+        fields = event.response
+        if fields.voice is not None:
+            try:
+                fields.audio.output.voice = self._model_voice(fields.voice)
+            except ProtocolError as exc:
+                exc.param, exc.event_id = "response.audio.output.voice", event.event_id
+                raise
+        if self._pending_audio and any(role != "user" for role, _ in self._pending_input):
             raise ProtocolError(
-                "no_input",
-                "nothing to respond to: add a user message with conversation.item.create "
-                "or commit the input audio buffer first",
+                "invalid_value",
+                "a spoken turn is answered with the user text beside it; system and assistant messages "
+                "cannot join it: send response.create before adding them",
                 event_id=event.event_id,
             )
-        self._start_response(
-            self._max_tokens(event.response.max_output_tokens),
-            list(event.response.output_modalities or self.output_modalities),
-        )
+        self._start_response(fields)
 
-    def _start_response(self, max_tokens: int, modalities: list[str]) -> None:
-        """Answer everything the user added since the last response: text, speech, or both."""
-        text = "\n".join(self._pending_input) or None
+    def _start_response(self, fields: protocol.ResponseFields | None = None) -> None:
+        """Answer the conversation as it stands: what was added since the last response (user text and
+        speech in one user turn; system and assistant messages as their own turns), or nothing new."""
+        fields = fields or protocol.ResponseFields()
+        messages = list(self._pending_input)
         audio = np.concatenate(self._pending_audio) if self._pending_audio else None
+        text = prompt = None
+        if audio is not None or (messages and all(role == "user" for role, _ in messages)):
+            text = "\n".join(t for _, t in messages) or None  # the Session adds the chat template
+        else:
+            prompt = self._prompt(messages)
         self._pending_input.clear()
         self._pending_audio.clear()
         self._respond_when_idle = False
@@ -474,18 +474,47 @@ class Peer:
             playing = self.track.response_id
             self._drop_queued_audio()
             self.send(protocol.output_audio_buffer("cleared", playing))
-        response = _Response(item_id=protocol.new_id("item"))
+        response = Response(
+            item_id=protocol.new_id("item"),
+            modalities=list(
+                dict.fromkeys(fields.output_modalities or fields.modalities or self.output_modalities)
+            ),
+            max_tokens=self._max_tokens(fields.max_output_tokens),
+            asked_max_tokens=fields.max_output_tokens or self.max_output_tokens,
+            voice=fields.voice or self.voice,
+            sample_rate=SESSION_SAMPLE_RATE,
+            send=self.send,
+            metadata=fields.metadata,
+            previous_item_id=self._last_item_id,
+        )
         self._response = response
         self._items[response.item_id] = response
         while len(self._items) > KEPT_ITEMS:
             self._items.popitem(last=False)
-        response.task = self._spawn(
-            self._run_response(response, text, audio, max_tokens, modalities), "response"
-        )
+        response.task = self._spawn(self._run_response(response, text, audio, prompt), "response")
+
+    def _model_voice(self, name: str) -> str:
+        """A voice the client named (the model's own, or an OpenAI name, by `protocol.OPENAI_VOICES`)."""
+        voice = protocol.OPENAI_VOICES.get(name.lower(), name)
+        try:
+            self.engine.speaker_id(voice)
+        except OmniRtError as exc:
+            known = ", ".join(sorted(protocol.OPENAI_VOICES))
+            raise ProtocolError("invalid_value", f"{exc} (or an OpenAI voice: {known})") from None
+        return voice
+
+    def _prompt(self, messages: list[tuple[str, str]]) -> list[int]:
+        """The prompt of a reply whose new turns the Session's `text=` cannot say (system or assistant
+        messages, or no new input at all): chat-formatted by the engine's tokenizer, ending with the
+        assistant header. The first turn of a session carries its instructions, as `text=` would."""
+        if not self.session.conversation and self.instructions:
+            messages = [("system", self.instructions), *messages]
+        return self.engine.tokenizer.chat_prompt(messages)
 
     async def _on_response_cancel(self, event: protocol.ResponseCancel) -> None:
         response = self._response
-        if response is None or (event.response_id and event.response_id != response.id):
+        # A response already cut is stopping: a second cancel has nothing active to cancel.
+        if response is None or response.cancelled or (event.response_id and event.response_id != response.id):
             raise ProtocolError(
                 "response_cancel_not_active",
                 "there is no response in progress to cancel",
@@ -501,14 +530,14 @@ class Peer:
                 "output_audio_buffer.clear needs a WebRTC audio track",
                 event_id=event.event_id,
             )
-        self._interrupt()
+        self._interrupt("client_cancelled")
 
-    def _interrupt(self) -> None:
+    def _interrupt(self, reason: CancelReason) -> None:
         """Barge-in, at once: the reply in progress is cut and cancelled, or the one still playing cut
         off. Nothing here waits, so the microphone keeps being read; the model stops in a task."""
         response = self._response
         if response is not None:
-            if self._cut(response) and self.session is not None:
+            if self._cut(response, reason) and self.session is not None:
                 self._spawn(self._cancel_session(self.session), "barge-in")
             return
         playing = self.track.response_id if self.track is not None else None
@@ -518,7 +547,7 @@ class Peer:
         if playing is not None:
             self.send(protocol.output_audio_buffer("cleared", playing))
 
-    def _record_played(self, response: _Response | None) -> None:
+    def _record_played(self, response: Response | None) -> None:
         """A reply cut off on the track: the client heard what was sent of it, and the item says so,
         as if the client had sent conversation.item.truncate (OpenAI's WebRTC sessions do the same)."""
         track = self.track
@@ -598,7 +627,7 @@ class Peer:
                     ).to_wire()
                 )
                 if detection is not None and detection.interrupt_response:
-                    self._interrupt()
+                    self._interrupt("turn_detected")
             elif isinstance(ev, SpeechStopped):
                 item_id = self._input_item_id or protocol.new_id("item")
                 self._input_item_id = item_id
@@ -613,7 +642,7 @@ class Peer:
                     continue
                 if detection is not None and detection.create_response:
                     if self._response is None and self.session is not None:
-                        self._start_response(self._max_tokens(), list(self.output_modalities))
+                        self._start_response()
                     else:  # still stopping (or not interrupted), or a new voice: answer when ready
                         self._respond_when_idle = True
 
@@ -680,20 +709,18 @@ class Peer:
     # -- responses --------------------------------------------------------------------------------------
 
     async def _run_response(
-        self,
-        response: _Response,
-        text: str | None,
-        audio: np.ndarray | None,
-        max_tokens: int,
-        modalities: list[str],
+        self, response: Response, text: str | None, audio: np.ndarray | None, prompt: list[int] | None
     ) -> None:
-        audio_out = "audio" in modalities
         use_track = self.track is not None
-        done_sent = False
         try:
-            limits = {"max_output_tokens": max_tokens, "max_audio_frames": self.settings.max_audio_frames}
+            limits: dict[str, Any] = {
+                "max_output_tokens": response.max_tokens,
+                "max_audio_frames": self.settings.max_audio_frames,
+            }
             if audio is not None:
                 limits |= {"audio": audio, "audio_sample_rate": SPEECH_RATE}
+            if prompt is not None:
+                limits["input_ids"] = prompt
             replies = self.session.respond(text, **limits)
             stopped = False
             async for ev in replies:
@@ -704,41 +731,36 @@ class Peer:
                     stopped = True
                     self._spawn(self._cancel_session(self.session), "cancel")
                 if kind == "response.created":
-                    response.id = ev.response_id
                     self.responses += 1
-                    self.send(protocol.response_created(response.id))
+                    response.created(ev.response_id)
                 elif response.id is None:
                     continue  # nothing precedes response.created in a well-formed stream
                 elif kind == "response.output_text.delta":
-                    response.text.append(ev.delta)
-                    if "text" in modalities and ev.delta:  # a token may end mid-character: no text yet
-                        self.send(protocol.text_delta(response.id, response.item_id, ev.delta))
+                    response.text_delta(ev.delta)
                 elif kind == "response.output_audio_transcript.delta":
-                    response.transcript.append(ev.delta)
-                    if audio_out and ev.delta:
-                        self.send(protocol.transcript_delta(response.id, response.item_id, ev.delta))
+                    response.transcript_delta(ev.delta)
                 elif kind == "response.output_audio.delta":
-                    if not audio_out or response.cancelled:
+                    if not response.audio or response.cancelled:
                         continue
                     response.audio_ms += 1000.0 * len(ev.pcm) / ev.sample_rate
                     if use_track:
+                        response.audio_started()
                         await self._audio.put((response, ev.pcm, ev.sample_rate))
                     else:  # in deltas of at most 500 ms: a long chunk would not fit a data channel message
                         step = ev.sample_rate // 2
                         for start in range(0, len(ev.pcm), step):
-                            pcm = ev.pcm[start : start + step]
-                            self.send(protocol.audio_delta(response.id, response.item_id, pcm))
+                            response.audio_delta(ev.pcm[start : start + step])
                 elif kind == "response.output_audio.done":
-                    if audio_out and not response.cancelled:
+                    if response.audio and not response.cancelled:
                         if use_track:
                             await self._audio.put((response, _END, 0))
-                        self.send(protocol.audio_done(response.id, response.item_id))
+                        response.audio_done()
                 elif kind == "error":
                     self.send(protocol.error(_session_error(ev)))
                 elif kind == "response.done":
-                    self._finish_texts(response, modalities)
-                    self.send(protocol.response_done(self._response_object(response, ev)))
-                    done_sent = True
+                    response.done(ev)
+                    if response.in_conversation and response.item is not None:
+                        self._last_item_id = response.item_id
         except asyncio.CancelledError:
             raise
         except OmniRtError as exc:
@@ -749,49 +771,24 @@ class Peer:
                 protocol.error(ProtocolError("server_error", "the response failed", type="server_error"))
             )
         finally:
-            if not done_sent and response.id is not None and not self._closing:
-                # The Session promises response.done; if the stream broke anyway, the client still gets one.
-                status = "cancelled" if response.cancelled else "failed"
-                self.send(protocol.response_done(protocol.response_object(response.id, status)))
+            if not self._closing:
+                response.broken()  # the Session promises response.done; if the stream broke anyway
             if self._response is response:
                 self._response = None
                 if self._respond_when_idle and not self._closing:
-                    self._start_response(self._max_tokens(), list(self.output_modalities))
+                    self._start_response()
 
-    def _finish_texts(self, response: _Response, modalities: list[str]) -> None:
-        if "audio" in modalities and response.transcript:
-            self.send(protocol.transcript_done(response.id, response.item_id, "".join(response.transcript)))
-        if "text" in modalities:
-            self.send(protocol.text_done(response.id, response.item_id, "".join(response.text)))
-
-    def _response_object(self, response: _Response, done: Any) -> dict[str, Any]:
-        transcript = "".join(response.transcript or response.text)
-        item = protocol.item_object(response.item_id, "assistant", transcript, status=done.status)
-        details = None
-        if getattr(done, "error", None) is not None:
-            details = {"type": done.status, "error": done.error.model_dump()}
-        elif done.status == "cancelled":
-            details = {"type": "cancelled", "reason": "client_cancelled"}
-        usage = done.usage.model_dump() if getattr(done, "usage", None) is not None else None
-        return protocol.response_object(
-            response.id,
-            done.status,
-            [item],
-            status_details=details,
-            usage=usage,
-            metrics=protocol.metrics_dict(getattr(done, "metrics", None)),
-        )
-
-    async def _cancel_response(self, response: _Response, event_id: str | None = None) -> None:
+    async def _cancel_response(self, response: Response, event_id: str | None = None) -> None:
         """Barge-in: stop the model, drop every sample not yet sent, keep the session."""
         if self._cut(response) and self.session is not None:
             await self._cancel_session(self.session, event_id)
 
-    def _cut(self, response: _Response) -> bool:
+    def _cut(self, response: Response, reason: CancelReason = "client_cancelled") -> bool:
         """Silence a response now: no more of its audio goes out. False if it was already cut."""
         if response.cancelled:
             return False
         response.cancelled = True
+        response.reason = reason
         self._record_played(response)
         self._drop_queued_audio()
         if response.id is not None and self.track is not None:

@@ -49,6 +49,23 @@ class ProtocolError(Exception):
         self.type = type
 
 
+# OpenAI's voice names, for clients that send them (a default such as `alloy` or `marin`), mapped to
+# Qwen3-Omni's speakers by their register; docs/protocol.md carries this table. A model voice name is
+# taken as it is.
+OPENAI_VOICES = {
+    "alloy": "chelsie",
+    "ash": "aiden",
+    "ballad": "aiden",
+    "coral": "chelsie",
+    "echo": "ethan",
+    "sage": "chelsie",
+    "shimmer": "chelsie",
+    "verse": "ethan",
+    "marin": "chelsie",
+    "cedar": "ethan",
+}
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(8)}"
 
@@ -70,10 +87,12 @@ class AudioOutputConfig(BaseModel):
 
 
 class TurnDetectionFields(BaseModel):
-    """`turn_detection`: server VAD only (`semantic_vad` is not offered). Missing fields: defaults."""
+    """`turn_detection`: server VAD. `semantic_vad` (OpenAI's default in some clients) is accepted and
+    served by the same server VAD (its `eagerness` is ignored): refusing it would refuse the client's
+    whole `session.update`. Missing fields: defaults."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["server_vad"] = "server_vad"
+    type: Literal["server_vad", "semantic_vad"] = "server_vad"
     threshold: float | None = Field(default=None, gt=0.0, lt=1.0)
     prefix_padding_ms: int | None = Field(default=None, ge=0, le=5_000)
     silence_duration_ms: int | None = Field(default=None, ge=20, le=10_000)
@@ -150,11 +169,21 @@ class ConversationItemCreate(_Event):
     item: Item
 
 
+Metadata = dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]
+
+
 class ResponseFields(BaseModel):
     model_config = ConfigDict(extra="allow")
     instructions: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
     output_modalities: list[Literal["audio", "text"]] | None = Field(default=None, min_length=1)
+    modalities: list[Literal["audio", "text"]] | None = Field(default=None, min_length=1)  # beta name
     max_output_tokens: TokenLimit | None = None
+    metadata: Metadata | None = Field(default=None, max_length=16)
+    audio: AudioConfig | None = None
+
+    @property
+    def voice(self) -> str | None:
+        return self.audio.output.voice if self.audio is not None and self.audio.output is not None else None
 
 
 class ResponseCreate(_Event):
@@ -261,13 +290,14 @@ def parse_client_event(raw: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> 
         ) from None
 
 
-def user_text(item: Item) -> str:
-    """The text of a user message item (its `input_text` parts, in order)."""
-    texts = [p.text for p in item.content if p.type in ("input_text", "text") and p.text]
+def message_text(item: Item) -> str:
+    """The text of a message item (its `input_text` / `output_text` / `text` parts, in order)."""
+    texts = [p.text for p in item.content if p.type in ("input_text", "output_text", "text") and p.text]
     if not texts:
         raise ProtocolError(
             "invalid_value",
-            "a message needs at least one non-empty 'input_text' content part",
+            "a message needs at least one non-empty 'input_text' (or, for the assistant, 'output_text') "
+            "content part",
             param="item.content",
         )
     return "\n".join(texts)
@@ -334,15 +364,33 @@ def webrtc_answer(sdp: str) -> dict[str, Any]:
 
 
 def item_object(item_id: str, role: str, text: str, status: str = "completed") -> dict[str, Any]:
-    part_type = "input_text" if role == "user" else "output_audio"
-    part = {"type": part_type, "text": text} if role == "user" else {"type": part_type, "transcript": text}
+    """A text message item: a user's `input_text`, a system's `input_text`, an assistant's `output_text`."""
+    part_type = "output_text" if role == "assistant" else "input_text"
     return {
         "id": item_id,
         "object": "realtime.item",
         "type": "message",
         "status": status,
         "role": role,
-        "content": [part],
+        "content": [{"type": part_type, "text": text}],
+    }
+
+
+def assistant_item(item_id: str, status: str, audio: bool, text: str | None) -> dict[str, Any]:
+    """The assistant message of a reply: no content while it is announced (`text` None), then one part,
+    `output_audio` with its transcript or `output_text`."""
+    content = []
+    if text is not None:
+        content = [
+            {"type": "output_audio", "transcript": text} if audio else {"type": "output_text", "text": text}
+        ]
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "message",
+        "status": status,
+        "role": "assistant",
+        "content": content,
     }
 
 
@@ -380,7 +428,10 @@ def response_object(
     status_details: dict[str, Any] | None = None,
     usage: dict[str, Any] | None = None,
     metrics: dict[str, Any] | None = None,
+    echo: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """`echo`: what the response was created with (conversation_id, output_modalities,
+    max_output_tokens, audio, metadata), repeated in every event that carries the response."""
     response: dict[str, Any] = {
         "id": response_id,
         "object": "realtime.response",
@@ -388,18 +439,67 @@ def response_object(
         "status_details": status_details,
         "output": output or [],
         "usage": usage,
+        **(echo or {}),
     }
     if metrics is not None:
         response["metrics"] = metrics  # omni_rt's addition: latency figures of this response
     return response
 
 
-def response_created(response_id: str) -> dict[str, Any]:
-    return _event("response.created", response=response_object(response_id, "in_progress"))
+def response_echo(
+    *,
+    conversation: bool,
+    modalities: list[str],
+    max_output_tokens: int | str,
+    voice: str,
+    sample_rate: int,
+    metadata: dict[str, str] | None,
+) -> dict[str, Any]:
+    """The fields of a response object that repeat its request (see `response_object`)."""
+    return {
+        # "auto" responses join the connection's one conversation; out-of-band ones none.
+        "conversation_id": "conv_default" if conversation else None,
+        "output_modalities": list(modalities),
+        "max_output_tokens": max_output_tokens,
+        "audio": {"output": {"format": {"type": "audio/pcm", "rate": sample_rate}, "voice": voice}},
+        "metadata": metadata,
+    }
+
+
+def usage_object(usage: Any) -> dict[str, Any] | None:
+    """A session's `Usage` in OpenAI's shape (token counts; omni_rt's codec frames as an addition)."""
+    if usage is None:
+        return None
+    u = usage.model_dump() if hasattr(usage, "model_dump") else dict(usage)
+    inp, out = int(u.get("input_tokens", 0)), int(u.get("output_tokens", 0))
+    cached = int(u.get("cached_tokens", 0))
+    return {
+        "total_tokens": inp + cached + out,
+        "input_tokens": inp + cached,
+        "output_tokens": out,
+        "input_token_details": {"cached_tokens": cached, "text_tokens": inp + cached, "audio_tokens": 0},
+        "output_token_details": {"text_tokens": out, "audio_tokens": 0},
+        "audio_frames": int(u.get("audio_frames", 0)),
+    }
+
+
+def response_created(response: dict[str, Any]) -> dict[str, Any]:
+    return _event("response.created", response=response)
 
 
 def response_done(response: dict[str, Any]) -> dict[str, Any]:
     return _event("response.done", response=response)
+
+
+def output_item(kind: Literal["added", "done"], response_id: str, item: dict[str, Any]) -> dict[str, Any]:
+    return _event(f"response.output_item.{kind}", response_id=response_id, output_index=0, item=item)
+
+
+def content_part(
+    kind: Literal["added", "done"], response_id: str, item_id: str, audio: bool, text: str
+) -> dict[str, Any]:
+    part = {"type": "audio", "transcript": text} if audio else {"type": "text", "text": text}
+    return _event(f"response.content_part.{kind}", **_part_fields(response_id, item_id), part=part)
 
 
 def _part_fields(response_id: str, item_id: str) -> dict[str, Any]:

@@ -134,7 +134,7 @@ class Server:
 
     def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
         url = urlsplit(request.path)
-        if url.path == "/ws":
+        if is_realtime_path(url.path):
             return self._check_ws(connection, request, url.query)
         if url.path == "/health":
             body = json.dumps(
@@ -215,6 +215,12 @@ class Server:
         finally:
             self.peers.discard(peer)
             log.info("%s closed after %d responses", peer.session_id, peer.responses)
+
+
+def is_realtime_path(path: str) -> bool:
+    """The WebSocket endpoint: `/ws`, or where OpenAI's clients look for it, any path ending in
+    `/realtime` (the official SDK opens `<base>/realtime?model=M`; `/v1/realtime` for most)."""
+    return path == "/ws" or path.rstrip("/").endswith("/realtime")
 
 
 def normalize_origin(origin: str) -> str:

@@ -20,6 +20,7 @@ import time
 
 import av
 import numpy as np
+import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
@@ -234,6 +235,21 @@ class MicTrack(MediaStreamTrack):
         return frame
 
 
+@pytest.fixture(autouse=True)
+def loopback_ice(monkeypatch):
+    """Import into a test module: its aiortc clients gather on loopback alone, as the server does when
+    bound to 127.0.0.1 (webrtc.IcePolicy); Client.connect asserts both sides' candidates, so no test
+    media leaves loopback."""
+    from omni_rt.server import webrtc
+
+    monkeypatch.setattr(webrtc, "_gather_all", lambda use_ipv4, use_ipv6: ["127.0.0.1"] if use_ipv4 else [])
+
+
+def candidate_addresses(sdp: str) -> list[str]:
+    """The address of every ICE candidate in an SDP."""
+    return [line.split(" ")[4] for line in sdp.splitlines() if line.startswith("a=candidate:")]
+
+
 class Client:
     """A realtime client as a browser would be: signaling on the socket, events on a data channel."""
 
@@ -265,6 +281,9 @@ class Client:
         await self.ws.send(json.dumps({"type": "webrtc.offer", "sdp": self.pc.localDescription.sdp}))
         answer = json.loads(await asyncio.wait_for(self.ws.recv(), 10))
         assert answer["type"] == "webrtc.answer", answer
+        # Media on loopback alone (issue #13, defect 7): every candidate of the offer and the answer.
+        candidates = candidate_addresses(self.pc.localDescription.sdp) + candidate_addresses(answer["sdp"])
+        assert candidates and set(candidates) == {"127.0.0.1"}, candidates
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type="answer"))
         await asyncio.wait_for(opened.wait(), 10)
         return created

@@ -113,7 +113,9 @@ async def test_text_and_audio_turns_validate_against_the_sdk(served):
         await conn.response.create(response={"output_modalities": ["audio"]})
         events = await until(conn, "response.done")
         done = check_reply(events, audio=True)
-        pcm = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta")
+        pcm = b"".join(
+            base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta"
+        )
         assert len(pcm) > 0 and done["output"][0]["content"][0]["type"] == "output_audio"
 
 

@@ -415,3 +415,20 @@ def test_ice_server_urls():
     assert (turn.username, turn.credential) == ("al@ice", "p:ss")
     with pytest.raises(ValueError):
         ice_server("http://example.com")
+
+
+async def test_a_repeated_cancel_is_answered(served):
+    """Issue #13, defect 8: a second response.cancel while the first is still stopping the reply
+    gets `response_cancel_not_active` (it once got no answer at all)."""
+    engine, _, ws = served
+    engine.step_s = 0.5  # the reply stops at its next word: the second cancel comes while it stops
+    await recv(ws)
+    await ws.send(json.dumps(user_message("talk")))
+    await ws.send(json.dumps({"type": "response.create"}))
+    await until(ws, "response.created")
+    await ws.send(json.dumps({"type": "response.cancel", "event_id": "c1"}))
+    await ws.send(json.dumps({"type": "response.cancel", "event_id": "c2"}))
+    events = await until(ws, "response.done")
+    errors = [e["error"] for e in events if e["type"] == "error"]
+    assert [(e["code"], e["event_id"]) for e in errors] == [("response_cancel_not_active", "c2")]
+    assert events[-1]["response"]["status"] == "cancelled"

@@ -12,22 +12,14 @@ import pytest
 
 pytest.importorskip("aiortc")
 
-import aioice.ice  # noqa: E402
 import websockets  # noqa: E402
-from server_fakes import Client, FakeEngine, MicTrack, speech_like, user_message  # noqa: E402
+from server_fakes import Client, FakeEngine, MicTrack, loopback_ice, speech_like, user_message  # noqa: E402, F401
 
 from omni_rt.audio.resample import resample  # noqa: E402
 from omni_rt.server import PeerSettings, Server, ServerSettings  # noqa: E402
 from omni_rt.server.track import AudioOutputTrack  # noqa: E402
 
 RATE_IN = 24000  # input_audio_buffer.append
-
-
-@pytest.fixture(autouse=True)
-def loopback_ice(monkeypatch):
-    # aioice never offers 127.0.0.1; in a loopback-only namespace there would be no candidate at all.
-    original = aioice.ice.get_host_addresses
-    monkeypatch.setattr(aioice.ice, "get_host_addresses", lambda **kw: original(**kw) or ["127.0.0.1"])
 
 
 def pcm16_b64(audio: np.ndarray) -> str:
@@ -204,6 +196,8 @@ async def test_speech_during_a_reply_cancels_it_then_answers_the_new_turn():
             barge = t.index("input_audio_buffer.speech_started")
             done = [e for e in events if e["type"] == "response.done"]
             assert done[0]["response"]["id"] == first and done[0]["response"]["status"] == "cancelled"
+            # OpenAI's reason for a cut by server VAD (pipecat and livekit tell it from a client's cancel)
+            assert done[0]["response"]["status_details"] == {"type": "cancelled", "reason": "turn_detected"}
             assert barge < t.index("response.done")
             late = [
                 e

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -32,7 +33,7 @@ from websockets.http11 import Request, Response
 from omni_rt.server import protocol
 from omni_rt.server.peer import CLOSE_TIMEOUT_S, Peer, PeerSettings
 from omni_rt.server.protocol import ProtocolError
-from omni_rt.server.webrtc import ice_server
+from omni_rt.server.webrtc import IcePolicy, ice_server
 
 log = logging.getLogger("omni_rt.server")
 
@@ -72,6 +73,12 @@ class Server:
         if self.web_dir is None:
             # /ws works without it; only the demo page is missing (an install without package data).
             log.warning("the demo page (web/) was not found: serving /ws only")
+        peer = self.settings.peer
+        if peer.ice_policy is None:  # media follows the bind address (issue #13, defect 7)
+            policy = IcePolicy.for_bind(self.settings.host, peer.ice_servers, peer.ice_public_address)
+            self.settings = dataclasses.replace(
+                self.settings, peer=dataclasses.replace(peer, ice_policy=policy)
+            )
         self._allowed_origins = {normalize_origin(o) for o in self.settings.allowed_origins}
         self._loopback = _is_loopback(self.settings.host)
         self.peers: set[Peer] = set()
@@ -291,7 +298,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="URL",
-        help="STUN/TURN URL (default: none; LAN only)",
+        help="STUN/TURN URL, used when listening on all interfaces (default: none; LAN only)",
+    )
+    p.add_argument(
+        "--ice-public-address",
+        default=None,
+        metavar="IP",
+        help="behind a 1:1 NAT: the public address to announce in ICE candidates instead of the bound one",
     )
     p.add_argument(
         "--max-audio-seconds",
@@ -320,6 +333,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             ice_server(url)
         except ValueError as exc:
             p.error(str(exc))
+    if args.ice_public_address is not None:
+        try:
+            IcePolicy(public_address=args.ice_public_address)
+        except ValueError:
+            p.error(f"--ice-public-address must be an IP address, not {args.ice_public_address!r}")
     if args.max_audio_seconds is None:
         args.max_audio_seconds = TINY_REPLY_SECONDS if args.model == "tiny" else 60.0
     if args.max_audio_seconds <= 0:
@@ -350,6 +368,7 @@ async def serve_forever(args: argparse.Namespace) -> None:
             model=Path(args.model).name,
             voice=args.voice,
             ice_servers=tuple(args.ice_server),
+            ice_public_address=args.ice_public_address,
             idle=args.idle,
             max_audio_frames=max(1, round(args.max_audio_seconds / 0.08)),
         ),

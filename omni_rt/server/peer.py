@@ -68,7 +68,10 @@ class PeerSettings:
     model: str = "omni_rt"
     voice: str = "ethan"
     instructions: str | None = None
-    ice_servers: Sequence[str] = ()
+    ice_servers: Sequence[str] = ()  # used only by a server bound to all interfaces (see webrtc.py)
+    ice_public_address: str | None = None  # announced in place of the bound address (a 1:1 NAT)
+    # Where media may flow; the Server sets it from its bind address (None: every interface).
+    ice_policy: webrtc.IcePolicy | None = None
     idle: Idle = "silence"  # see AudioOutputTrack: "nothing" grows the browser's jitter buffer
     max_message_bytes: int = protocol.MAX_MESSAGE_BYTES
     max_output_tokens: int = 1024  # a client may ask for fewer, never more
@@ -102,6 +105,7 @@ class Peer:
         self._tasks: set[asyncio.Task] = set()
         self._closed = asyncio.Event()
         self._closing = False
+        self._dropping = False  # the client stopped reading and is being dropped
         self._task_failed = False  # one of this peer's tasks raised: the connection ends with 1011
 
         self.pc: RTCPeerConnection | None = None
@@ -168,29 +172,49 @@ class Peer:
             await self.close()
 
     async def close(self) -> None:
-        """Stop everything this peer started. Safe to call more than once, from anywhere."""
+        """Stop everything this peer started. Safe to call more than once, from anywhere.
+
+        Every step runs whatever the one before it did: a step that raises (aiortc's close of a
+        half-negotiated connection does) is logged, and the session slot is still given back."""
         if self._closing:
             await self._closed.wait()
             return
         self._closing = True
         try:
-            await self._stop_response()
-            if self.track is not None:
-                self.track.stop()
-            current = asyncio.current_task()
-            tasks = [t for t in self._tasks if t is not current]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            if self.pc is not None:
-                await self.pc.close()
-            if self._session_stack is not None:
-                await self._session_stack.aclose()
-                self._session_stack = None
-                self.session = None
-            await self._close_socket()
+            for step in (
+                self._stop_response,
+                self._stop_track,
+                self._stop_tasks,
+                self._close_pc,
+                self._close_session,
+                self._close_socket,
+            ):
+                try:
+                    await step()
+                except Exception:
+                    log.exception("peer %s: %s failed while closing", self.session_id, step.__name__)
         finally:
             self._closed.set()
+
+    async def _stop_track(self) -> None:
+        if self.track is not None:
+            self.track.stop()
+
+    async def _stop_tasks(self) -> None:
+        current = asyncio.current_task()
+        tasks = [t for t in self._tasks if t is not current]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _close_pc(self) -> None:
+        if self.pc is not None:
+            await self.pc.close()
+
+    async def _close_session(self) -> None:
+        stack, self._session_stack, self.session = self._session_stack, None, None
+        if stack is not None:
+            await stack.aclose()
 
     async def _close_socket(self, code: int = 1000) -> None:
         """The close handshake, bounded: websockets' close() first waits for the socket to drain,
@@ -256,8 +280,7 @@ class Peer:
         channel = self.channel
         if channel is not None and channel.readyState == "open":
             if channel.bufferedAmount > MAX_CHANNEL_BUFFERED:
-                log.warning("peer %s: data channel not drained, dropping the client", self.session_id)
-                self._shutdown()
+                self._drop_slow_client("data channel")
                 return
             try:
                 channel.send(data)
@@ -274,8 +297,15 @@ class Peer:
         try:
             self._outbox.put_nowait(data)
         except asyncio.QueueFull:
-            log.warning("peer %s: socket not drained, dropping the client", self.session_id)
-            self._shutdown()
+            self._drop_slow_client("socket")
+
+    def _drop_slow_client(self, where: str) -> None:
+        """A client that stopped reading: said once (a reply sends many events after the first that
+        does not fit), then the main loop ends the connection."""
+        if not self._dropping:
+            self._dropping = True
+            log.warning("peer %s: %s not drained, dropping the client", self.session_id, where)
+        self._shutdown()
 
     async def _write_socket(self) -> None:
         from websockets.exceptions import ConnectionClosed
@@ -387,10 +417,7 @@ class Peer:
             # A Session's voice and system prompt are fixed when it opens: open a fresh one (the
             # conversation starts over, as it would with a new system prompt anyway). Meanwhile
             # there is no session: a spoken turn that ends now waits for the new one.
-            self.session = None
-            if self._session_stack is not None:
-                await self._session_stack.aclose()
-                self._session_stack = None
+            await self._close_session()
             try:
                 await self._open_session()
             except OmniRtError as exc:  # the engine stopped, or lost its slot to another client
@@ -825,7 +852,10 @@ class Peer:
             raise ProtocolError(
                 "renegotiation_unsupported", "this connection already has WebRTC", event_id=event.event_id
             )
-        pc = self.pc = webrtc.peer_connection(self.settings.ice_servers)  # set first: close() closes it
+        policy = self.settings.ice_policy or webrtc.IcePolicy(
+            None, tuple(self.settings.ice_servers), self.settings.ice_public_address
+        )
+        pc = self.pc = webrtc.peer_connection(policy)  # set first: close() closes it
         pc.on("datachannel", self._on_datachannel)
         pc.on("track", self._on_remote_track)
 
@@ -839,7 +869,7 @@ class Peer:
             idle=self.settings.idle, on_started=self._on_audio_started, on_stopped=self._on_audio_stopped
         )
         try:
-            answer, sends = await webrtc.answer_offer(pc, event.sdp, track)
+            answer, sends = await webrtc.answer_offer(pc, event.sdp, track, policy)
         except ValueError as exc:
             track.stop()
             raise ProtocolError(

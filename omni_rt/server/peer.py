@@ -88,10 +88,21 @@ class PeerSettings:
 
 
 class Peer:
-    def __init__(self, engine: Any, ws: ServerConnection, settings: PeerSettings) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        ws: ServerConnection | None,
+        settings: PeerSettings,
+        session: protocol.SessionFields | None = None,
+    ) -> None:
+        """`ws` None: a call (`POST /v1/realtime/calls`), whose events travel on its data channel alone
+        and which lives until it is hung up or its WebRTC connection ends. `session`: the initial
+        configuration (a client secret's, or the call's), applied before `session.created`."""
         self.engine = engine
         self.ws = ws
         self.settings = settings
+        self._initial = session
+        self._early: list[str] = []  # a call's events before its data channel opens
         self.session_id = protocol.new_id("sess")
         self.voice = settings.voice
         self.instructions = settings.instructions or ""
@@ -137,16 +148,18 @@ class Peer:
     async def run(self) -> None:
         """Serve this connection until the socket closes or the peer fails; always cleans up."""
         try:
-            self._spawn(self._write_socket(), "socket writer")
+            if self.ws is not None:
+                self._spawn(self._write_socket(), "socket writer")
             try:
-                await self._open_session()
+                await self.open()
             except OmniRtError as exc:
                 await self._fail_now(
                     ProtocolError("session_unavailable", str(exc), type="server_error"), 1013
                 )
                 return
-            self.send(protocol.session_created(self._session_object()))
-            self._spawn(self._read_socket(), "socket reader")
+            self.send(protocol.session_created(self.session_object()))
+            if self.ws is not None:
+                self._spawn(self._read_socket(), "socket reader")
             while (item := await self._inbox.get()) is not None:
                 raw, source = item
                 try:
@@ -216,9 +229,27 @@ class Peer:
         if stack is not None:
             await stack.aclose()
 
+    async def open(self) -> None:
+        """Open the Session (once), configured as the initial session says. `OmniRtError`: no slot."""
+        if self.session is not None:
+            return
+        if self._initial is not None:
+            initial, self._initial = self._initial, None
+            self.configure(initial)
+        await self._open_session()
+
+    async def answer_call(self, sdp: str) -> str:
+        """A call's offer (after `open()`): the SDP answer. `ProtocolError` (invalid_sdp) if unusable."""
+        return await self._on_offer(protocol.WebRtcOffer(type="webrtc.offer", sdp=sdp))
+
+    def hang_up(self) -> None:
+        self._shutdown()
+
     async def _close_socket(self, code: int = 1000) -> None:
         """The close handshake, bounded: websockets' close() first waits for the socket to drain,
         without a limit, and a client that stops reading never drains it."""
+        if self.ws is None:
+            return
         try:
             await asyncio.wait_for(self.ws.close(code), CLOSE_TIMEOUT_S)
         except TimeoutError:
@@ -258,7 +289,7 @@ class Peer:
         self.session = await stack.enter_async_context(self.engine.session(**kwargs))
         self._session_stack = stack
 
-    def _session_object(self) -> dict[str, Any]:
+    def session_object(self) -> dict[str, Any]:
         return protocol.session_object(
             self.session_id,
             self.settings.model,
@@ -294,6 +325,15 @@ class Peer:
         self._send_socket(data)
 
     def _send_socket(self, data: str) -> None:
+        if self.ws is None:  # a call: its events wait for its data channel
+            channel = self.channel
+            if channel is not None and channel.readyState == "open":
+                channel.send(data)
+            elif len(self._early) < OUTBOX_SIZE:
+                self._early.append(data)
+            else:
+                self._drop_slow_client("data channel")
+            return
         try:
             self._outbox.put_nowait(data)
         except asyncio.QueueFull:
@@ -339,6 +379,9 @@ class Peer:
 
     async def _flush_and_close(self, code: int) -> None:
         """Give queued events (the error that explains the close) a moment to leave, then close."""
+        if self.ws is None:
+            self._shutdown()
+            return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._outbox.join(), 1.0)
         await self._close_socket(code)
@@ -361,7 +404,9 @@ class Peer:
                     raise ProtocolError(
                         "invalid_event", "send webrtc.offer on the WebSocket", event_id=event.event_id
                     )
-                await self._on_offer(event)
+                answer = await self._on_offer(event)
+                # Signaling goes on the socket: the data channel does not exist until this answer lands.
+                self._send_socket(json.dumps(protocol.webrtc_answer(answer)))
             case protocol.SessionUpdate():
                 await self._on_session_update(event)
             case protocol.ConversationItemCreate():
@@ -383,14 +428,15 @@ class Peer:
             case protocol.ConversationItemTruncate():
                 self._on_item_truncate(event)
 
-    async def _on_session_update(self, event: protocol.SessionUpdate) -> None:
-        s = event.session
+    def configure(self, s: protocol.SessionFields, event_id: str | None = None) -> bool:
+        """Apply a session configuration (all of it, or nothing: `ProtocolError`). True when the voice
+        or instructions changed, which a Session fixes when it opens: the caller opens a new one."""
         voice = s.voice or (s.audio.output.voice if s.audio and s.audio.output else None)
         if voice is not None:
             try:
-                voice = self._model_voice(voice)  # checked before the current session is given up
+                voice = model_voice(self.engine, voice)  # checked before the current session is given up
             except ProtocolError as exc:
-                exc.param, exc.event_id = "session.audio.output.voice", event.event_id
+                exc.param, exc.event_id = "session.audio.output.voice", event_id
                 raise
         instructions = s.instructions
         changed = (voice is not None and voice != self.voice) or (
@@ -400,9 +446,9 @@ class Peer:
             raise ProtocolError(
                 "conversation_already_has_active_response",
                 "voice and instructions cannot change while a response is in progress",
-                event_id=event.event_id,
+                event_id=event_id,
             )
-        given, detection = event.turn_detection()
+        given, detection = protocol.turn_detection_of(s)
         # Valid: apply all of it.
         if given:
             self._set_turn_detection(None if detection is None else TurnDetection.from_wire(detection))
@@ -411,9 +457,12 @@ class Peer:
             self.output_modalities = list(dict.fromkeys(modalities))
         if s.max_output_tokens is not None:
             self.max_output_tokens = s.max_output_tokens
-        if changed:
-            self.voice = voice or self.voice
-            self.instructions = instructions if instructions is not None else self.instructions
+        self.voice = voice or self.voice
+        self.instructions = instructions if instructions is not None else self.instructions
+        return changed
+
+    async def _on_session_update(self, event: protocol.SessionUpdate) -> None:
+        if self.configure(event.session, event.event_id):
             # A Session's voice and system prompt are fixed when it opens: open a fresh one (the
             # conversation starts over, as it would with a new system prompt anyway). Meanwhile
             # there is no session: a spoken turn that ends now waits for the new one.
@@ -424,7 +473,7 @@ class Peer:
                 raise ProtocolError(
                     "session_unavailable", str(exc), type="server_error", event_id=event.event_id, fatal=True
                 ) from None
-        self.send(protocol.session_updated(self._session_object()))
+        self.send(protocol.session_updated(self.session_object()))
         if self._respond_when_idle and self._response is None:
             self._start_response()
 
@@ -468,7 +517,7 @@ class Peer:
         fields = event.response
         if fields.voice is not None:
             try:
-                fields.audio.output.voice = self._model_voice(fields.voice)
+                fields.audio.output.voice = model_voice(self.engine, fields.voice)
             except ProtocolError as exc:
                 exc.param, exc.event_id = "response.audio.output.voice", event.event_id
                 raise
@@ -519,16 +568,6 @@ class Peer:
         while len(self._items) > KEPT_ITEMS:
             self._items.popitem(last=False)
         response.task = self._spawn(self._run_response(response, text, audio, prompt), "response")
-
-    def _model_voice(self, name: str) -> str:
-        """A voice the client named (the model's own, or an OpenAI name, by `protocol.OPENAI_VOICES`)."""
-        voice = protocol.OPENAI_VOICES.get(name.lower(), name)
-        try:
-            self.engine.speaker_id(voice)
-        except OmniRtError as exc:
-            known = ", ".join(sorted(protocol.OPENAI_VOICES))
-            raise ProtocolError("invalid_value", f"{exc} (or an OpenAI voice: {known})") from None
-        return voice
 
     def _prompt(self, messages: list[tuple[str, str]]) -> list[int]:
         """The prompt of a reply whose new turns the Session's `text=` cannot say (system or assistant
@@ -847,7 +886,7 @@ class Peer:
 
     # -- WebRTC -----------------------------------------------------------------------------------------
 
-    async def _on_offer(self, event: protocol.WebRtcOffer) -> None:
+    async def _on_offer(self, event: protocol.WebRtcOffer) -> str:
         if self.pc is not None:
             raise ProtocolError(
                 "renegotiation_unsupported", "this connection already has WebRTC", event_id=event.event_id
@@ -882,15 +921,25 @@ class Peer:
             # No audio, or send-only audio (a microphone, nothing to play): nobody would read the
             # track, so the reply's audio goes as events instead of piling up in front of it.
             track.stop()
-        # Signaling always goes on the socket: the data channel does not exist until this answer lands.
-        self._send_socket(json.dumps(protocol.webrtc_answer(answer)))
+        return answer
 
     def _on_datachannel(self, channel: Any) -> None:
-        if channel.label != "events" or self.channel is not None:
+        # "events" (omni_rt's name) or "oai-events" (OpenAI's): the client's first one carries them.
+        if channel.label not in ("events", "oai-events") or self.channel is not None:
             channel.close()
             return
         self.channel = channel
         channel.on("message", self._on_channel_message)
+        if self.ws is None:  # a call: its events waited for this channel; it ends when the channel does
+            channel.on("open", self._flush_early)
+            channel.on("close", self._shutdown)
+            if channel.readyState == "open":
+                self._flush_early()
+
+    def _flush_early(self) -> None:
+        early, self._early = self._early, []
+        for data in early:
+            self._send_socket(data)
 
     def _on_remote_track(self, track: Any) -> None:
         self._spawn(self._consume_remote_media(track), "microphone" if track.kind == "audio" else "video")
@@ -926,6 +975,17 @@ class Peer:
 
     def _on_audio_stopped(self, response_id: str) -> None:
         self.send(protocol.output_audio_buffer("stopped", response_id))
+
+
+def model_voice(engine: Any, name: str) -> str:
+    """A voice a client named (the model's own, or an OpenAI name, by `protocol.OPENAI_VOICES`)."""
+    voice = protocol.OPENAI_VOICES.get(name.lower(), name)
+    try:
+        engine.speaker_id(voice)
+    except OmniRtError as exc:
+        known = ", ".join(sorted(protocol.OPENAI_VOICES))
+        raise ProtocolError("invalid_value", f"{exc} (or an OpenAI voice: {known})") from None
+    return voice
 
 
 def _session_error(ev: Any) -> ProtocolError:

@@ -137,16 +137,16 @@ class SessionUpdate(_Event):
     type: Literal["session.update"]
     session: SessionFields
 
-    def turn_detection(self) -> tuple[bool, TurnDetectionFields | None]:
-        """(given, value): whether the update sets `turn_detection` (GA `audio.input.turn_detection`
-        or beta `turn_detection`), and to what; `None` as a value turns server VAD off."""
-        s = self.session
-        audio_input = s.audio.input if s.audio is not None else None
-        if audio_input is not None and "turn_detection" in audio_input.model_fields_set:
-            return True, audio_input.turn_detection
-        if "turn_detection" in s.model_fields_set:
-            return True, s.turn_detection
-        return False, None
+
+def turn_detection_of(s: SessionFields) -> tuple[bool, TurnDetectionFields | None]:
+    """(given, value): whether a session configuration sets `turn_detection` (GA
+    `audio.input.turn_detection` or beta `turn_detection`), and to what; `None` turns server VAD off."""
+    audio_input = s.audio.input if s.audio is not None else None
+    if audio_input is not None and "turn_detection" in audio_input.model_fields_set:
+        return True, audio_input.turn_detection
+    if "turn_detection" in s.model_fields_set:
+        return True, s.turn_detection
+    return False, None
 
 
 class ContentPart(BaseModel):

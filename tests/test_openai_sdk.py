@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import dataclasses
+import json
+import time
 
 import numpy as np
 import pytest
@@ -16,7 +20,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("aiortc")
 
 from openai_check import validate  # noqa: E402
-from server_fakes import speech_like  # noqa: E402
+from server_fakes import candidate_addresses, loopback_ice, speech_like  # noqa: E402, F401
 
 from omni_rt.server import PeerSettings, Server, ServerSettings  # noqa: E402
 
@@ -164,3 +168,102 @@ async def test_a_spoken_turn_with_server_vad(served):
         assert types.index("input_audio_buffer.speech_started") < types.index("input_audio_buffer.committed")
         assert types.index("input_audio_buffer.committed") < types.index("response.created")
         check_reply(events, audio=True)
+
+
+# -- ephemeral keys and WebRTC calls, the OpenAI way --------------------------------------------------------
+
+
+async def test_client_secret_then_a_webrtc_call_and_hangup(served):
+    from aiortc import RTCPeerConnection, RTCSessionDescription
+    from openai.types.realtime import ClientSecretCreateResponse
+
+    server, client = served
+    secret = await client.realtime.client_secrets.with_raw_response.create(
+        expires_after={"anchor": "created_at", "seconds": 60},
+        session={"type": "realtime", "instructions": "Greet.", "audio": {"output": {"voice": "marin"}}},
+    )
+    body = ClientSecretCreateResponse.model_validate(json.loads(secret.text))  # the SDK's own model
+    assert body.value.startswith("ek_") and time.time() < body.expires_at <= time.time() + 61
+    assert body.session.audio.output.voice == "chelsie"  # marin, by the voice table
+
+    # The page's side: the key is its Bearer; the server's token never reaches it.
+    page = openai.AsyncOpenAI(api_key=body.value, base_url=client.base_url)
+    pc = RTCPeerConnection()
+    pc.addTransceiver("audio", direction="recvonly")
+    channel = pc.createDataChannel("oai-events")
+    events: asyncio.Queue = asyncio.Queue()
+    channel.on("message", lambda m: events.put_nowait(validate(m)))
+    heard: list = []
+
+    @pc.on("track")
+    def _track(track):
+        async def read():
+            with contextlib.suppress(Exception):
+                while True:
+                    heard.append(await track.recv())
+
+        asyncio.ensure_future(read())
+
+    await pc.setLocalDescription(await pc.createOffer())
+    raw = await page.realtime.calls.with_raw_response.create(
+        sdp=pc.localDescription.sdp, session={"type": "realtime", "output_modalities": ["audio"]}
+    )
+    assert raw.status_code == 201 and raw.headers["content-type"].startswith("application/sdp")
+    call_id = raw.headers["location"].rsplit("/", 1)[1]
+    assert raw.headers["location"] == f"/v1/realtime/calls/{call_id}"
+    assert set(candidate_addresses(raw.text)) == {"127.0.0.1"}
+    await pc.setRemoteDescription(RTCSessionDescription(sdp=raw.text, type="answer"))
+
+    async def next_event(type_: str) -> list[dict]:
+        seen = []
+        while not seen or seen[-1]["type"] != type_:
+            seen.append(await asyncio.wait_for(events.get(), 60))
+        return seen
+
+    created = (await next_event("session.created"))[-1]["session"]
+    assert created["instructions"] == "Greet." and created["audio"]["output"]["voice"] == "chelsie"
+    channel.send(json.dumps({"type": "response.create"}))  # a greeting: no user input
+    reply = await next_event("response.done")
+    check_reply(reply, audio=True)
+    await next_event("output_audio_buffer.stopped")
+    loud = [f for f in heard if np.abs(f.to_ndarray()).max() > 100]
+    assert loud, "no audio heard on the track"
+
+    await client.realtime.calls.hangup(call_id)
+    async with asyncio.timeout(10):
+        while server.peers:
+            await asyncio.sleep(0.05)
+    with pytest.raises(openai.NotFoundError):
+        await client.realtime.calls.hangup(call_id)
+    await pc.close()
+
+
+async def test_keys_that_are_expired_or_unknown_are_refused(served):
+    server, client = served
+    secret = await client.realtime.client_secrets.create()
+    server.rest.keys[secret.value] = dataclasses.replace(
+        server.rest.keys[secret.value], expires_at=int(time.time()) - 1
+    )
+    for key in (secret.value, "ek_unknown", "sk-wrong"):
+        other = openai.AsyncOpenAI(
+            api_key=key, base_url=client.base_url, websocket_base_url=client.websocket_base_url
+        )
+        with pytest.raises(openai.AuthenticationError):
+            await other.realtime.calls.create(sdp="v=0\r\n")
+        with pytest.raises(Exception, match="401"):
+            async with other.realtime.connect(model="tiny") as conn:
+                await conn.recv()
+        # A key never mints keys.
+        with pytest.raises(openai.AuthenticationError):
+            await other.realtime.client_secrets.create()
+    fresh = await client.realtime.client_secrets.create()
+    with pytest.raises(openai.AuthenticationError):
+        await openai.AsyncOpenAI(
+            api_key=fresh.value, base_url=client.base_url
+        ).realtime.client_secrets.create()
+    # A live key opens the WebSocket too.
+    live = openai.AsyncOpenAI(
+        api_key=fresh.value, base_url=client.base_url, websocket_base_url=client.websocket_base_url
+    )
+    async with live.realtime.connect(model="tiny") as conn:
+        assert (await recv(conn))["type"] == "session.created"

@@ -255,7 +255,12 @@ class Server:
             await ws.close(1013, "session limit")
             return
         secret = getattr(ws, "client_secret", None)
-        peer = Peer(self.engine, ws, self.settings.peer, session=secret.session if secret else None)
+        peer = Peer(
+            self.engine,
+            ws,
+            self.settings.peer,
+            sessions=[secret.session] if secret and secret.session else [],
+        )
         self.peers.add(peer)
         log.info(
             "%s opened from %s (%d/%d)",

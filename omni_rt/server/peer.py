@@ -93,15 +93,15 @@ class Peer:
         engine: Any,
         ws: ServerConnection | None,
         settings: PeerSettings,
-        session: protocol.SessionFields | None = None,
+        sessions: Sequence[protocol.SessionFields] = (),
     ) -> None:
         """`ws` None: a call (`POST /v1/realtime/calls`), whose events travel on its data channel alone
-        and which lives until it is hung up or its WebRTC connection ends. `session`: the initial
-        configuration (a client secret's, or the call's), applied before `session.created`."""
+        and which lives until it is hung up or its WebRTC connection ends. `sessions`: the initial
+        configuration (a client secret's, then the call's own over it), applied before `session.created`."""
         self.engine = engine
         self.ws = ws
         self.settings = settings
-        self._initial = session
+        self._initial = list(sessions)
         self._early: list[str] = []  # a call's events before its data channel opens
         self.session_id = protocol.new_id("sess")
         self.voice = settings.voice
@@ -233,9 +233,9 @@ class Peer:
         """Open the Session (once), configured as the initial session says. `OmniRtError`: no slot."""
         if self.session is not None:
             return
-        if self._initial is not None:
-            initial, self._initial = self._initial, None
-            self.configure(initial)
+        initial, self._initial = self._initial, []
+        for fields in initial:
+            self.configure(fields)
         await self._open_session()
 
     async def answer_call(self, sdp: str) -> str:

@@ -182,13 +182,13 @@ class RealtimeHttp:
                 HTTPStatus.UNAUTHORIZED, "a valid token or client secret is required", "invalid_api_key"
             )
         content_type = headers.get("Content-Type", "")
-        session = secret.session if secret is not None else None
+        sessions = [secret.session] if secret is not None and secret.session is not None else []
         try:
             if content_type.lower().startswith("multipart/form-data"):
                 fields = multipart_fields(content_type, body or b"")
                 sdp = fields.get("sdp", "")
-                if "session" in fields:
-                    session = protocol.SessionFields.model_validate_json(fields["session"])
+                if "session" in fields:  # over the key's configuration
+                    sessions.append(protocol.SessionFields.model_validate_json(fields["session"]))
             else:
                 sdp = (body or b"").decode("utf-8")
         except (ValueError, ValidationError) as exc:
@@ -197,8 +197,9 @@ class RealtimeHttp:
             return _error(
                 HTTPStatus.BAD_REQUEST, "an SDP offer is required (application/sdp, or 'sdp')", "invalid_sdp"
             )
-        if session is not None and (problem := self._session_problem(session)) is not None:
-            return _error(HTTPStatus.BAD_REQUEST, problem, "invalid_value")
+        for session in sessions:
+            if (problem := self._session_problem(session)) is not None:
+                return _error(HTTPStatus.BAD_REQUEST, problem, "invalid_value")
         if not self.server.has_room():
             return _error(
                 HTTPStatus.SERVICE_UNAVAILABLE,
@@ -206,7 +207,7 @@ class RealtimeHttp:
                 "session_limit",
                 "server_error",
             )
-        peer = Peer(self.server.engine, None, self.server.settings.peer, session=session)
+        peer = Peer(self.server.engine, None, self.server.settings.peer, sessions=sessions)
         self.server.peers.add(peer)
         try:
             await peer.open()

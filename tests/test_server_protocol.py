@@ -69,7 +69,9 @@ def test_parses_speech_input_events_and_turn_detection():
     assert (truncate.item_id, truncate.audio_end_ms) == ("item_1", 1500)
 
     def detection(session: dict):
-        return protocol.turn_detection_of(parse_client_event(json.dumps({"type": "session.update", "session": session})).session)
+        return protocol.turn_detection_of(
+            parse_client_event(json.dumps({"type": "session.update", "session": session})).session
+        )
 
     assert detection({"instructions": "x"}) == (False, None)  # not given: unchanged
     assert detection({"audio": {"input": {"turn_detection": None}}}) == (True, None)  # GA: off

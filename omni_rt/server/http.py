@@ -28,8 +28,11 @@ class BodyConnection(ServerConnection):
         super().__init__(*args, **kwargs)
         self._head = bytearray()
         self._passthrough = False
+        self._discard = False  # a request with a body was handed on: what follows is not websockets'
 
     def data_received(self, data: bytes) -> None:
+        if self._discard:
+            return  # the rest of a refused body, or bytes after one (the answer closes the connection)
         if self._passthrough:
             super().data_received(data)
             return
@@ -47,17 +50,18 @@ class BodyConnection(ServerConnection):
         if length < 0 or length > MAX_BODY_BYTES:
             self.body_error = "the request body is too large" if length > 0 else "a bad Content-Length"
             self.body = b""
-            self._pass(_without_length(head))  # process_request answers it (413 / 400)
+            self._pass(_without_length(head), discard=True)  # process_request answers it (413 / 400)
             return
         if len(rest) < length:
             return  # more of the body to come
         self.body = rest[:length]
-        self._pass(_without_length(head))
+        self._pass(_without_length(head), discard=True)
 
-    def _pass(self, data: bytes) -> None:
+    def _pass(self, data: bytes, discard: bool = False) -> None:
         self._passthrough = True
         self._head = bytearray()
         super().data_received(data)
+        self._discard = discard
 
 
 def _content_length(head: bytes) -> int | None:

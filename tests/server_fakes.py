@@ -78,8 +78,11 @@ class FakeSession:
         try:
             yield ResponseCreated(response_id=rid)
             words = (self.engine.reply or f"you said {text}").split()[:max_output_tokens]
+            # A scripted Thinker: (text, token ids) per delta, as the session streams them.
+            script = self.engine.script or [(w if i == 0 else " " + w, [i]) for i, w in enumerate(words)]
+            words = script[:max_output_tokens]
             phase = 0
-            for i, word in enumerate(words):
+            for i, (delta, token_ids) in enumerate(words):
                 if self._cancel.is_set():
                     status = "cancelled"
                     break
@@ -87,9 +90,8 @@ class FakeSession:
                 if self.engine.fail_after is not None and i >= self.engine.fail_after:
                     raise StageError("talker: simulated failure")
                 self.engine.steps += 1
-                delta = word if i == 0 else " " + word
                 ttft = ttft if ttft is not None else 1000 * (loop.time() - t0)
-                yield ResponseOutputTextDelta(response_id=rid, delta=delta, token_ids=[i])
+                yield ResponseOutputTextDelta(response_id=rid, delta=delta, token_ids=token_ids)
                 yield ResponseOutputAudioTranscriptDelta(response_id=rid, delta=delta)
                 n = FRAME * self.engine.frames_per_word
                 t = (phase + np.arange(n)) / RATE
@@ -142,6 +144,8 @@ class FakeEngine:
         self.audio_requests: list[tuple[np.ndarray, int]] = []  # (speech, its rate) of spoken turns
         self.sessions: list[FakeSession] = []
         self.voices: list[str] = []  # the voice of each response
+        self.script: list[tuple[str, list[int]]] | None = None  # replaces `reply`: the Thinker's deltas
+        self.instructions: list[str | None] = []  # of each session opened
         self.tokenizer = FakeTokenizer()
 
     def speaker_id(self, voice: str) -> int:
@@ -158,6 +162,7 @@ class FakeEngine:
         if self.open_sessions >= self.max_sessions:
             raise CapacityError("no free session slot")
         self.open_sessions += 1
+        self.instructions.append(instructions)
         s = FakeSession(self, voice, instructions, output_sample_rate)
         self.sessions.append(s)
         try:

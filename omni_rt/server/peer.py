@@ -39,7 +39,7 @@ from omni_rt.events import (
     InputAudioBufferSpeechStarted,
     InputAudioBufferSpeechStopped,
 )
-from omni_rt.server import protocol, webrtc
+from omni_rt.server import protocol, tools, webrtc
 from omni_rt.server.protocol import ProtocolError
 from omni_rt.server.responses import CancelReason, Response
 from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, InputRate, TurnDetection
@@ -57,6 +57,7 @@ AUDIO_QUEUE_SIZE = 256  # PCM chunks between the session and the track (a few se
 MAX_CHANNEL_BUFFERED = 8 * 1024 * 1024  # bytes a data channel may hold unsent before the peer is dropped
 SESSION_SAMPLE_RATE = 24000  # what socket clients receive (the model's own rate); the track makes 48 kHz
 KEPT_ITEMS = 64  # assistant items remembered for conversation.item.truncate
+KEPT_CONVERSATION_ITEMS = 512  # items remembered for conversation.item.retrieve / delete
 CLOSE_TIMEOUT_S = 2.0  # the close handshake; then the connection is cut
 _END = object()  # end of one response's audio in the audio queue
 
@@ -106,6 +107,8 @@ class Peer:
         self.session_id = protocol.new_id("sess")
         self.voice = settings.voice
         self.instructions = settings.instructions or ""
+        self.tools: list[tools.Tool] = []  # function calling: in the system turn (see tools.py)
+        self.tool_choice: tools.ToolChoice = "auto"
         self.output_modalities: list[str] = ["audio"]
         self.max_output_tokens: int | str = "inf"  # "inf": the server's limit
 
@@ -125,8 +128,11 @@ class Peer:
         # (response, pcm or _END, sample rate): the response rides along so a cancelled one is skipped.
         self._audio: asyncio.Queue[tuple[Response, Any, int]] = asyncio.Queue(AUDIO_QUEUE_SIZE)
 
-        self._pending_input: list[tuple[str, str]] = []  # (role, text) messages since the last response
-        self._pending_audio: list[np.ndarray] = []  # committed user speech (16 kHz) since then
+        # Input since the last response, by item id: (role, text) messages, committed speech (16 kHz).
+        self._pending_input: dict[str, tuple[str, str]] = {}
+        self._pending_audio: dict[str, np.ndarray] = {}
+        # The conversation's items as the client sees them, for retrieve and delete (the latest ones).
+        self._conversation: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._last_item_id: str | None = None
         self._response: Response | None = None
         self._respond_when_idle = False  # a VAD turn ended during a response: answer it after
@@ -284,10 +290,13 @@ class Peer:
     async def _open_session(self) -> None:
         stack = contextlib.AsyncExitStack()
         kwargs: dict[str, Any] = {"voice": self.voice, "output_sample_rate": SESSION_SAMPLE_RATE}
-        if self.instructions:
-            kwargs["instructions"] = self.instructions
+        if system := self._system_prompt():
+            kwargs["instructions"] = system
         self.session = await stack.enter_async_context(self.engine.session(**kwargs))
         self._session_stack = stack
+
+    def _system_prompt(self) -> str:
+        return tools.system_prompt(self.instructions, self.tools, self.tool_choice)
 
     def session_object(self) -> dict[str, Any]:
         return protocol.session_object(
@@ -427,6 +436,10 @@ class Peer:
                 self.send(InputAudioBufferCleared().to_wire())
             case protocol.ConversationItemTruncate():
                 self._on_item_truncate(event)
+            case protocol.ConversationItemRetrieve():
+                self._on_item_retrieve(event)
+            case protocol.ConversationItemDelete():
+                self._on_item_delete(event)
 
     def configure(self, s: protocol.SessionFields, event_id: str | None = None) -> bool:
         """Apply a session configuration (all of it, or nothing: `ProtocolError`). True when the voice
@@ -439,13 +452,18 @@ class Peer:
                 exc.param, exc.event_id = "session.audio.output.voice", event_id
                 raise
         instructions = s.instructions
-        changed = (voice is not None and voice != self.voice) or (
-            instructions is not None and instructions != self.instructions
+        new_tools = self.tools if s.tools is None else list(s.tools)
+        choice = self.tool_choice if s.tool_choice is None else s.tool_choice
+        changed = (
+            (voice is not None and voice != self.voice)
+            or (instructions is not None and instructions != self.instructions)
+            or new_tools != self.tools
+            or choice != self.tool_choice
         )
         if changed and self._response is not None:
             raise ProtocolError(
                 "conversation_already_has_active_response",
-                "voice and instructions cannot change while a response is in progress",
+                "voice, instructions and tools cannot change while a response is in progress",
                 event_id=event_id,
             )
         given, detection = protocol.turn_detection_of(s)
@@ -459,6 +477,7 @@ class Peer:
             self.max_output_tokens = s.max_output_tokens
         self.voice = voice or self.voice
         self.instructions = instructions if instructions is not None else self.instructions
+        self.tools, self.tool_choice = new_tools, choice
         return changed
 
     async def _on_session_update(self, event: protocol.SessionUpdate) -> None:
@@ -488,11 +507,11 @@ class Peer:
                 event_id=event.event_id,
             )
         try:
-            text = protocol.message_text(item)
+            role, text = protocol.item_turn(item)
         except ProtocolError as exc:
             exc.event_id = event.event_id
             raise
-        pending = sum(len(t) for _, t in self._pending_input) + len(text)
+        pending = sum(len(t) for _, t in self._pending_input.values()) + len(text)
         if pending > self.settings.max_pending_text_chars:
             raise ProtocolError(
                 "pending_input_full",
@@ -501,11 +520,55 @@ class Peer:
                 event_id=event.event_id,
             )
         item_id = item.id or protocol.new_id("item")
-        self._pending_input.append((item.role, text))
-        wire = protocol.item_object(item_id, item.role, text)
+        if item_id in self._conversation:
+            raise ProtocolError(
+                "invalid_value", f"the conversation already has an item {item_id!r}", param="item.id",
+                event_id=event.event_id,
+            )  # fmt: skip
+        self._pending_input[item_id] = (role, text)
+        self._add_item(protocol.item_wire(item, item_id, text))
+
+    def _add_item(self, wire: dict[str, Any]) -> None:
+        """An item joins the end of the conversation: echoed, remembered, the new last item."""
         self.send(protocol.conversation_item_added(wire, self._last_item_id))
         self.send(protocol.conversation_item_done(wire, self._last_item_id))
-        self._last_item_id = item_id
+        self._remember(wire)
+
+    def _remember(self, wire: dict[str, Any]) -> None:
+        self._conversation[wire["id"]] = wire
+        while len(self._conversation) > KEPT_CONVERSATION_ITEMS:
+            self._conversation.popitem(last=False)
+        self._last_item_id = wire["id"]
+
+    def _on_item_retrieve(self, event: protocol.ConversationItemRetrieve) -> None:
+        item = self._conversation.get(event.item_id)
+        if item is None:
+            raise ProtocolError(
+                "invalid_value", f"no item {event.item_id!r}", param="item_id", event_id=event.event_id
+            )
+        self.send(protocol.conversation_item_retrieved(item))
+
+    def _on_item_delete(self, event: protocol.ConversationItemDelete) -> None:
+        """Input not yet answered can be taken back; what a response has read is in the model's
+        context (its KV cache), which is not rewritten."""
+        item_id = event.item_id
+        if item_id not in self._pending_input and item_id not in self._pending_audio:
+            known = item_id in self._conversation
+            raise ProtocolError(
+                "item_delete_unsupported" if known else "invalid_value",
+                f"item {item_id!r} is in the model's context already: only items added since the last "
+                "response can be deleted"
+                if known
+                else f"no item {item_id!r}",
+                param="item_id",
+                event_id=event.event_id,
+            )
+        self._pending_input.pop(item_id, None)
+        self._pending_audio.pop(item_id, None)
+        del self._conversation[item_id]
+        if self._last_item_id == item_id:
+            self._last_item_id = next(reversed(self._conversation), None)
+        self.send(protocol.conversation_item_deleted(item_id))
 
     def _on_response_create(self, event: protocol.ResponseCreate) -> None:
         if self._response is not None:
@@ -521,7 +584,30 @@ class Peer:
             except ProtocolError as exc:
                 exc.param, exc.event_id = "response.audio.output.voice", event.event_id
                 raise
-        if self._pending_audio and any(role != "user" for role, _ in self._pending_input):
+        # What a response cannot do here: the Session's one conversation is its KV cache, and its
+        # system turn (instructions, tools) is fixed when it opens (docs/protocol.md, differences).
+        for name, refused in (
+            ("conversation", fields.conversation == "none"),
+            ("input", "input" in (fields.model_extra or {})),
+            ("tools", fields.tools is not None or fields.tool_choice is not None),
+        ):
+            if refused:
+                raise ProtocolError(
+                    "unsupported_value",
+                    f"response.{name} is not supported: responses answer the one conversation; "
+                    + ("set tools with session.update" if name == "tools" else "add input as items"),
+                    param=f"response.{name}",
+                    event_id=event.event_id,
+                )
+        if fields.instructions and self._pending_audio:
+            raise ProtocolError(
+                "invalid_value",
+                "response.instructions become a system turn before the reply, which a spoken turn "
+                "cannot carry: send them with a text turn, or use session.update",
+                param="response.instructions",
+                event_id=event.event_id,
+            )
+        if self._pending_audio and any(role != "user" for role, _ in self._pending_input.values()):
             raise ProtocolError(
                 "invalid_value",
                 "a spoken turn is answered with the user text beside it; system and assistant messages "
@@ -534,8 +620,10 @@ class Peer:
         """Answer the conversation as it stands: what was added since the last response (user text and
         speech in one user turn; system and assistant messages as their own turns), or nothing new."""
         fields = fields or protocol.ResponseFields()
-        messages = list(self._pending_input)
-        audio = np.concatenate(self._pending_audio) if self._pending_audio else None
+        messages = list(self._pending_input.values())
+        if fields.instructions:  # a system turn just before the reply (it stays in the context)
+            messages.append(("system", fields.instructions))
+        audio = np.concatenate(list(self._pending_audio.values())) if self._pending_audio else None
         text = prompt = None
         if audio is not None or (messages and all(role == "user" for role, _ in messages)):
             text = "\n".join(t for _, t in messages) or None  # the Session adds the chat template
@@ -562,6 +650,7 @@ class Peer:
             send=self.send,
             metadata=fields.metadata,
             previous_item_id=self._last_item_id,
+            tools=self._tool_parser(),
         )
         self._response = response
         self._items[response.item_id] = response
@@ -569,12 +658,17 @@ class Peer:
             self._items.popitem(last=False)
         response.task = self._spawn(self._run_response(response, text, audio, prompt), "response")
 
+    def _tool_parser(self) -> tools.ToolCallParser | None:
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return tools.ToolCallParser(frozenset(t.name for t in self.tools))
+
     def _prompt(self, messages: list[tuple[str, str]]) -> list[int]:
         """The prompt of a reply whose new turns the Session's `text=` cannot say (system or assistant
         messages, or no new input at all): chat-formatted by the engine's tokenizer, ending with the
         assistant header. The first turn of a session carries its instructions, as `text=` would."""
-        if not self.session.conversation and self.instructions:
-            messages = [("system", self.instructions), *messages]
+        if not self.session.conversation and (system := self._system_prompt()):
+            messages = [("system", system), *messages]
         return self.engine.tokenizer.chat_prompt(messages)
 
     async def _on_response_cancel(self, event: protocol.ResponseCancel) -> None:
@@ -722,7 +816,7 @@ class Peer:
 
     def _commit_turn(self, turn: Turn) -> None:
         """The turn's audio becomes a user item, waiting for the next response like user text."""
-        pending = sum(map(len, self._pending_audio)) + len(turn.audio)
+        pending = sum(map(len, self._pending_audio.values())) + len(turn.audio)
         if pending > self.settings.max_pending_audio_ms * SPEECH_RATE // 1000:
             self._input_item_id = None
             raise ProtocolError(
@@ -735,11 +829,8 @@ class Peer:
         self._input_full_reported = False
         previous = self._last_item_id
         self.send(InputAudioBufferCommitted(item_id=item_id, previous_item_id=previous).to_wire())
-        item = protocol.input_audio_item(item_id)
-        self.send(protocol.conversation_item_added(item, previous))
-        self.send(protocol.conversation_item_done(item, previous))
-        self._last_item_id = item_id
-        self._pending_audio.append(turn.audio)
+        self._add_item(protocol.input_audio_item(item_id))
+        self._pending_audio[item_id] = turn.audio
 
     def _max_tokens(self, asked: int | str | None = None) -> int:
         """A response's token limit: what it asks for, else the session's, never over the server's."""
@@ -802,11 +893,11 @@ class Peer:
                 elif response.id is None:
                     continue  # nothing precedes response.created in a well-formed stream
                 elif kind == "response.output_text.delta":
-                    response.text_delta(ev.delta)
+                    response.text_delta(ev.delta, ev.token_ids)
                 elif kind == "response.output_audio_transcript.delta":
                     response.transcript_delta(ev.delta)
                 elif kind == "response.output_audio.delta":
-                    if not response.audio or response.cancelled:
+                    if not response.audio or response.cancelled or not response.speaking:
                         continue
                     response.audio_ms += 1000.0 * len(ev.pcm) / ev.sample_rate
                     if use_track:
@@ -817,7 +908,7 @@ class Peer:
                         for start in range(0, len(ev.pcm), step):
                             response.audio_delta(ev.pcm[start : start + step])
                 elif kind == "response.output_audio.done":
-                    if response.audio and not response.cancelled:
+                    if response.audio and not response.cancelled and response.speaking:
                         if use_track:
                             await self._audio.put((response, _END, 0))
                         response.audio_done()
@@ -825,8 +916,9 @@ class Peer:
                     self.send(protocol.error(_session_error(ev)))
                 elif kind == "response.done":
                     response.done(ev)
-                    if response.in_conversation and response.item is not None:
-                        self._last_item_id = response.item_id
+                    if response.in_conversation:
+                        for item in response.output_items():
+                            self._remember(item)
         except asyncio.CancelledError:
             raise
         except OmniRtError as exc:

@@ -13,7 +13,9 @@ import secrets
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from omni_rt.server.tools import ToolChoice, Tools, tool_call_text, tool_response
 
 MAX_MESSAGE_BYTES = 256 * 1024  # an SDP offer is a few kB; a text message far less
 MAX_TEXT_CHARS = 16_000  # one user message
@@ -127,6 +129,8 @@ class SessionFields(BaseModel):
     output_modalities: list[Literal["audio", "text"]] | None = Field(default=None, min_length=1)
     audio: AudioConfig | None = None
     max_output_tokens: TokenLimit | None = None
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
     # Older (beta) clients send these flat.
     voice: str | None = Field(default=None, min_length=1, max_length=64)
     modalities: list[Literal["audio", "text"]] | None = Field(default=None, min_length=1)
@@ -156,11 +160,28 @@ class ContentPart(BaseModel):
 
 
 class Item(BaseModel):
+    """A message (its role and content), a function call the assistant made (`call_id`, `name`,
+    `arguments`), or its result (`call_id`, `output`)."""
+
     model_config = ConfigDict(extra="allow")
     id: str | None = Field(default=None, max_length=64)
-    type: Literal["message"] = "message"
+    type: Literal["message", "function_call", "function_call_output"] = "message"
     role: Literal["user", "system", "assistant"] = "user"
-    content: list[ContentPart] = Field(min_length=1, max_length=64)
+    content: list[ContentPart] = Field(default_factory=list, max_length=64)
+    call_id: str | None = Field(default=None, min_length=1, max_length=64)
+    name: str | None = Field(default=None, min_length=1, max_length=64)
+    arguments: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+    output: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+
+    @model_validator(mode="after")
+    def _complete(self) -> Item:
+        if self.type == "message" and not self.content:
+            raise ValueError("a message needs content")
+        if self.type == "function_call" and (self.call_id is None or self.name is None):
+            raise ValueError("a function_call needs call_id and name")
+        if self.type == "function_call_output" and (self.call_id is None or self.output is None):
+            raise ValueError("a function_call_output needs call_id and output")
+        return self
 
 
 class ConversationItemCreate(_Event):
@@ -180,6 +201,9 @@ class ResponseFields(BaseModel):
     max_output_tokens: TokenLimit | None = None
     metadata: Metadata | None = Field(default=None, max_length=16)
     audio: AudioConfig | None = None
+    conversation: Literal["auto", "none"] = "auto"
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
 
     @property
     def voice(self) -> str | None:
@@ -243,7 +267,19 @@ class ConversationItemTruncate(_Event):
     audio_end_ms: int = Field(ge=0)
 
 
+class ConversationItemRetrieve(_Event):
+    type: Literal["conversation.item.retrieve"]
+    item_id: str = Field(min_length=1, max_length=64)
+
+
+class ConversationItemDelete(_Event):
+    type: Literal["conversation.item.delete"]
+    item_id: str = Field(min_length=1, max_length=64)
+
+
 CLIENT_EVENTS: dict[str, type[_Event]] = {
+    "conversation.item.retrieve": ConversationItemRetrieve,
+    "conversation.item.delete": ConversationItemDelete,
     "session.update": SessionUpdate,
     "conversation.item.create": ConversationItemCreate,
     "response.create": ResponseCreate,
@@ -301,6 +337,33 @@ def message_text(item: Item) -> str:
             param="item.content",
         )
     return "\n".join(texts)
+
+
+def item_turn(item: Item) -> tuple[str, str]:
+    """(role, text) of an item as a turn of the chat template: a function's result is a user turn
+    (`<tool_response>`), a call the assistant's turn that made it."""
+    if item.type == "function_call_output":
+        return "user", tool_response(item.output or "")
+    if item.type == "function_call":
+        try:
+            arguments = json.loads(item.arguments or "{}")
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise ProtocolError("invalid_value", "arguments must be a JSON object", param="item.arguments")
+        return "assistant", tool_call_text(item.name or "", json.dumps(arguments))
+    return item.role, message_text(item)
+
+
+def item_wire(item: Item, item_id: str, text: str) -> dict[str, Any]:
+    """The item as the server echoes it (`conversation.item.added` / `.done` / `.retrieved`)."""
+    if item.type == "function_call_output":
+        return function_call_output_item(item_id, item.call_id or "", item.output or "")
+    if item.type == "function_call":
+        return function_call_item(
+            item_id, item.call_id or "", item.name or "", item.arguments or "{}", "completed"
+        )
+    return item_object(item_id, item.role, text)
 
 
 # -- server → client ---------------------------------------------------------------------------------
@@ -412,6 +475,14 @@ def conversation_item_truncated(item_id: str, content_index: int, audio_end_ms: 
     )
 
 
+def conversation_item_retrieved(item: dict[str, Any]) -> dict[str, Any]:
+    return _event("conversation.item.retrieved", item=item)
+
+
+def conversation_item_deleted(item_id: str) -> dict[str, Any]:
+    return _event("conversation.item.deleted", item_id=item_id)
+
+
 def conversation_item_added(item: dict[str, Any], previous_item_id: str | None) -> dict[str, Any]:
     return _event("conversation.item.added", previous_item_id=previous_item_id, item=item)
 
@@ -491,8 +562,51 @@ def response_done(response: dict[str, Any]) -> dict[str, Any]:
     return _event("response.done", response=response)
 
 
-def output_item(kind: Literal["added", "done"], response_id: str, item: dict[str, Any]) -> dict[str, Any]:
-    return _event(f"response.output_item.{kind}", response_id=response_id, output_index=0, item=item)
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "function_call",
+        "status": status,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+    }
+
+
+def function_call_output_item(item_id: str, call_id: str, output: str) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "object": "realtime.item",
+        "type": "function_call_output",
+        "status": "completed",
+        "call_id": call_id,
+        "output": output,
+    }
+
+
+def function_call_arguments(
+    kind: Literal["delta", "done"], response_id: str, item: dict[str, Any], output_index: int
+) -> dict[str, Any]:
+    fields = {
+        "response_id": response_id,
+        "item_id": item["id"],
+        "output_index": output_index,
+        "call_id": item["call_id"],
+    }
+    if kind == "delta":
+        return _event("response.function_call_arguments.delta", **fields, delta=item["arguments"])
+    return _event(
+        "response.function_call_arguments.done", **fields, name=item["name"], arguments=item["arguments"]
+    )
+
+
+def output_item(
+    kind: Literal["added", "done"], response_id: str, item: dict[str, Any], output_index: int = 0
+) -> dict[str, Any]:
+    return _event(
+        f"response.output_item.{kind}", response_id=response_id, output_index=output_index, item=item
+    )
 
 
 def content_part(

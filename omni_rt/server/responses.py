@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from omni_rt.server import protocol
+from omni_rt.server.tools import BadToolCall, ToolCallParser
 
 CancelReason = Literal["client_cancelled", "turn_detected"]
 
@@ -48,8 +49,12 @@ class Response:
     text: list[str] = field(default_factory=list)
     audio_ms: float = 0.0  # audio the session made for it
     played_ms: float | None = None  # what the client played (conversation.item.truncate, or the track)
-    item: dict[str, Any] | None = None  # the closed assistant item, once done
+    item: dict[str, Any] | None = None  # the closed assistant message, once done
+    tools: ToolCallParser | None = None  # the session's tools: <tool_call>s become function calls
+    calls: list[dict[str, Any]] = field(default_factory=list)  # function_call items made
+    failed: str | None = None  # a malformed tool call: the response fails (closed)
     _item_open: bool = False
+    _message_previous: str | None = None
     _audio_done: bool = False
     _ended: bool = False
 
@@ -75,13 +80,26 @@ class Response:
             protocol.response_created(protocol.response_object(response_id, "in_progress", echo=self.echo()))
         )
 
-    def text_delta(self, delta: str) -> None:
+    @property
+    def speaking(self) -> bool:
+        """False once a tool call began: from there nothing of the reply is said or shown."""
+        return self.tools is None or not self.tools.calling
+
+    def text_delta(self, delta: str, token_ids: list[int] | None = None) -> None:
+        if self.tools is not None:
+            delta, calls = self.tools.feed(delta, token_ids or [])
+            for call in calls:
+                self._call(call)
+            if not delta:
+                return
         self.text.append(delta)
         if "text" in self.modalities and delta:  # a token may end mid-character: no text yet
             self._open_item()
             self.send(protocol.text_delta(self.id, self.item_id, delta))
 
     def transcript_delta(self, delta: str) -> None:
+        if not self.speaking:
+            return
         self.transcript.append(delta)
         if self.audio and delta:
             self._open_item()
@@ -103,10 +121,13 @@ class Response:
 
     def done(self, ev: Any) -> None:
         """The session's response.done: close what is open, then the response, with its outcome."""
+        if self.tools is not None:
+            for bad in self.tools.end():
+                self._call(bad)
         status, details = self._outcome(ev)
-        if status == "completed":
+        if status == "completed" and not self.calls:
             self._open_item()  # an empty reply is still the assistant's turn
-        output = self._close_item("completed" if status == "completed" else "incomplete")
+        output = self._close_item("completed" if status == "completed" else "incomplete") + self.calls
         self._ended = True
         self.send(
             protocol.response_done(
@@ -128,7 +149,7 @@ class Response:
             return
         status = "cancelled" if self.cancelled else "failed"
         details = self._details(status, None)
-        output = self._close_item("incomplete")
+        output = self._close_item("incomplete") + self.calls
         self._ended = True
         self.send(
             protocol.response_done(
@@ -142,11 +163,40 @@ class Response:
         if self._item_open or self.id is None:
             return
         self._item_open = True
+        self._message_previous, self.previous_item_id = self.previous_item_id, self.item_id
         item = protocol.assistant_item(self.item_id, "in_progress", self.audio, None)
         self.send(protocol.output_item("added", self.id, item))
         if self.in_conversation:
-            self.send(protocol.conversation_item_added(item, self.previous_item_id))
+            self.send(protocol.conversation_item_added(item, self._message_previous))
         self.send(protocol.content_part("added", self.id, self.item_id, self.audio, ""))
+
+    def _call(self, call: Any) -> None:
+        """A tool call the reply made: a function_call item, announced and closed at once (its
+        arguments are whole only at `</tool_call>`); a malformed one is an error and fails the reply."""
+        if isinstance(call, BadToolCall):
+            self.failed = call.message
+            self.send(
+                protocol.error(protocol.ProtocolError("invalid_tool_call", call.message, type="server_error"))
+            )
+            return
+        index = int(self._item_open or self.item is not None) + len(self.calls)
+        item_id, call_id = protocol.new_id("item"), protocol.new_id("call")
+        item = protocol.function_call_item(item_id, call_id, call.name, call.arguments, "in_progress")
+        self.send(protocol.output_item("added", self.id, {**item, "arguments": ""}, index))
+        if self.in_conversation:
+            self.send(protocol.conversation_item_added({**item, "arguments": ""}, self.previous_item_id))
+        self.send(protocol.function_call_arguments("delta", self.id, item, index))
+        self.send(protocol.function_call_arguments("done", self.id, item, index))
+        done = {**item, "status": "completed"}
+        self.send(protocol.output_item("done", self.id, done, index))
+        if self.in_conversation:
+            self.send(protocol.conversation_item_done(done, self.previous_item_id))
+        self.previous_item_id = item_id
+        self.calls.append(done)
+
+    def output_items(self) -> list[dict[str, Any]]:
+        """The reply's items, in conversation order: its message (if it spoke), then its calls."""
+        return ([self.item] if self.item is not None else []) + self.calls
 
     def _close_item(self, status: str) -> list[dict[str, Any]]:
         """Close the item (if it was announced): the done events in order; returns the response output."""
@@ -162,7 +212,7 @@ class Response:
         item = protocol.assistant_item(self.item_id, status, self.audio, text)
         self.send(protocol.output_item("done", self.id, item))
         if self.in_conversation:
-            self.send(protocol.conversation_item_done(item, self.previous_item_id))
+            self.send(protocol.conversation_item_done(item, self._message_previous))
         self._item_open = False
         self.item = item
         return [item]
@@ -173,6 +223,11 @@ class Response:
     def _outcome(self, ev: Any) -> tuple[str, dict[str, Any] | None]:
         status = ev.status
         error = getattr(ev, "error", None)
+        if self.failed is not None and status == "completed":
+            return "failed", {
+                "type": "failed",
+                "error": {"type": "server_error", "code": "invalid_tool_call"},
+            }
         if status == "completed" and ev.usage is not None and ev.usage.output_tokens >= self.max_tokens:
             status = "incomplete"  # stopped by the token limit, not by the model
         return status, self._details(status, error)

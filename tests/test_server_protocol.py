@@ -13,6 +13,7 @@ pytest.importorskip("websockets")
 import websockets  # noqa: E402
 from server_fakes import FakeEngine, user_message  # noqa: E402
 
+from omni_rt import wire  # noqa: E402
 from omni_rt.server import protocol  # noqa: E402
 from omni_rt.server.app import Server, ServerSettings  # noqa: E402
 from omni_rt.server.peer import PeerSettings  # noqa: E402
@@ -186,7 +187,7 @@ def test_error_event_shape():
 
 def test_audio_delta_is_base64_little_endian_pcm16():
     pcm = np.array([0, 1, -1, 32767, -32768], dtype=np.int16)
-    ev = protocol.audio_delta("resp_1", "item_1", pcm)
+    ev = wire.audio_delta("resp_1", "item_1", pcm)
     raw = base64.b64decode(ev["delta"])
     assert raw == b"\x00\x00\x01\x00\xff\xff\xff\x7f\x00\x80"
     assert ev["response_id"] == "resp_1" and ev["item_id"] == "item_1"
@@ -195,9 +196,9 @@ def test_audio_delta_is_base64_little_endian_pcm16():
 def test_metrics_keep_only_numbers():
     from omni_rt.events import Metrics
 
-    m = protocol.metrics_dict(Metrics(ttft_ms=12.5, ttfa_ms=40.0))
+    m = wire.metrics_dict(Metrics(ttft_ms=12.5, ttfa_ms=40.0))
     assert m["ttft_ms"] == 12.5 and m["ttfa_ms"] == 40.0 and m["total_ms"] is None
-    assert protocol.metrics_dict(None) == {}
+    assert wire.metrics_dict(None) == {}
 
 
 # -- a session over the socket -------------------------------------------------------------------------------

@@ -31,14 +31,9 @@ import numpy as np
 from aiortc import RTCPeerConnection
 from aiortc.mediastreams import MediaStreamError
 
+from omni_rt import wire
 from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn
 from omni_rt.errors import OmniRtError
-from omni_rt.events import (
-    InputAudioBufferCleared,
-    InputAudioBufferCommitted,
-    InputAudioBufferSpeechStarted,
-    InputAudioBufferSpeechStopped,
-)
 from omni_rt.server import protocol, tools, webrtc
 from omni_rt.server.protocol import ProtocolError
 from omni_rt.server.responses import CancelReason, Response
@@ -104,7 +99,7 @@ class Peer:
         self.settings = settings
         self._initial = list(sessions)
         self._early: list[str] = []  # a call's events before its data channel opens
-        self.session_id = protocol.new_id("sess")
+        self.session_id = wire.new_id("sess")
         self.voice = settings.voice
         self.instructions = settings.instructions or ""
         self.tools: list[tools.Tool] = []  # function calling: in the system turn (see tools.py)
@@ -163,7 +158,7 @@ class Peer:
                     ProtocolError("session_unavailable", str(exc), type="server_error"), 1013
                 )
                 return
-            self.send(protocol.session_created(self.session_object()))
+            self.send(wire.session_created(self.session_object()))
             if self.ws is not None:
                 self._spawn(self._read_socket(), "socket reader")
             while (item := await self._inbox.get()) is not None:
@@ -299,7 +294,7 @@ class Peer:
         return tools.system_prompt(self.instructions, self.tools, self.tool_choice)
 
     def session_object(self) -> dict[str, Any]:
-        return protocol.session_object(
+        return wire.session_object(
             self.session_id,
             self.settings.model,
             self.voice,
@@ -415,7 +410,7 @@ class Peer:
                     )
                 answer = await self._on_offer(event)
                 # Signaling goes on the socket: the data channel does not exist until this answer lands.
-                self._send_socket(json.dumps(protocol.webrtc_answer(answer)))
+                self._send_socket(json.dumps(wire.webrtc_answer(answer)))
             case protocol.SessionUpdate():
                 await self._on_session_update(event)
             case protocol.ConversationItemCreate():
@@ -433,7 +428,7 @@ class Peer:
             case protocol.InputAudioBufferClear():
                 self.input.clear()
                 self._input_item_id = None
-                self.send(InputAudioBufferCleared().to_wire())
+                self.send(wire.cleared())
             case protocol.ConversationItemTruncate():
                 self._on_item_truncate(event)
             case protocol.ConversationItemRetrieve():
@@ -492,7 +487,7 @@ class Peer:
                 raise ProtocolError(
                     "session_unavailable", str(exc), type="server_error", event_id=event.event_id, fatal=True
                 ) from None
-        self.send(protocol.session_updated(self.session_object()))
+        self.send(wire.session_updated(self.session_object()))
         if self._respond_when_idle and self._response is None:
             self._start_response()
 
@@ -519,7 +514,7 @@ class Peer:
                 f"response ({pending} with this message): send response.create, or a shorter message",
                 event_id=event.event_id,
             )
-        item_id = item.id or protocol.new_id("item")
+        item_id = item.id or wire.new_id("item")
         if item_id in self._conversation:
             raise ProtocolError(
                 "invalid_value", f"the conversation already has an item {item_id!r}", param="item.id",
@@ -528,17 +523,17 @@ class Peer:
         self._pending_input[item_id] = (role, text)
         self._add_item(protocol.item_wire(item, item_id, text))
 
-    def _add_item(self, wire: dict[str, Any]) -> None:
+    def _add_item(self, item: dict[str, Any]) -> None:
         """An item joins the end of the conversation: echoed, remembered, the new last item."""
-        self.send(protocol.conversation_item_added(wire, self._last_item_id))
-        self.send(protocol.conversation_item_done(wire, self._last_item_id))
-        self._remember(wire)
+        self.send(wire.conversation_item_added(item, self._last_item_id))
+        self.send(wire.conversation_item_done(item, self._last_item_id))
+        self._remember(item)
 
-    def _remember(self, wire: dict[str, Any]) -> None:
-        self._conversation[wire["id"]] = wire
+    def _remember(self, item: dict[str, Any]) -> None:
+        self._conversation[item["id"]] = item
         while len(self._conversation) > KEPT_CONVERSATION_ITEMS:
             self._conversation.popitem(last=False)
-        self._last_item_id = wire["id"]
+        self._last_item_id = item["id"]
 
     def _on_item_retrieve(self, event: protocol.ConversationItemRetrieve) -> None:
         item = self._conversation.get(event.item_id)
@@ -546,7 +541,7 @@ class Peer:
             raise ProtocolError(
                 "invalid_value", f"no item {event.item_id!r}", param="item_id", event_id=event.event_id
             )
-        self.send(protocol.conversation_item_retrieved(item))
+        self.send(wire.conversation_item_retrieved(item))
 
     def _on_item_delete(self, event: protocol.ConversationItemDelete) -> None:
         """Input not yet answered can be taken back; what a response has read is in the model's
@@ -568,7 +563,7 @@ class Peer:
         del self._conversation[item_id]
         if self._last_item_id == item_id:
             self._last_item_id = next(reversed(self._conversation), None)
-        self.send(protocol.conversation_item_deleted(item_id))
+        self.send(wire.conversation_item_deleted(item_id))
 
     def _on_response_create(self, event: protocol.ResponseCreate) -> None:
         if self._response is not None:
@@ -637,9 +632,9 @@ class Peer:
             # conversation has moved on, so its unplayed audio goes rather than delaying the new reply.
             playing = self.track.response_id
             self._drop_queued_audio()
-            self.send(protocol.output_audio_buffer("cleared", playing))
+            self.send(wire.output_audio_buffer("cleared", playing))
         response = Response(
-            item_id=protocol.new_id("item"),
+            item_id=wire.new_id("item"),
             modalities=list(
                 dict.fromkeys(fields.output_modalities or fields.modalities or self.output_modalities)
             ),
@@ -705,7 +700,7 @@ class Peer:
             self._record_played(next((r for r in self._items.values() if r.id == playing), None))
         self._drop_queued_audio()
         if playing is not None:
-            self.send(protocol.output_audio_buffer("cleared", playing))
+            self.send(wire.output_audio_buffer("cleared", playing))
 
     def _record_played(self, response: Response | None) -> None:
         """A reply cut off on the track: the client heard what was sent of it, and the item says so,
@@ -714,7 +709,7 @@ class Peer:
         if response is None or track is None or track.response_id is None or track.response_id != response.id:
             return
         response.played_ms = track.response_frames * 1000.0 * FRAME_SAMPLES / TRACK_RATE
-        self.send(protocol.conversation_item_truncated(response.item_id, 0, round(response.played_ms)))
+        self.send(wire.conversation_item_truncated(response.item_id, 0, round(response.played_ms)))
 
     async def _cancel_session(self, session: Any, event_id: str | None = None) -> None:
         try:
@@ -740,7 +735,7 @@ class Peer:
 
     def _on_audio_append(self, event: protocol.InputAudioBufferAppend) -> None:
         self.input_audio_frames += 1
-        ms = len(event.audio) * 3 / 4 / 2 * 1000 / protocol.INPUT_SAMPLE_RATE  # before decoding it
+        ms = len(event.audio) * 3 / 4 / 2 * 1000 / wire.INPUT_SAMPLE_RATE  # before decoding it
         if not self._input_rate.take(ms):
             raise ProtocolError(
                 "rate_limited",
@@ -749,7 +744,7 @@ class Peer:
                 event_id=event.event_id,
             )
         try:
-            self._on_input_events(self.input.push(event.pcm(), protocol.INPUT_SAMPLE_RATE))
+            self._on_input_events(self.input.push(event.pcm(), wire.INPUT_SAMPLE_RATE))
         except ProtocolError as exc:
             exc.event_id = event.event_id
             raise
@@ -780,20 +775,14 @@ class Peer:
         detection = self.turn_detection
         for ev in events:
             if isinstance(ev, SpeechStarted):
-                self._input_item_id = protocol.new_id("item")
-                self.send(
-                    InputAudioBufferSpeechStarted(
-                        audio_start_ms=ev.audio_start_ms, item_id=self._input_item_id
-                    ).to_wire()
-                )
+                self._input_item_id = wire.new_id("item")
+                self.send(wire.speech_started(ev.audio_start_ms, self._input_item_id))
                 if detection is not None and detection.interrupt_response:
                     self._interrupt("turn_detected")
             elif isinstance(ev, SpeechStopped):
-                item_id = self._input_item_id or protocol.new_id("item")
+                item_id = self._input_item_id or wire.new_id("item")
                 self._input_item_id = item_id
-                self.send(
-                    InputAudioBufferSpeechStopped(audio_end_ms=ev.audio_end_ms, item_id=item_id).to_wire()
-                )
+                self.send(wire.speech_stopped(ev.audio_end_ms, item_id))
             else:
                 try:
                     self._commit_turn(ev)
@@ -824,12 +813,12 @@ class Peer:
                 f"at most {self.settings.max_pending_audio_ms / 1000:g} s of speech wait for a response: "
                 "send response.create; this turn is dropped",
             )
-        item_id = self._input_item_id or protocol.new_id("item")
+        item_id = self._input_item_id or wire.new_id("item")
         self._input_item_id = None
         self._input_full_reported = False
         previous = self._last_item_id
-        self.send(InputAudioBufferCommitted(item_id=item_id, previous_item_id=previous).to_wire())
-        self._add_item(protocol.input_audio_item(item_id))
+        self.send(wire.committed(item_id, previous))
+        self._add_item(wire.input_audio_item(item_id))
         self._pending_audio[item_id] = turn.audio
 
     def _max_tokens(self, asked: int | str | None = None) -> int:
@@ -859,9 +848,7 @@ class Peer:
                 event_id=event.event_id,
             )
         response.played_ms = float(event.audio_end_ms)
-        self.send(
-            protocol.conversation_item_truncated(event.item_id, event.content_index, event.audio_end_ms)
-        )
+        self.send(wire.conversation_item_truncated(event.item_id, event.content_index, event.audio_end_ms))
 
     # -- responses --------------------------------------------------------------------------------------
 
@@ -950,7 +937,7 @@ class Peer:
         self._record_played(response)
         self._drop_queued_audio()
         if response.id is not None and self.track is not None:
-            self.send(protocol.output_audio_buffer("cleared", response.id))
+            self.send(wire.output_audio_buffer("cleared", response.id))
         return True
 
     def _drop_queued_audio(self) -> None:
@@ -1063,10 +1050,10 @@ class Peer:
                 return
 
     def _on_audio_started(self, response_id: str) -> None:
-        self.send(protocol.output_audio_buffer("started", response_id))
+        self.send(wire.output_audio_buffer("started", response_id))
 
     def _on_audio_stopped(self, response_id: str) -> None:
-        self.send(protocol.output_audio_buffer("stopped", response_id))
+        self.send(wire.output_audio_buffer("stopped", response_id))
 
 
 def model_voice(engine: Any, name: str) -> str:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from omni_rt import wire
 from omni_rt.server import protocol
 from omni_rt.server.tools import BadToolCall, ToolCallParser
 
@@ -63,7 +64,7 @@ class Response:
         return "audio" in self.modalities
 
     def echo(self) -> dict[str, Any]:
-        return protocol.response_echo(
+        return wire.response_echo(
             conversation=self.in_conversation,
             modalities=self.modalities,
             max_output_tokens=self.asked_max_tokens,
@@ -76,9 +77,7 @@ class Response:
 
     def created(self, response_id: str) -> None:
         self.id = response_id
-        self.send(
-            protocol.response_created(protocol.response_object(response_id, "in_progress", echo=self.echo()))
-        )
+        self.send(wire.response_created(wire.response_object(response_id, "in_progress", echo=self.echo())))
 
     @property
     def speaking(self) -> bool:
@@ -95,7 +94,7 @@ class Response:
         self.text.append(delta)
         if "text" in self.modalities and delta:  # a token may end mid-character: no text yet
             self._open_item()
-            self.send(protocol.text_delta(self.id, self.item_id, delta))
+            self.send(wire.text_delta(self.id, self.item_id, delta))
 
     def transcript_delta(self, delta: str) -> None:
         if not self.speaking:
@@ -103,12 +102,12 @@ class Response:
         self.transcript.append(delta)
         if self.audio and delta:
             self._open_item()
-            self.send(protocol.transcript_delta(self.id, self.item_id, delta))
+            self.send(wire.transcript_delta(self.id, self.item_id, delta))
 
     def audio_delta(self, pcm: Any) -> None:
         """Audio as events, for a client with no track to play (in deltas of at most 500 ms each)."""
         self._open_item()
-        self.send(protocol.audio_delta(self.id, self.item_id, pcm))
+        self.send(wire.audio_delta(self.id, self.item_id, pcm))
 
     def audio_started(self) -> None:
         """Audio goes to the track: the item is announced before its first frame is played."""
@@ -117,7 +116,7 @@ class Response:
     def audio_done(self) -> None:
         if self.audio and self._item_open and not self._audio_done:
             self._audio_done = True
-            self.send(protocol.audio_done(self.id, self.item_id))
+            self.send(wire.audio_done(self.id, self.item_id))
 
     def done(self, ev: Any) -> None:
         """The session's response.done: close what is open, then the response, with its outcome."""
@@ -130,14 +129,14 @@ class Response:
         output = self._close_item("completed" if status == "completed" else "incomplete") + self.calls
         self._ended = True
         self.send(
-            protocol.response_done(
-                protocol.response_object(
+            wire.response_done(
+                wire.response_object(
                     self.id,
                     status,
                     output,
                     status_details=details,
-                    usage=protocol.usage_object(getattr(ev, "usage", None)),
-                    metrics=protocol.metrics_dict(getattr(ev, "metrics", None)),
+                    usage=wire.usage_object(getattr(ev, "usage", None)),
+                    metrics=wire.metrics_dict(getattr(ev, "metrics", None)),
                     echo=self.echo(),
                 )
             )
@@ -152,8 +151,8 @@ class Response:
         output = self._close_item("incomplete") + self.calls
         self._ended = True
         self.send(
-            protocol.response_done(
-                protocol.response_object(self.id, status, output, status_details=details, echo=self.echo())
+            wire.response_done(
+                wire.response_object(self.id, status, output, status_details=details, echo=self.echo())
             )
         )
 
@@ -164,11 +163,11 @@ class Response:
             return
         self._item_open = True
         self._message_previous, self.previous_item_id = self.previous_item_id, self.item_id
-        item = protocol.assistant_item(self.item_id, "in_progress", self.audio, None)
-        self.send(protocol.output_item("added", self.id, item))
+        item = wire.assistant_item(self.item_id, "in_progress", self.audio, None)
+        self.send(wire.output_item("added", self.id, item))
         if self.in_conversation:
-            self.send(protocol.conversation_item_added(item, self._message_previous))
-        self.send(protocol.content_part("added", self.id, self.item_id, self.audio, ""))
+            self.send(wire.conversation_item_added(item, self._message_previous))
+        self.send(wire.content_part("added", self.id, self.item_id, self.audio, ""))
 
     def _call(self, call: Any) -> None:
         """A tool call the reply made: a function_call item, announced and closed at once (its
@@ -180,17 +179,17 @@ class Response:
             )
             return
         index = int(self._item_open or self.item is not None) + len(self.calls)
-        item_id, call_id = protocol.new_id("item"), protocol.new_id("call")
-        item = protocol.function_call_item(item_id, call_id, call.name, call.arguments, "in_progress")
-        self.send(protocol.output_item("added", self.id, {**item, "arguments": ""}, index))
+        item_id, call_id = wire.new_id("item"), wire.new_id("call")
+        item = wire.function_call_item(item_id, call_id, call.name, call.arguments, "in_progress")
+        self.send(wire.output_item("added", self.id, {**item, "arguments": ""}, index))
         if self.in_conversation:
-            self.send(protocol.conversation_item_added({**item, "arguments": ""}, self.previous_item_id))
-        self.send(protocol.function_call_arguments("delta", self.id, item, index))
-        self.send(protocol.function_call_arguments("done", self.id, item, index))
+            self.send(wire.conversation_item_added({**item, "arguments": ""}, self.previous_item_id))
+        self.send(wire.function_call_arguments("delta", self.id, item, index))
+        self.send(wire.function_call_arguments("done", self.id, item, index))
         done = {**item, "status": "completed"}
-        self.send(protocol.output_item("done", self.id, done, index))
+        self.send(wire.output_item("done", self.id, done, index))
         if self.in_conversation:
-            self.send(protocol.conversation_item_done(done, self.previous_item_id))
+            self.send(wire.conversation_item_done(done, self.previous_item_id))
         self.previous_item_id = item_id
         self.calls.append(done)
 
@@ -205,14 +204,14 @@ class Response:
         self.audio_done()
         text = self.final_text()
         if self.audio:
-            self.send(protocol.transcript_done(self.id, self.item_id, text))
+            self.send(wire.transcript_done(self.id, self.item_id, text))
         if "text" in self.modalities:
-            self.send(protocol.text_done(self.id, self.item_id, "".join(self.text)))
-        self.send(protocol.content_part("done", self.id, self.item_id, self.audio, text))
-        item = protocol.assistant_item(self.item_id, status, self.audio, text)
-        self.send(protocol.output_item("done", self.id, item))
+            self.send(wire.text_done(self.id, self.item_id, "".join(self.text)))
+        self.send(wire.content_part("done", self.id, self.item_id, self.audio, text))
+        item = wire.assistant_item(self.item_id, status, self.audio, text)
+        self.send(wire.output_item("done", self.id, item))
         if self.in_conversation:
-            self.send(protocol.conversation_item_done(item, self._message_previous))
+            self.send(wire.conversation_item_done(item, self._message_previous))
         self._item_open = False
         self.item = item
         return [item]

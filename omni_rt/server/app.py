@@ -31,9 +31,10 @@ from websockets.http11 import Request, Response
 
 from omni_rt.server import protocol
 from omni_rt.server.http import BodyConnection
-from omni_rt.server.peer import CLOSE_TIMEOUT_S, Peer, PeerSettings, model_voice
+from omni_rt.server.peer import Peer, PeerSettings, model_voice
 from omni_rt.server.protocol import ProtocolError
 from omni_rt.server.rest import RealtimeHttp
+from omni_rt.server.transport import CLOSE_TIMEOUT_S
 from omni_rt.server.webrtc import IcePolicy, ice_server
 
 log = logging.getLogger("omni_rt.server")

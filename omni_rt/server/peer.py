@@ -40,6 +40,7 @@ from omni_rt.server.responses import CancelReason, Response
 from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, InputRate, TurnDetection
 from omni_rt.server.track import FRAME_SAMPLES, AudioOutputTrack, Idle
 from omni_rt.server.track import SAMPLE_RATE as TRACK_RATE
+from omni_rt.server.transport import Transport
 
 if TYPE_CHECKING:
     from websockets.asyncio.server import ServerConnection
@@ -47,13 +48,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("omni_rt.server")
 
 INBOX_SIZE = 64  # client events waiting to be handled; a client that floods gets an error
-OUTBOX_SIZE = 1024  # server events waiting for a slow socket; past that the client is dropped
 AUDIO_QUEUE_SIZE = 256  # PCM chunks between the session and the track (a few seconds to a minute)
-MAX_CHANNEL_BUFFERED = 8 * 1024 * 1024  # bytes a data channel may hold unsent before the peer is dropped
 SESSION_SAMPLE_RATE = 24000  # what socket clients receive (the model's own rate); the track makes 48 kHz
 KEPT_ITEMS = 64  # assistant items remembered for conversation.item.truncate
 KEPT_CONVERSATION_ITEMS = 512  # items remembered for conversation.item.retrieve / delete
-CLOSE_TIMEOUT_S = 2.0  # the close handshake; then the connection is cut
 _END = object()  # end of one response's audio in the audio queue
 
 
@@ -98,7 +96,6 @@ class Peer:
         self.ws = ws
         self.settings = settings
         self._initial = list(sessions)
-        self._early: list[str] = []  # a call's events before its data channel opens
         self.session_id = wire.new_id("sess")
         self.voice = settings.voice
         self.instructions = settings.instructions or ""
@@ -110,15 +107,14 @@ class Peer:
         self.session: Any = None
         self._session_stack: contextlib.AsyncExitStack | None = None
         self._inbox: asyncio.Queue[tuple[str | bytes, str] | None] = asyncio.Queue(INBOX_SIZE)
-        self._outbox: asyncio.Queue[str] = asyncio.Queue(OUTBOX_SIZE)
+        self.transport = Transport(ws, self.session_id, self._inbox, self._shutdown)
+        self.send = self.transport.send
         self._tasks: set[asyncio.Task] = set()
         self._closed = asyncio.Event()
         self._closing = False
-        self._dropping = False  # the client stopped reading and is being dropped
         self._task_failed = False  # one of this peer's tasks raised: the connection ends with 1011
 
         self.pc: RTCPeerConnection | None = None
-        self.channel: Any = None  # the `events` RTCDataChannel once the client opens it
         self.track: AudioOutputTrack | None = None
         # (response, pcm or _END, sample rate): the response rides along so a cancelled one is skipped.
         self._audio: asyncio.Queue[tuple[Response, Any, int]] = asyncio.Queue(AUDIO_QUEUE_SIZE)
@@ -150,17 +146,17 @@ class Peer:
         """Serve this connection until the socket closes or the peer fails; always cleans up."""
         try:
             if self.ws is not None:
-                self._spawn(self._write_socket(), "socket writer")
+                self._spawn(self.transport.write_socket(), "socket writer")
             try:
                 await self.open()
             except OmniRtError as exc:
-                await self._fail_now(
+                await self.transport.fail(
                     ProtocolError("session_unavailable", str(exc), type="server_error"), 1013
                 )
                 return
             self.send(wire.session_created(self.session_object()))
             if self.ws is not None:
-                self._spawn(self._read_socket(), "socket reader")
+                self._spawn(self.transport.read_socket(), "socket reader")
             while (item := await self._inbox.get()) is not None:
                 raw, source = item
                 try:
@@ -170,10 +166,10 @@ class Peer:
                         self.send(protocol.error(exc))
                         continue
                     # The socket is what closes: the error goes there, where it is sure to arrive first.
-                    await self._fail_now(exc, 1009 if exc.code == "message_too_large" else 1008)
+                    await self.transport.fail(exc, 1009 if exc.code == "message_too_large" else 1008)
                     return
             if self._task_failed:
-                await self._fail_now(
+                await self.transport.fail(
                     ProtocolError("server_error", "internal error", type="server_error"), 1011
                 )
         except asyncio.CancelledError:
@@ -181,7 +177,9 @@ class Peer:
         except Exception:
             # A bug here must cost this client its connection, never the server.
             log.exception("peer %s failed", self.session_id)
-            await self._fail_now(ProtocolError("server_error", "internal error", type="server_error"), 1011)
+            await self.transport.fail(
+                ProtocolError("server_error", "internal error", type="server_error"), 1011
+            )
         finally:
             await self.close()
 
@@ -193,7 +191,7 @@ class Peer:
         if self._closing:
             await self._closed.wait()
             return
-        self._closing = True
+        self._closing = self.transport.closing = True
         try:
             for step in (
                 self._stop_response,
@@ -201,7 +199,7 @@ class Peer:
                 self._stop_tasks,
                 self._close_pc,
                 self._close_session,
-                self._close_socket,
+                self.transport.close,
             ):
                 try:
                     await step()
@@ -245,16 +243,6 @@ class Peer:
 
     def hang_up(self) -> None:
         self._shutdown()
-
-    async def _close_socket(self, code: int = 1000) -> None:
-        """The close handshake, bounded: websockets' close() first waits for the socket to drain,
-        without a limit, and a client that stops reading never drains it."""
-        if self.ws is None:
-            return
-        try:
-            await asyncio.wait_for(self.ws.close(code), CLOSE_TIMEOUT_S)
-        except TimeoutError:
-            self.ws.transport.abort()
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task:
         task = asyncio.create_task(coro, name=f"{self.session_id} {name}")
@@ -305,95 +293,6 @@ class Peer:
             None if self.turn_detection is None else self.turn_detection.to_wire(),
         )
 
-    # -- transport --------------------------------------------------------------------------------------
-
-    def send(self, event: dict[str, Any]) -> None:
-        """One server event to the client: on the data channel when it is open, else on the socket."""
-        if self._closing and event.get("type") != "error":
-            return
-        data = json.dumps(event)
-        channel = self.channel
-        if channel is not None and channel.readyState == "open":
-            if channel.bufferedAmount > MAX_CHANNEL_BUFFERED:
-                self._drop_slow_client("data channel")
-                return
-            try:
-                channel.send(data)
-                return
-            except ValueError:
-                # Over the client's max-message-size (256 KiB in browsers): the socket has no such
-                # limit, and the client reads both.
-                log.info(
-                    "peer %s: a %d-byte %s goes on the socket", self.session_id, len(data), event["type"]
-                )
-        self._send_socket(data)
-
-    def _send_socket(self, data: str) -> None:
-        if self.ws is None:  # a call: its events wait for its data channel
-            channel = self.channel
-            if channel is not None and channel.readyState == "open":
-                channel.send(data)
-            elif len(self._early) < OUTBOX_SIZE:
-                self._early.append(data)
-            else:
-                self._drop_slow_client("data channel")
-            return
-        try:
-            self._outbox.put_nowait(data)
-        except asyncio.QueueFull:
-            self._drop_slow_client("socket")
-
-    def _drop_slow_client(self, where: str) -> None:
-        """A client that stopped reading: said once (a reply sends many events after the first that
-        does not fit), then the main loop ends the connection."""
-        if not self._dropping:
-            self._dropping = True
-            log.warning("peer %s: %s not drained, dropping the client", self.session_id, where)
-        self._shutdown()
-
-    async def _write_socket(self) -> None:
-        from websockets.exceptions import ConnectionClosed
-
-        try:
-            while True:
-                data = await self._outbox.get()
-                try:
-                    await self.ws.send(data)
-                finally:
-                    self._outbox.task_done()
-        except ConnectionClosed:
-            self._shutdown()
-
-    async def _read_socket(self) -> None:
-        from websockets.exceptions import ConnectionClosed
-
-        try:
-            async for raw in self.ws:
-                await self._inbox.put((raw, "socket"))  # waits when full: back-pressure on the socket
-        except ConnectionClosed:
-            pass
-        finally:
-            self._shutdown()
-
-    def _on_channel_message(self, raw: str | bytes) -> None:
-        try:
-            self._inbox.put_nowait((raw, "channel"))
-        except asyncio.QueueFull:
-            self.send(protocol.error(ProtocolError("rate_limited", "too many events in flight; slow down")))
-
-    async def _flush_and_close(self, code: int) -> None:
-        """Give queued events (the error that explains the close) a moment to leave, then close."""
-        if self.ws is None:
-            self._shutdown()
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._outbox.join(), 1.0)
-        await self._close_socket(code)
-
-    async def _fail_now(self, exc: ProtocolError, code: int) -> None:
-        self._send_socket(json.dumps(protocol.error(exc)))
-        await self._flush_and_close(code)
-
     # -- client events ----------------------------------------------------------------------------------
 
     async def _handle(self, raw: str | bytes, source: str) -> None:
@@ -410,7 +309,7 @@ class Peer:
                     )
                 answer = await self._on_offer(event)
                 # Signaling goes on the socket: the data channel does not exist until this answer lands.
-                self._send_socket(json.dumps(wire.webrtc_answer(answer)))
+                self.transport.send_socket(json.dumps(wire.webrtc_answer(answer)))
             case protocol.SessionUpdate():
                 await self._on_session_update(event)
             case protocol.ConversationItemCreate():
@@ -1003,22 +902,8 @@ class Peer:
         return answer
 
     def _on_datachannel(self, channel: Any) -> None:
-        # "events" (omni_rt's name) or "oai-events" (OpenAI's): the client's first one carries them.
-        if channel.label not in ("events", "oai-events") or self.channel is not None:
+        if not self.transport.attach_channel(channel):
             channel.close()
-            return
-        self.channel = channel
-        channel.on("message", self._on_channel_message)
-        if self.ws is None:  # a call: its events waited for this channel; it ends when the channel does
-            channel.on("open", self._flush_early)
-            channel.on("close", self._shutdown)
-            if channel.readyState == "open":
-                self._flush_early()
-
-    def _flush_early(self) -> None:
-        early, self._early = self._early, []
-        for data in early:
-            self._send_socket(data)
 
     def _on_remote_track(self, track: Any) -> None:
         self._spawn(self._consume_remote_media(track), "microphone" if track.kind == "audio" else "video")

@@ -28,13 +28,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from aiortc import RTCPeerConnection
-from aiortc.mediastreams import MediaStreamError
 
 from omni_rt import wire
 from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn
 from omni_rt.errors import OmniRtError
 from omni_rt.server import protocol, tools, webrtc
+from omni_rt.server.media import Media
 from omni_rt.server.protocol import ProtocolError
 from omni_rt.server.responses import CancelReason, Response
 from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, InputRate, TurnDetection
@@ -48,11 +47,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("omni_rt.server")
 
 INBOX_SIZE = 64  # client events waiting to be handled; a client that floods gets an error
-AUDIO_QUEUE_SIZE = 256  # PCM chunks between the session and the track (a few seconds to a minute)
 SESSION_SAMPLE_RATE = 24000  # what socket clients receive (the model's own rate); the track makes 48 kHz
 KEPT_ITEMS = 64  # assistant items remembered for conversation.item.truncate
 KEPT_CONVERSATION_ITEMS = 512  # items remembered for conversation.item.retrieve / delete
-_END = object()  # end of one response's audio in the audio queue
 
 
 @dataclass(frozen=True)
@@ -114,10 +111,16 @@ class Peer:
         self._closing = False
         self._task_failed = False  # one of this peer's tasks raised: the connection ends with 1011
 
-        self.pc: RTCPeerConnection | None = None
-        self.track: AudioOutputTrack | None = None
-        # (response, pcm or _END, sample rate): the response rides along so a cancelled one is skipped.
-        self._audio: asyncio.Queue[tuple[Response, Any, int]] = asyncio.Queue(AUDIO_QUEUE_SIZE)
+        self.media = Media(
+            self.session_id,
+            settings,
+            send=self.send,
+            spawn=self._spawn,
+            shutdown=self._shutdown,
+            closing=lambda: self._closing,
+            attach_channel=self.transport.attach_channel,
+            on_mic_frame=self._on_mic_frame,
+        )
 
         # Input since the last response, by item id: (role, text) messages, committed speech (16 kHz).
         self._pending_input: dict[str, tuple[str, str]] = {}
@@ -195,9 +198,9 @@ class Peer:
         try:
             for step in (
                 self._stop_response,
-                self._stop_track,
+                self.media.stop_track,
                 self._stop_tasks,
-                self._close_pc,
+                self.media.close,
                 self._close_session,
                 self.transport.close,
             ):
@@ -208,9 +211,9 @@ class Peer:
         finally:
             self._closed.set()
 
-    async def _stop_track(self) -> None:
-        if self.track is not None:
-            self.track.stop()
+    @property
+    def track(self) -> AudioOutputTrack | None:
+        return self.media.track
 
     async def _stop_tasks(self) -> None:
         current = asyncio.current_task()
@@ -218,10 +221,6 @@ class Peer:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _close_pc(self) -> None:
-        if self.pc is not None:
-            await self.pc.close()
 
     async def _close_session(self) -> None:
         stack, self._session_stack, self.session = self._session_stack, None, None
@@ -239,7 +238,7 @@ class Peer:
 
     async def answer_call(self, sdp: str) -> str:
         """A call's offer (after `open()`): the SDP answer. `ProtocolError` (invalid_sdp) if unusable."""
-        return await self._on_offer(protocol.WebRtcOffer(type="webrtc.offer", sdp=sdp))
+        return await self.media.answer(sdp)
 
     def hang_up(self) -> None:
         self._shutdown()
@@ -307,7 +306,7 @@ class Peer:
                     raise ProtocolError(
                         "invalid_event", "send webrtc.offer on the WebSocket", event_id=event.event_id
                     )
-                answer = await self._on_offer(event)
+                answer = await self.media.answer(event.sdp, event.event_id)
                 # Signaling goes on the socket: the data channel does not exist until this answer lands.
                 self.transport.send_socket(json.dumps(wire.webrtc_answer(answer)))
             case protocol.SessionUpdate():
@@ -650,6 +649,7 @@ class Peer:
 
     def _on_mic_frame(self, frame: Any) -> None:
         """One decoded WebRTC frame (48 kHz stereo s16 from aiortc) into the input buffer."""
+        self.input_audio_frames += 1
         if self._input_failed or not self._input_rate.take(1000 * frame.samples / frame.sample_rate):
             return  # a client sending RTP faster than real time: the excess is not heard
         try:
@@ -788,7 +788,7 @@ class Peer:
                     response.audio_ms += 1000.0 * len(ev.pcm) / ev.sample_rate
                     if use_track:
                         response.audio_started()
-                        await self._audio.put((response, ev.pcm, ev.sample_rate))
+                        await self.media.play(response, ev.pcm, ev.sample_rate)
                     else:  # in deltas of at most 500 ms: a long chunk would not fit a data channel message
                         step = ev.sample_rate // 2
                         for start in range(0, len(ev.pcm), step):
@@ -796,7 +796,7 @@ class Peer:
                 elif kind == "response.output_audio.done":
                     if response.audio and not response.cancelled and response.speaking:
                         if use_track:
-                            await self._audio.put((response, _END, 0))
+                            await self.media.end(response)
                         response.audio_done()
                 elif kind == "error":
                     self.send(protocol.error(_session_error(ev)))
@@ -840,10 +840,7 @@ class Peer:
         return True
 
     def _drop_queued_audio(self) -> None:
-        while not self._audio.empty():
-            self._audio.get_nowait()
-        if self.track is not None:
-            self.track.clear()
+        self.media.drop_queued()
 
     async def _stop_response(self) -> None:
         """On close: cancel the response in progress (which frees its GPU work) and wait for it."""
@@ -861,84 +858,6 @@ class Peer:
                 await asyncio.gather(response.task, return_exceptions=True)
             except Exception:
                 pass
-
-    # -- WebRTC -----------------------------------------------------------------------------------------
-
-    async def _on_offer(self, event: protocol.WebRtcOffer) -> str:
-        if self.pc is not None:
-            raise ProtocolError(
-                "renegotiation_unsupported", "this connection already has WebRTC", event_id=event.event_id
-            )
-        policy = self.settings.ice_policy or webrtc.IcePolicy(
-            None, tuple(self.settings.ice_servers), self.settings.ice_public_address
-        )
-        pc = self.pc = webrtc.peer_connection(policy)  # set first: close() closes it
-        pc.on("datachannel", self._on_datachannel)
-        pc.on("track", self._on_remote_track)
-
-        @pc.on("connectionstatechange")
-        def _state() -> None:
-            if pc.connectionState in ("failed", "closed") and not self._closing:
-                log.info("peer %s: WebRTC %s", self.session_id, pc.connectionState)
-                self._shutdown()
-
-        track = AudioOutputTrack(
-            idle=self.settings.idle, on_started=self._on_audio_started, on_stopped=self._on_audio_stopped
-        )
-        try:
-            answer, sends = await webrtc.answer_offer(pc, event.sdp, track, policy)
-        except ValueError as exc:
-            track.stop()
-            raise ProtocolError(
-                "invalid_sdp", str(exc), param="sdp", event_id=event.event_id, fatal=True
-            ) from None
-        if sends:
-            self.track = track
-            self._spawn(self._feed_track(track), "track feeder")
-        else:
-            # No audio, or send-only audio (a microphone, nothing to play): nobody would read the
-            # track, so the reply's audio goes as events instead of piling up in front of it.
-            track.stop()
-        return answer
-
-    def _on_datachannel(self, channel: Any) -> None:
-        if not self.transport.attach_channel(channel):
-            channel.close()
-
-    def _on_remote_track(self, track: Any) -> None:
-        self._spawn(self._consume_remote_media(track), "microphone" if track.kind == "audio" else "video")
-
-    async def _consume_remote_media(self, track: Any) -> None:
-        """Always read the client's media: aiortc queues unread frames without bound (video is
-        declined, so none should come). Audio goes to the input buffer (server VAD, turns); nothing
-        in this loop waits but `recv()`."""
-        try:
-            while True:
-                frame = await track.recv()
-                if track.kind == "audio":
-                    self.input_audio_frames += 1
-                    self._on_mic_frame(frame)
-        except MediaStreamError:
-            pass
-
-    async def _feed_track(self, track: AudioOutputTrack) -> None:
-        while True:
-            response, pcm, rate = await self._audio.get()
-            if response.cancelled:
-                continue  # queued (or put while a cancel cleared the queue) before the cancel: drop it
-            try:
-                if pcm is _END:
-                    await track.end_response(response.id)
-                else:
-                    await track.write(pcm, rate, response.id)
-            except MediaStreamError:
-                return
-
-    def _on_audio_started(self, response_id: str) -> None:
-        self.send(wire.output_audio_buffer("started", response_id))
-
-    def _on_audio_stopped(self, response_id: str) -> None:
-        self.send(wire.output_audio_buffer("stopped", response_id))
 
 
 def model_voice(engine: Any, name: str) -> str:

@@ -33,6 +33,7 @@ from omni_rt import wire
 from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn
 from omni_rt.errors import OmniRtError
 from omni_rt.server import protocol, tools, webrtc
+from omni_rt.server.conversation import Conversation
 from omni_rt.server.media import Media
 from omni_rt.server.protocol import ProtocolError
 from omni_rt.server.responses import CancelReason, Response
@@ -49,7 +50,6 @@ log = logging.getLogger("omni_rt.server")
 INBOX_SIZE = 64  # client events waiting to be handled; a client that floods gets an error
 SESSION_SAMPLE_RATE = 24000  # what socket clients receive (the model's own rate); the track makes 48 kHz
 KEPT_ITEMS = 64  # assistant items remembered for conversation.item.truncate
-KEPT_CONVERSATION_ITEMS = 512  # items remembered for conversation.item.retrieve / delete
 
 
 @dataclass(frozen=True)
@@ -123,11 +123,8 @@ class Peer:
         )
 
         # Input since the last response, by item id: (role, text) messages, committed speech (16 kHz).
-        self._pending_input: dict[str, tuple[str, str]] = {}
-        self._pending_audio: dict[str, np.ndarray] = {}
         # The conversation's items as the client sees them, for retrieve and delete (the latest ones).
-        self._conversation: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self._last_item_id: str | None = None
+        self.conversation = Conversation(self.send, settings.max_pending_text_chars)
         self._response: Response | None = None
         self._respond_when_idle = False  # a VAD turn ended during a response: answer it after
         self._items: OrderedDict[str, Response] = OrderedDict()  # recent assistant items by id
@@ -312,7 +309,7 @@ class Peer:
             case protocol.SessionUpdate():
                 await self._on_session_update(event)
             case protocol.ConversationItemCreate():
-                self._on_item_create(event)
+                self.conversation.create(event)
             case protocol.ResponseCreate():
                 self._on_response_create(event)
             case protocol.ResponseCancel():
@@ -330,9 +327,9 @@ class Peer:
             case protocol.ConversationItemTruncate():
                 self._on_item_truncate(event)
             case protocol.ConversationItemRetrieve():
-                self._on_item_retrieve(event)
+                self.conversation.retrieve(event)
             case protocol.ConversationItemDelete():
-                self._on_item_delete(event)
+                self.conversation.delete(event)
 
     def configure(self, s: protocol.SessionFields, event_id: str | None = None) -> bool:
         """Apply a session configuration (all of it, or nothing: `ProtocolError`). True when the voice
@@ -389,80 +386,6 @@ class Peer:
         if self._respond_when_idle and self._response is None:
             self._start_response()
 
-    def _on_item_create(self, event: protocol.ConversationItemCreate) -> None:
-        item = event.item
-        if event.previous_item_id is not None and event.previous_item_id != self._last_item_id:
-            raise ProtocolError(
-                "invalid_value",
-                "items can only be added at the end of the conversation (previous_item_id must be the "
-                f"last item, {self._last_item_id!r})",
-                param="previous_item_id",
-                event_id=event.event_id,
-            )
-        try:
-            role, text = protocol.item_turn(item)
-        except ProtocolError as exc:
-            exc.event_id = event.event_id
-            raise
-        pending = sum(len(t) for _, t in self._pending_input.values()) + len(text)
-        if pending > self.settings.max_pending_text_chars:
-            raise ProtocolError(
-                "pending_input_full",
-                f"at most {self.settings.max_pending_text_chars} characters of text wait for a "
-                f"response ({pending} with this message): send response.create, or a shorter message",
-                event_id=event.event_id,
-            )
-        item_id = item.id or wire.new_id("item")
-        if item_id in self._conversation:
-            raise ProtocolError(
-                "invalid_value", f"the conversation already has an item {item_id!r}", param="item.id",
-                event_id=event.event_id,
-            )  # fmt: skip
-        self._pending_input[item_id] = (role, text)
-        self._add_item(protocol.item_wire(item, item_id, text))
-
-    def _add_item(self, item: dict[str, Any]) -> None:
-        """An item joins the end of the conversation: echoed, remembered, the new last item."""
-        self.send(wire.conversation_item_added(item, self._last_item_id))
-        self.send(wire.conversation_item_done(item, self._last_item_id))
-        self._remember(item)
-
-    def _remember(self, item: dict[str, Any]) -> None:
-        self._conversation[item["id"]] = item
-        while len(self._conversation) > KEPT_CONVERSATION_ITEMS:
-            self._conversation.popitem(last=False)
-        self._last_item_id = item["id"]
-
-    def _on_item_retrieve(self, event: protocol.ConversationItemRetrieve) -> None:
-        item = self._conversation.get(event.item_id)
-        if item is None:
-            raise ProtocolError(
-                "invalid_value", f"no item {event.item_id!r}", param="item_id", event_id=event.event_id
-            )
-        self.send(wire.conversation_item_retrieved(item))
-
-    def _on_item_delete(self, event: protocol.ConversationItemDelete) -> None:
-        """Input not yet answered can be taken back; what a response has read is in the model's
-        context (its KV cache), which is not rewritten."""
-        item_id = event.item_id
-        if item_id not in self._pending_input and item_id not in self._pending_audio:
-            known = item_id in self._conversation
-            raise ProtocolError(
-                "item_delete_unsupported" if known else "invalid_value",
-                f"item {item_id!r} is in the model's context already: only items added since the last "
-                "response can be deleted"
-                if known
-                else f"no item {item_id!r}",
-                param="item_id",
-                event_id=event.event_id,
-            )
-        self._pending_input.pop(item_id, None)
-        self._pending_audio.pop(item_id, None)
-        del self._conversation[item_id]
-        if self._last_item_id == item_id:
-            self._last_item_id = next(reversed(self._conversation), None)
-        self.send(wire.conversation_item_deleted(item_id))
-
     def _on_response_create(self, event: protocol.ResponseCreate) -> None:
         if self._response is not None:
             raise ProtocolError(
@@ -492,7 +415,8 @@ class Peer:
                     param=f"response.{name}",
                     event_id=event.event_id,
                 )
-        if fields.instructions and self._pending_audio:
+        turns, speech = self.conversation.waiting()
+        if fields.instructions and speech:
             raise ProtocolError(
                 "invalid_value",
                 "response.instructions become a system turn before the reply, which a spoken turn "
@@ -500,7 +424,7 @@ class Peer:
                 param="response.instructions",
                 event_id=event.event_id,
             )
-        if self._pending_audio and any(role != "user" for role, _ in self._pending_input.values()):
+        if speech and any(role != "user" for role, _ in turns):
             raise ProtocolError(
                 "invalid_value",
                 "a spoken turn is answered with the user text beside it; system and assistant messages "
@@ -513,17 +437,14 @@ class Peer:
         """Answer the conversation as it stands: what was added since the last response (user text and
         speech in one user turn; system and assistant messages as their own turns), or nothing new."""
         fields = fields or protocol.ResponseFields()
-        messages = list(self._pending_input.values())
+        messages, audio = self.conversation.take()
         if fields.instructions:  # a system turn just before the reply (it stays in the context)
             messages.append(("system", fields.instructions))
-        audio = np.concatenate(list(self._pending_audio.values())) if self._pending_audio else None
         text = prompt = None
         if audio is not None or (messages and all(role == "user" for role, _ in messages)):
             text = "\n".join(t for _, t in messages) or None  # the Session adds the chat template
         else:
             prompt = self._prompt(messages)
-        self._pending_input.clear()
-        self._pending_audio.clear()
         self._respond_when_idle = False
         if self.track is not None and self.track.response_id is not None:
             # The previous reply is still playing (playout is real time, generation faster): the
@@ -542,7 +463,7 @@ class Peer:
             sample_rate=SESSION_SAMPLE_RATE,
             send=self.send,
             metadata=fields.metadata,
-            previous_item_id=self._last_item_id,
+            previous_item_id=self.conversation.last_item_id,
             tools=self._tool_parser(),
         )
         self._response = response
@@ -704,7 +625,7 @@ class Peer:
 
     def _commit_turn(self, turn: Turn) -> None:
         """The turn's audio becomes a user item, waiting for the next response like user text."""
-        pending = sum(map(len, self._pending_audio.values())) + len(turn.audio)
+        pending = self.conversation.speech_samples + len(turn.audio)
         if pending > self.settings.max_pending_audio_ms * SPEECH_RATE // 1000:
             self._input_item_id = None
             raise ProtocolError(
@@ -715,10 +636,9 @@ class Peer:
         item_id = self._input_item_id or wire.new_id("item")
         self._input_item_id = None
         self._input_full_reported = False
-        previous = self._last_item_id
+        previous = self.conversation.last_item_id
         self.send(wire.committed(item_id, previous))
-        self._add_item(wire.input_audio_item(item_id))
-        self._pending_audio[item_id] = turn.audio
+        self.conversation.add_speech(item_id, turn.audio)
 
     def _max_tokens(self, asked: int | str | None = None) -> int:
         """A response's token limit: what it asks for, else the session's, never over the server's."""
@@ -803,8 +723,7 @@ class Peer:
                 elif kind == "response.done":
                     response.done(ev)
                     if response.in_conversation:
-                        for item in response.output_items():
-                            self._remember(item)
+                        self.conversation.remember(response.output_items())
         except asyncio.CancelledError:
             raise
         except OmniRtError as exc:

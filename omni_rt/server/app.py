@@ -1,4 +1,5 @@
-"""`omni-rt serve`: the demo page and the realtime endpoint `/ws` on one port.
+"""`omni-rt serve`: the demo page, the realtime WebSocket (`/v1/realtime`, `/ws`) and OpenAI's Realtime
+HTTP endpoints (`rest.py`) on one port.
 
 HTTP GET requests for the page are answered from the handshake hook of `websockets` (no second web
 framework); `/ws` upgrades to a WebSocket and gets its own `Peer` and `Session`. Checks happen before

@@ -1,19 +1,14 @@
-"""One client connection ↔ one `Session`: signaling, the events both ways, the media tracks.
+"""One client connection ↔ one `Session`: its lifetime, the client's events, its replies.
 
-A client opens the WebSocket `/ws`. The server opens a Session for it at once and says
-`session.created`. The client may then send `webrtc.offer` to get audio over WebRTC (an outgoing track,
-its microphone heard, and a data channel named `events`; the offer/answer rules are `webrtc.py`'s), or
-stay on the socket alone, where audio comes as base64 PCM16 in `response.output_audio.delta` events.
-
-Speech input: microphone frames and `input_audio_buffer.append` audio go to one `InputAudioBuffer`
-(`speech.py`: 16 kHz, server VAD). Its turns become user items and, with server VAD, responses
-(`respond(audio=...)`); speech that starts during a reply cuts it (barge-in). All of it is synchronous
-on the event loop, so the microphone loop never waits on anything but the next frame.
-
-Every client event, from the socket or the data channel, goes through one bounded inbox and is handled
-in order by one loop. Replies go out on the data channel once it is open, else on the socket. The
-connection lives as long as the socket: when it closes (or WebRTC fails), the response in progress is
-cancelled, which stops its GPU work, and the session is closed.
+A connection is a WebSocket (`/v1/realtime`, `/ws`) or a call (`POST /v1/realtime/calls`, no socket).
+The server opens a Session for it at once and says `session.created`. Its parts, each in its module:
+`transport.py` moves the events (socket, data channel), `media.py` the WebRTC audio (offer, reply
+track, microphone), `listening.py` the speech input (server VAD, turns), `conversation.py` the items
+and the input waiting for a reply, `responses.py` one reply's wire events. This module ties them:
+every client event, from the socket or the data channel, goes through one bounded inbox and is handled
+in order by one loop; replies run as tasks (one at a time), and speech that starts during one cuts it
+(barge-in). The connection lives as long as its socket or its call: when it ends (or WebRTC fails),
+the response in progress is cancelled, which stops its GPU work, and the session is closed.
 """
 
 from __future__ import annotations
@@ -30,14 +25,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from omni_rt import wire
-from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn
 from omni_rt.errors import OmniRtError
 from omni_rt.server import protocol, tools, webrtc
 from omni_rt.server.conversation import Conversation
+from omni_rt.server.listening import SpeechInput
 from omni_rt.server.media import Media
 from omni_rt.server.protocol import ProtocolError
 from omni_rt.server.responses import CancelReason, Response
-from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, InputRate, TurnDetection
+from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, TurnDetection
 from omni_rt.server.track import FRAME_SAMPLES, AudioOutputTrack, Idle
 from omni_rt.server.track import SAMPLE_RATE as TRACK_RATE
 from omni_rt.server.transport import Transport
@@ -111,6 +106,17 @@ class Peer:
         self._closing = False
         self._task_failed = False  # one of this peer's tasks raised: the connection ends with 1011
 
+        self.conversation = Conversation(self.send, settings.max_pending_text_chars)
+        self.speech = SpeechInput(
+            self.session_id,
+            settings.turn_detection,
+            max_turn_ms=settings.max_turn_ms,
+            max_pending_ms=settings.max_pending_audio_ms,
+            send=self.send,
+            conversation=self.conversation,
+            on_speech_started=lambda: self._interrupt("turn_detected"),
+            on_turn=self._on_turn,
+        )
         self.media = Media(
             self.session_id,
             settings,
@@ -119,25 +125,16 @@ class Peer:
             shutdown=self._shutdown,
             closing=lambda: self._closing,
             attach_channel=self.transport.attach_channel,
-            on_mic_frame=self._on_mic_frame,
+            on_mic_frame=self.speech.mic_frame,
         )
 
         # Input since the last response, by item id: (role, text) messages, committed speech (16 kHz).
         # The conversation's items as the client sees them, for retrieve and delete (the latest ones).
-        self.conversation = Conversation(self.send, settings.max_pending_text_chars)
         self._response: Response | None = None
         self._respond_when_idle = False  # a VAD turn ended during a response: answer it after
         self._items: OrderedDict[str, Response] = OrderedDict()  # recent assistant items by id
 
-        self.turn_detection = settings.turn_detection
-        self.input = InputAudioBuffer(self.turn_detection, settings.max_turn_ms)
-        self._input_rate = InputRate()  # appends and microphone frames together
-        self._input_item_id: str | None = None  # the user item the turn being spoken will become
-        self._input_full_reported = False  # the microphone overran a buffer without VAD: said once
-        self._input_failed = False  # speech input hit a bug: the microphone is read and dropped
-
         # Counters: what the client sent us as audio, and what we played to it.
-        self.input_audio_frames = 0
         self.responses = 0
 
     # -- lifetime ---------------------------------------------------------------------------------------
@@ -211,6 +208,14 @@ class Peer:
     @property
     def track(self) -> AudioOutputTrack | None:
         return self.media.track
+
+    @property
+    def input(self) -> InputAudioBuffer:
+        return self.speech.buffer
+
+    @property
+    def input_audio_frames(self) -> int:
+        return self.speech.frames
 
     async def _stop_tasks(self) -> None:
         current = asyncio.current_task()
@@ -286,7 +291,7 @@ class Peer:
             self.output_modalities,
             SESSION_SAMPLE_RATE,
             self.max_output_tokens,
-            None if self.turn_detection is None else self.turn_detection.to_wire(),
+            None if self.speech.detection is None else self.speech.detection.to_wire(),
         )
 
     # -- client events ----------------------------------------------------------------------------------
@@ -317,13 +322,11 @@ class Peer:
             case protocol.OutputAudioBufferClear():
                 await self._on_audio_clear(event)
             case protocol.InputAudioBufferAppend():
-                self._on_audio_append(event)
+                self.speech.append(event)
             case protocol.InputAudioBufferCommit():
-                self._on_audio_commit(event)
+                self.speech.commit(event)
             case protocol.InputAudioBufferClear():
-                self.input.clear()
-                self._input_item_id = None
-                self.send(wire.cleared())
+                self.speech.clear()
             case protocol.ConversationItemTruncate():
                 self._on_item_truncate(event)
             case protocol.ConversationItemRetrieve():
@@ -359,7 +362,7 @@ class Peer:
         given, detection = protocol.turn_detection_of(s)
         # Valid: apply all of it.
         if given:
-            self._set_turn_detection(None if detection is None else TurnDetection.from_wire(detection))
+            self.speech.set_detection(None if detection is None else TurnDetection.from_wire(detection))
         modalities = s.output_modalities or s.modalities
         if modalities is not None:
             self.output_modalities = list(dict.fromkeys(modalities))
@@ -541,104 +544,12 @@ class Peer:
                 )
             )
 
-    # -- speech input -----------------------------------------------------------------------------------
-
-    def _set_turn_detection(self, detection: TurnDetection | None) -> None:
-        if detection == self.turn_detection:
-            return
-        # A new detector and an empty buffer: a turn half-heard under the old settings is dropped.
-        self.turn_detection = detection
-        self.input = InputAudioBuffer(detection, self.settings.max_turn_ms)
-        self._input_item_id = None
-        self._input_full_reported = False
-
-    def _on_audio_append(self, event: protocol.InputAudioBufferAppend) -> None:
-        self.input_audio_frames += 1
-        ms = len(event.audio) * 3 / 4 / 2 * 1000 / wire.INPUT_SAMPLE_RATE  # before decoding it
-        if not self._input_rate.take(ms):
-            raise ProtocolError(
-                "rate_limited",
-                "input audio is coming faster than 4x real time (after a 30 s burst): it is dropped",
-                param="audio",
-                event_id=event.event_id,
-            )
-        try:
-            self._on_input_events(self.input.push(event.pcm(), wire.INPUT_SAMPLE_RATE))
-        except ProtocolError as exc:
-            exc.event_id = event.event_id
-            raise
-
-    def _on_mic_frame(self, frame: Any) -> None:
-        """One decoded WebRTC frame (48 kHz stereo s16 from aiortc) into the input buffer."""
-        self.input_audio_frames += 1
-        if self._input_failed or not self._input_rate.take(1000 * frame.samples / frame.sample_rate):
-            return  # a client sending RTP faster than real time: the excess is not heard
-        try:
-            samples = frame.to_ndarray()  # packed: [1, samples * channels]; planar: [channels, samples]
-            channels = len(frame.layout.channels)
-            if frame.format.is_planar:
-                samples, channels = samples.mean(axis=0), 1
-            self._on_input_events(self.input.push(samples, frame.sample_rate, channels))
-        except ProtocolError as exc:  # the buffer without VAD is full: say so once, until it is emptied
-            if not self._input_full_reported:
-                self._input_full_reported = True
-                self.send(protocol.error(exc))
-        except Exception:
-            # A bug in speech input costs this client its speech input, never the track reading.
-            log.exception("peer %s: speech input failed", self.session_id)
-            self._input_failed = True
-            self.send(
-                protocol.error(ProtocolError("server_error", "speech input failed", type="server_error"))
-            )
-
-    def _on_input_events(self, events: list[SpeechStarted | SpeechStopped | Turn]) -> None:
-        detection = self.turn_detection
-        for ev in events:
-            if isinstance(ev, SpeechStarted):
-                self._input_item_id = wire.new_id("item")
-                self.send(wire.speech_started(ev.audio_start_ms, self._input_item_id))
-                if detection is not None and detection.interrupt_response:
-                    self._interrupt("turn_detected")
-            elif isinstance(ev, SpeechStopped):
-                item_id = self._input_item_id or wire.new_id("item")
-                self._input_item_id = item_id
-                self.send(wire.speech_stopped(ev.audio_end_ms, item_id))
-            else:
-                try:
-                    self._commit_turn(ev)
-                except ProtocolError as exc:  # too much speech already waits (create_response off)
-                    self.send(protocol.error(exc))
-                    continue
-                if detection is not None and detection.create_response:
-                    if self._response is None and self.session is not None:
-                        self._start_response()
-                    else:  # still stopping (or not interrupted), or a new voice: answer when ready
-                        self._respond_when_idle = True
-
-    def _on_audio_commit(self, event: protocol.InputAudioBufferCommit) -> None:
-        try:
-            # A manual commit adds the turn; response.create answers it.
-            self._commit_turn(self.input.commit())
-        except ProtocolError as exc:
-            exc.event_id = event.event_id
-            raise
-
-    def _commit_turn(self, turn: Turn) -> None:
-        """The turn's audio becomes a user item, waiting for the next response like user text."""
-        pending = self.conversation.speech_samples + len(turn.audio)
-        if pending > self.settings.max_pending_audio_ms * SPEECH_RATE // 1000:
-            self._input_item_id = None
-            raise ProtocolError(
-                "pending_input_full",
-                f"at most {self.settings.max_pending_audio_ms / 1000:g} s of speech wait for a response: "
-                "send response.create; this turn is dropped",
-            )
-        item_id = self._input_item_id or wire.new_id("item")
-        self._input_item_id = None
-        self._input_full_reported = False
-        previous = self.conversation.last_item_id
-        self.send(wire.committed(item_id, previous))
-        self.conversation.add_speech(item_id, turn.audio)
+    def _on_turn(self) -> None:
+        """Server VAD committed a turn with create_response: answer it, now or when ready."""
+        if self._response is None and self.session is not None:
+            self._start_response()
+        else:  # still stopping (or not interrupted), or a new voice: answer when ready
+            self._respond_when_idle = True
 
     def _max_tokens(self, asked: int | str | None = None) -> int:
         """A response's token limit: what it asks for, else the session's, never over the server's."""

@@ -435,3 +435,20 @@ async def test_a_repeated_cancel_is_answered(served):
     errors = [e["error"] for e in events if e["type"] == "error"]
     assert [(e["code"], e["event_id"]) for e in errors] == [("response_cancel_not_active", "c2")]
     assert events[-1]["response"]["status"] == "cancelled"
+
+
+async def test_openai_defaults_that_clients_send_are_accepted(served):
+    """livekit's defaults (semantic_vad, voice marin) once made its whole session.update refused."""
+    _, _, ws = served
+    await recv(ws)
+    session = {
+        "type": "realtime",
+        "audio": {
+            "input": {"turn_detection": {"type": "semantic_vad", "eagerness": "auto"}},
+            "output": {"voice": "marin"},
+        },
+    }
+    await ws.send(json.dumps({"type": "session.update", "session": session}))
+    updated = (await recv(ws))["session"]
+    assert updated["audio"]["output"]["voice"] == "chelsie"  # by the voice table
+    assert updated["audio"]["input"]["turn_detection"]["type"] == "server_vad"  # what serves it

@@ -2,7 +2,7 @@
 
 Each event is a pydantic model with a literal `type`. In process, audio travels as a numpy int16 array
 (`ResponseOutputAudioDelta.pcm`); `to_wire()` gives the JSON-ready dict of the Realtime protocol (audio
-as base64 PCM16 little-endian) for the server.
+as base64 PCM16 little-endian), from `omni_rt.wire`, the serialiser the server uses.
 """
 
 from __future__ import annotations
@@ -47,9 +47,12 @@ class Event(BaseModel):
     type: str
     event_id: str = Field(default_factory=_event_id)
 
-    def to_wire(self) -> dict[str, Any]:
-        """The Realtime protocol's JSON object for this event."""
-        return self.model_dump(mode="json")
+    def to_wire(self, item_id: str | None = None) -> dict[str, Any]:
+        """The Realtime protocol's JSON object for this event, as `omni-rt serve` sends it: built by
+        `omni_rt.wire`, the one serialiser. A response's events name the assistant item `item_id`."""
+        from omni_rt import wire
+
+        return wire.from_event(self, item_id)
 
 
 class _ResponseEvent(Event):
@@ -58,13 +61,6 @@ class _ResponseEvent(Event):
 
 class ResponseCreated(_ResponseEvent):
     type: Literal["response.created"] = "response.created"
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "type": self.type,
-            "event_id": self.event_id,
-            "response": {"id": self.response_id, "object": "realtime.response", "status": "in_progress"},
-        }
 
 
 class ResponseOutputTextDelta(_ResponseEvent):
@@ -105,16 +101,6 @@ class ResponseOutputAudioDelta(_ResponseEvent):
     def b64(self) -> str:
         """The PCM as the wire carries it: base64 of little-endian int16."""
         return base64.b64encode(self.pcm.astype("<i2", copy=False).tobytes()).decode("ascii")
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "type": self.type,
-            "event_id": self.event_id,
-            "response_id": self.response_id,
-            "output_index": 0,
-            "content_index": 0,
-            "delta": self.b64(),
-        }
 
 
 class ResponseOutputAudioDone(_ResponseEvent):
@@ -162,18 +148,6 @@ class ResponseDone(_ResponseEvent):
     usage: Usage = Field(default_factory=Usage)
     metrics: Metrics = Field(default_factory=Metrics)
     error: ErrorInfo | None = None
-
-    def to_wire(self) -> dict[str, Any]:
-        response: dict[str, Any] = {
-            "id": self.response_id,
-            "object": "realtime.response",
-            "status": self.status,
-            "usage": self.usage.model_dump(),
-            "metrics": self.metrics.model_dump(),
-        }
-        if self.error is not None:
-            response["status_details"] = {"type": self.status, "error": self.error.model_dump()}
-        return {"type": self.type, "event_id": self.event_id, "response": response}
 
 
 class ConversationTruncated(_ResponseEvent):
@@ -232,9 +206,6 @@ class ErrorEvent(Event):
         return cls(
             error=ErrorInfo(type=kind, code=type(exc).__name__, message=str(exc)), response_id=response_id
         )
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"type": self.type, "event_id": self.event_id, "error": self.error.model_dump()}
 
 
 AnyEvent = Annotated[

@@ -20,6 +20,7 @@ import time
 
 import av
 import numpy as np
+import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
@@ -48,6 +49,7 @@ class FakeSession:
         self.rate = output_sample_rate
         self._cancel = asyncio.Event()
         self.pcm_samples: dict[str, int] = {}  # response id → samples yielded
+        self.conversation: list[int] = []  # as the Session's: grows with each response
 
     async def respond(
         self,
@@ -56,12 +58,16 @@ class FakeSession:
         audio: np.ndarray | None = None,
         audio_sample_rate: int = 16000,
         max_output_tokens: int = 256,
+        input_ids: list | None = None,
+        voice: str | None = None,
         **_: object,
     ):
         rid = f"resp_{next(self.engine.ids)}"
         self._cancel.clear()
         self.engine.running += 1
-        self.engine.requests.append(text)
+        self.engine.requests.append(text if input_ids is None else input_ids)
+        self.engine.voices.append(voice or self.voice)
+        self.conversation.append(0)
         if audio is not None:
             self.engine.audio_requests.append((audio, audio_sample_rate))
             text = f"{len(audio) / audio_sample_rate:.1f} seconds" if text is None else text
@@ -72,8 +78,11 @@ class FakeSession:
         try:
             yield ResponseCreated(response_id=rid)
             words = (self.engine.reply or f"you said {text}").split()[:max_output_tokens]
+            # A scripted Thinker: (text, token ids) per delta, as the session streams them.
+            script = self.engine.script or [(w if i == 0 else " " + w, [i]) for i, w in enumerate(words)]
+            words = script[:max_output_tokens]
             phase = 0
-            for i, word in enumerate(words):
+            for i, (delta, token_ids) in enumerate(words):
                 if self._cancel.is_set():
                     status = "cancelled"
                     break
@@ -81,9 +90,8 @@ class FakeSession:
                 if self.engine.fail_after is not None and i >= self.engine.fail_after:
                     raise StageError("talker: simulated failure")
                 self.engine.steps += 1
-                delta = word if i == 0 else " " + word
                 ttft = ttft if ttft is not None else 1000 * (loop.time() - t0)
-                yield ResponseOutputTextDelta(response_id=rid, delta=delta, token_ids=[i])
+                yield ResponseOutputTextDelta(response_id=rid, delta=delta, token_ids=token_ids)
                 yield ResponseOutputAudioTranscriptDelta(response_id=rid, delta=delta)
                 n = FRAME * self.engine.frames_per_word
                 t = (phase + np.arange(n)) / RATE
@@ -135,6 +143,10 @@ class FakeEngine:
         self.requests: list[str | None] = []  # the text of each response (None: speech only)
         self.audio_requests: list[tuple[np.ndarray, int]] = []  # (speech, its rate) of spoken turns
         self.sessions: list[FakeSession] = []
+        self.voices: list[str] = []  # the voice of each response
+        self.script: list[tuple[str, list[int]]] | None = None  # replaces `reply`: the Thinker's deltas
+        self.instructions: list[str | None] = []  # of each session opened
+        self.tokenizer = FakeTokenizer()
 
     def speaker_id(self, voice: str) -> int:
         if voice not in VOICES:
@@ -150,6 +162,7 @@ class FakeEngine:
         if self.open_sessions >= self.max_sessions:
             raise CapacityError("no free session slot")
         self.open_sessions += 1
+        self.instructions.append(instructions)
         s = FakeSession(self, voice, instructions, output_sample_rate)
         self.sessions.append(s)
         try:
@@ -157,6 +170,13 @@ class FakeEngine:
         finally:
             await s.cancel()
             self.open_sessions -= 1
+
+
+class FakeTokenizer:
+    """The one method the server uses: a chat prompt, here as readable (role, text) pairs."""
+
+    def chat_prompt(self, messages, add_generation_prompt: bool = True) -> list:
+        return [*map(tuple, messages), *([("assistant", "")] if add_generation_prompt else [])]
 
 
 def user_message(text: str) -> dict:
@@ -220,6 +240,21 @@ class MicTrack(MediaStreamTrack):
         return frame
 
 
+@pytest.fixture(autouse=True)
+def loopback_ice(monkeypatch):
+    """Import into a test module: its aiortc clients gather on loopback alone, as the server does when
+    bound to 127.0.0.1 (webrtc.IcePolicy); Client.connect asserts both sides' candidates, so no test
+    media leaves loopback."""
+    from omni_rt.server import webrtc
+
+    monkeypatch.setattr(webrtc, "_gather_all", lambda use_ipv4, use_ipv6: ["127.0.0.1"] if use_ipv4 else [])
+
+
+def candidate_addresses(sdp: str) -> list[str]:
+    """The address of every ICE candidate in an SDP."""
+    return [line.split(" ")[4] for line in sdp.splitlines() if line.startswith("a=candidate:")]
+
+
 class Client:
     """A realtime client as a browser would be: signaling on the socket, events on a data channel."""
 
@@ -251,6 +286,9 @@ class Client:
         await self.ws.send(json.dumps({"type": "webrtc.offer", "sdp": self.pc.localDescription.sdp}))
         answer = json.loads(await asyncio.wait_for(self.ws.recv(), 10))
         assert answer["type"] == "webrtc.answer", answer
+        # Media on loopback alone (issue #13, defect 7): every candidate of the offer and the answer.
+        candidates = candidate_addresses(self.pc.localDescription.sdp) + candidate_addresses(answer["sdp"])
+        assert candidates and set(candidates) == {"127.0.0.1"}, candidates
         await self.pc.setRemoteDescription(RTCSessionDescription(sdp=answer["sdp"], type="answer"))
         await asyncio.wait_for(opened.wait(), 10)
         return created

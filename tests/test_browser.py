@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import time
 import wave
 from pathlib import Path
 
@@ -183,6 +184,10 @@ async def test_page_plays_the_tiny_engine(tiny):
             await page.goto(server.url, timeout=15_000)
             await page.click("#connect")
             await page.wait_for_selector('body[data-state="connected"]', timeout=20_000)
+            # OpenAI's flow: an ephemeral key, then a call placed with it over /v1/realtime/calls.
+            ((key, secret),) = server.rest.keys.items()
+            assert key.startswith("ek_") and secret.expires_at > time.time()
+            assert len(server.rest.calls) == 1 and not any(p.ws for p in server.peers)
             await page.fill("#text", "Hello!")
             await page.press("#text", "Enter")
             await page.wait_for_selector('body[data-audible="true"]', timeout=30_000)
@@ -309,7 +314,7 @@ async def test_page_mic_toggle_races_and_a_refused_voice_change():
         # disabled message box; it moves to the Connect button.
         await page.focus("#text")
         (peer,) = server.peers
-        peer.ws.transport.abort()
+        await peer.close()  # the server ends the call: the page sees its connection drop
         await page.wait_for_selector('body[data-state="error"]', timeout=10_000)
         assert await page.evaluate("document.activeElement.id") == "connect"
         assert errors == []

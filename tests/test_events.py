@@ -58,8 +58,9 @@ def test_event_ids_are_unique():
 def test_audio_delta_wire_form_is_base64_pcm16_le():
     pcm = np.array([0, 1, -1, 32767, -32768], dtype=np.int16)
     ev = ResponseOutputAudioDelta(response_id="r", pcm=pcm, sample_rate=48000, frame_index=3, num_frames=2)
-    wire = ev.to_wire()
+    wire = ev.to_wire(item_id="item_1")
     assert wire["type"] == "response.output_audio.delta" and wire["response_id"] == "r"
+    assert (wire["item_id"], wire["output_index"], wire["content_index"]) == ("item_1", 0, 0)
     raw = base64.b64decode(wire["delta"])
     np.testing.assert_array_equal(np.frombuffer(raw, dtype="<i2"), pcm)
     assert ev.b64() == wire["delta"]
@@ -84,7 +85,8 @@ def test_done_carries_status_usage_metrics_and_error():
         error=err,
     )
     wire = done.to_wire()
-    assert wire["response"]["status"] == "failed"
+    assert wire["event_id"] == done.event_id and wire["response"]["status"] == "failed"
+    assert wire["response"]["usage"]["output_tokens"] == 2 and wire["response"]["usage"]["input_tokens"] == 5
     assert wire["response"]["usage"]["audio_frames"] == 3
     assert wire["response"]["metrics"]["ttfa_ms"] == 2.5
     assert wire["response"]["status_details"]["error"]["code"] == "StageError"
@@ -95,7 +97,12 @@ def test_done_carries_status_usage_metrics_and_error():
 def test_error_kinds():
     bad = ErrorEvent.from_exception(InvalidRequestError("empty input"), "r")
     assert bad.error.type == "invalid_request_error" and bad.error.code == "InvalidRequestError"
-    assert bad.to_wire() == {"type": "error", "event_id": bad.event_id, "error": bad.error.model_dump()}
+    wire = bad.to_wire()
+    assert wire == {
+        "type": "error",
+        "event_id": bad.event_id,
+        "error": {**bad.error.model_dump(), "param": None, "event_id": None},
+    }
     crash = ErrorEvent.from_exception(RuntimeError("boom"))
     assert crash.error.type == "server_error" and crash.error.message == "boom"
 

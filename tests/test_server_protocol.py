@@ -13,6 +13,7 @@ pytest.importorskip("websockets")
 import websockets  # noqa: E402
 from server_fakes import FakeEngine, user_message  # noqa: E402
 
+from omni_rt import wire  # noqa: E402
 from omni_rt.server import protocol  # noqa: E402
 from omni_rt.server.app import Server, ServerSettings  # noqa: E402
 from omni_rt.server.peer import PeerSettings  # noqa: E402
@@ -40,7 +41,7 @@ def test_parses_the_ga_client_events():
     assert isinstance(ev, protocol.SessionUpdate)
     assert ev.event_id == "c1" and ev.session.audio.output.voice == "chelsie"
     item = parse_client_event(json.dumps(user_message("hello")))
-    assert protocol.user_text(item.item) == "hello"
+    assert protocol.message_text(item.item) == "hello"
     assert isinstance(parse_client_event('{"type": "response.create"}'), protocol.ResponseCreate)
     assert isinstance(parse_client_event('{"type": "response.cancel"}'), protocol.ResponseCancel)
     assert parse_client_event(b'{"type": "webrtc.offer", "sdp": "v=0"}').sdp == "v=0"
@@ -69,7 +70,9 @@ def test_parses_speech_input_events_and_turn_detection():
     assert (truncate.item_id, truncate.audio_end_ms) == ("item_1", 1500)
 
     def detection(session: dict):
-        return parse_client_event(json.dumps({"type": "session.update", "session": session})).turn_detection()
+        return protocol.turn_detection_of(
+            parse_client_event(json.dumps({"type": "session.update", "session": session})).session
+        )
 
     assert detection({"instructions": "x"}) == (False, None)  # not given: unchanged
     assert detection({"audio": {"input": {"turn_detection": None}}}) == (True, None)  # GA: off
@@ -130,7 +133,7 @@ def test_malformed_append_audio_is_an_invalid_value(audio, message):
             False,
         ),
         (
-            '{"type": "session.update", "session": {"turn_detection": {"type": "semantic_vad"}}}',
+            '{"type": "session.update", "session": {"turn_detection": {"type": "push_to_talk"}}}',
             "invalid_value",
             False,
         ),
@@ -184,7 +187,7 @@ def test_error_event_shape():
 
 def test_audio_delta_is_base64_little_endian_pcm16():
     pcm = np.array([0, 1, -1, 32767, -32768], dtype=np.int16)
-    ev = protocol.audio_delta("resp_1", "item_1", pcm)
+    ev = wire.audio_delta("resp_1", "item_1", pcm)
     raw = base64.b64decode(ev["delta"])
     assert raw == b"\x00\x00\x01\x00\xff\xff\xff\x7f\x00\x80"
     assert ev["response_id"] == "resp_1" and ev["item_id"] == "item_1"
@@ -193,9 +196,9 @@ def test_audio_delta_is_base64_little_endian_pcm16():
 def test_metrics_keep_only_numbers():
     from omni_rt.events import Metrics
 
-    m = protocol.metrics_dict(Metrics(ttft_ms=12.5, ttfa_ms=40.0))
+    m = wire.metrics_dict(Metrics(ttft_ms=12.5, ttfa_ms=40.0))
     assert m["ttft_ms"] == 12.5 and m["ttfa_ms"] == 40.0 and m["total_ms"] is None
-    assert protocol.metrics_dict(None) == {}
+    assert wire.metrics_dict(None) == {}
 
 
 # -- a session over the socket -------------------------------------------------------------------------------
@@ -284,8 +287,10 @@ async def test_a_whole_turn_in_order(served):
     rid = events[0]["response"]["id"]
     assert all(e.get("response_id", rid) == rid for e in events[1:-1])
     done = events[-1]["response"]
-    assert done["id"] == rid and done["status"] == "completed"
-    assert done["output"][0]["role"] == "assistant"
+    # The one token allowed was used up: the reply was stopped by the limit, not by the model.
+    assert done["id"] == rid and done["status"] == "incomplete"
+    assert done["status_details"] == {"type": "incomplete", "reason": "max_output_tokens"}
+    assert done["output"][0]["role"] == "assistant" and done["output"][0]["status"] == "incomplete"
     assert done["output"][0]["content"][0]["transcript"] == "fine"
     assert done["usage"]["output_tokens"] == 1
     assert engine.requests == ["how are you?"]
@@ -413,3 +418,37 @@ def test_ice_server_urls():
     assert (turn.username, turn.credential) == ("al@ice", "p:ss")
     with pytest.raises(ValueError):
         ice_server("http://example.com")
+
+
+async def test_a_repeated_cancel_is_answered(served):
+    """Issue #13, defect 8: a second response.cancel while the first is still stopping the reply
+    gets `response_cancel_not_active` (it once got no answer at all)."""
+    engine, _, ws = served
+    engine.step_s = 0.5  # the reply stops at its next word: the second cancel comes while it stops
+    await recv(ws)
+    await ws.send(json.dumps(user_message("talk")))
+    await ws.send(json.dumps({"type": "response.create"}))
+    await until(ws, "response.created")
+    await ws.send(json.dumps({"type": "response.cancel", "event_id": "c1"}))
+    await ws.send(json.dumps({"type": "response.cancel", "event_id": "c2"}))
+    events = await until(ws, "response.done")
+    errors = [e["error"] for e in events if e["type"] == "error"]
+    assert [(e["code"], e["event_id"]) for e in errors] == [("response_cancel_not_active", "c2")]
+    assert events[-1]["response"]["status"] == "cancelled"
+
+
+async def test_openai_defaults_that_clients_send_are_accepted(served):
+    """livekit's defaults (semantic_vad, voice marin) once made its whole session.update refused."""
+    _, _, ws = served
+    await recv(ws)
+    session = {
+        "type": "realtime",
+        "audio": {
+            "input": {"turn_detection": {"type": "semantic_vad", "eagerness": "auto"}},
+            "output": {"voice": "marin"},
+        },
+    }
+    await ws.send(json.dumps({"type": "session.update", "session": session}))
+    updated = (await recv(ws))["session"]
+    assert updated["audio"]["output"]["voice"] == "chelsie"  # by the voice table
+    assert updated["audio"]["input"]["turn_detection"]["type"] == "server_vad"  # what serves it

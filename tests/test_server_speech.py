@@ -12,22 +12,14 @@ import pytest
 
 pytest.importorskip("aiortc")
 
-import aioice.ice  # noqa: E402
 import websockets  # noqa: E402
-from server_fakes import Client, FakeEngine, MicTrack, speech_like, user_message  # noqa: E402
+from server_fakes import Client, FakeEngine, MicTrack, loopback_ice, speech_like, user_message  # noqa: E402, F401
 
 from omni_rt.audio.resample import resample  # noqa: E402
 from omni_rt.server import PeerSettings, Server, ServerSettings  # noqa: E402
 from omni_rt.server.track import AudioOutputTrack  # noqa: E402
 
 RATE_IN = 24000  # input_audio_buffer.append
-
-
-@pytest.fixture(autouse=True)
-def loopback_ice(monkeypatch):
-    # aioice never offers 127.0.0.1; in a loopback-only namespace there would be no candidate at all.
-    original = aioice.ice.get_host_addresses
-    monkeypatch.setattr(aioice.ice, "get_host_addresses", lambda **kw: original(**kw) or ["127.0.0.1"])
 
 
 def pcm16_b64(audio: np.ndarray) -> str:
@@ -105,6 +97,7 @@ async def test_appended_speech_with_server_vad_gets_a_spoken_reply():
             assert stopped["audio_end_ms"] == pytest.approx(1500, abs=40)
             assert t.index("conversation.item.added") < t.index("response.created")
             assert "response.output_audio.delta" in t and events[-1]["response"]["status"] == "completed"
+            reply_item = events[-1]["response"]["output"][0]["id"]
 
             # The session got the turn's audio at 16 kHz: what was appended, resampled.
             ((turn, rate),) = engine.audio_requests
@@ -119,7 +112,8 @@ async def test_appended_speech_with_server_vad_gets_a_spoken_reply():
             second = next(e for e in events if e["type"] == "input_audio_buffer.speech_started")
             assert second["audio_start_ms"] >= stopped["audio_end_ms"]
             committed = next(e for e in events if e["type"] == "input_audio_buffer.committed")
-            assert committed["previous_item_id"] == started["item_id"]
+            # The conversation: user turn, its reply, then this turn.
+            assert committed["previous_item_id"] == reply_item
             assert len(engine.audio_requests) == 2
 
 
@@ -202,6 +196,8 @@ async def test_speech_during_a_reply_cancels_it_then_answers_the_new_turn():
             barge = t.index("input_audio_buffer.speech_started")
             done = [e for e in events if e["type"] == "response.done"]
             assert done[0]["response"]["id"] == first and done[0]["response"]["status"] == "cancelled"
+            # OpenAI's reason for a cut by server VAD (pipecat and livekit tell it from a client's cancel)
+            assert done[0]["response"]["status_details"] == {"type": "cancelled", "reason": "turn_detected"}
             assert barge < t.index("response.done")
             late = [
                 e
@@ -436,7 +432,8 @@ async def test_tiny_engine_answers_appended_speech(tiny):
             events = await until(ws, "response.done")
             check_turn_events(events)
             done = events[-1]["response"]
-            assert done["status"] == "completed", done
+            # random weights: 8 tokens may not end the reply (incomplete, the limit stopped it)
+            assert done["status"] in ("completed", "incomplete"), done
             pcm = b"".join(
                 base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta"
             )

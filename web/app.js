@@ -1,5 +1,5 @@
-// omni_rt demo page: one WebSocket for signaling, WebRTC for audio both ways, a data channel named
-// "events" for the realtime events (OpenAI Realtime names). No build step, no dependencies.
+// omni_rt demo page: the OpenAI Realtime WebRTC flow (an ephemeral key from /v1/realtime/client_secrets,
+// a call placed with POST /v1/realtime/calls), audio both ways, the events on the "oai-events" data channel.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -16,7 +16,7 @@ const ui = {
 const AUDIBLE_PEAK = 0.02;
 
 const state = {
-  ws: null, pc: null, dc: null, transceiver: null, micStream: null,
+  call: null, pc: null, dc: null, transceiver: null, micStream: null,
   audioCtx: null, source: null, analyser: null, samples: null,
   response: null,        // {id, bubble}
   audible: null,         // the reply whose first sound is awaited: {t0}; it may outlast response.done
@@ -45,35 +45,31 @@ function setStatus(kind, text) {
   document.body.dataset.state = kind;
 }
 
-function wsUrl() {
+// OpenAI's WebRTC flow: the page mints an ephemeral key (the server's token, from the URL, is used for
+// that alone), then places a call with the key: POST /v1/realtime/calls, the SDP offer in, the answer
+// out (201, Location names the call); events travel on the "oai-events" data channel.
+async function clientSecret() {
   const token = new URLSearchParams(location.search).get("token");
-  const scheme = location.protocol === "https:" ? "wss:" : "ws:";
-  return `${scheme}//${location.host}/ws` + (token ? `?token=${encodeURIComponent(token)}` : "");
+  const r = await fetch("/v1/realtime/client_secrets", {
+    method: "POST",
+    headers: { "Content-Type": "application/json", ...(token ? { Authorization: `Bearer ${token}` } : {}) },
+    body: JSON.stringify({ expires_after: { anchor: "created_at", seconds: 60 } }),
+  });
+  if (!r.ok) throw new Error(r.status === 401 ? "the server refused the token in the URL" : `no key (HTTP ${r.status})`);
+  return (await r.json()).value;
 }
 
 async function connect() {
-  if (state.ws) return disconnect();
+  if (state.call) return disconnect();
   setStatus("connecting", "Connecting…");
   ui.connect.disabled = true;
   // Created inside the click, so the browser lets it (and the <audio> element) play.
   state.audioCtx = state.audioCtx || new AudioContext();
   await state.audioCtx.resume();
 
-  const ws = new WebSocket(wsUrl());
-  state.ws = ws;
-  ws.onmessage = (m) => onEvent(JSON.parse(m.data));
-  ws.onclose = (e) => {
-    if (state.ws !== ws) return;
-    const why = e.code === 1013 ? "server busy" : e.code === 1006 ? "refused or lost" : `closed (${e.code})`;
-    teardown(`Disconnected: ${why}`);
-  };
-  await new Promise((resolve, reject) => {
-    ws.onopen = resolve;
-    ws.onerror = () => reject(new Error("the server refused the connection (check the token in the URL)"));
-  }).catch((err) => { toast(err.message); teardown("Not connected"); throw err; });
-
   const pc = new RTCPeerConnection({ iceServers: [] });
   state.pc = pc;
+  state.call = "pending";
   // One audio transceiver both ways: the reply comes down it, the microphone (when on) goes up it,
   // switched with replaceTrack so that toggling the mic needs no renegotiation.
   state.transceiver = pc.addTransceiver("audio", { direction: "sendrecv" });
@@ -86,13 +82,31 @@ async function connect() {
     else if (s === "disconnected") setStatus("connecting", "Connection interrupted…");
     else if (s === "failed") teardown("Disconnected: WebRTC failed");
   };
-  const dc = pc.createDataChannel("events");
+  const dc = pc.createDataChannel("oai-events");
   state.dc = dc;
   dc.onmessage = (m) => onEvent(JSON.parse(m.data));
+  dc.onclose = () => { if (state.dc === dc) teardown("Disconnected"); };
 
-  await pc.setLocalDescription(await pc.createOffer());
-  await iceGatheringComplete(pc, 3000);  // one complete offer: the server does not trickle
-  ws.send(JSON.stringify({ type: "webrtc.offer", sdp: pc.localDescription.sdp }));
+  try {
+    await pc.setLocalDescription(await pc.createOffer());
+    await iceGatheringComplete(pc, 3000);  // one complete offer: the server does not trickle
+    const key = await clientSecret();
+    const r = await fetch("/v1/realtime/calls", {
+      method: "POST",
+      headers: { "Content-Type": "application/sdp", Authorization: `Bearer ${key}` },
+      body: pc.localDescription.sdp,
+    });
+    if (r.status !== 201) {
+      const why = r.status === 503 ? "server busy" : `the call was refused (HTTP ${r.status})`;
+      throw new Error(why);
+    }
+    state.call = { url: r.headers.get("Location"), key };
+    await pc.setRemoteDescription({ type: "answer", sdp: await r.text() });
+  } catch (err) {
+    toast(err.message);
+    teardown("Not connected");
+    throw err;
+  }
 }
 
 function iceGatheringComplete(pc, timeoutMs) {
@@ -121,10 +135,13 @@ function disconnect() {
 }
 
 function teardown(message) {
-  const { ws, pc, micStream, response } = state;
-  state.ws = state.pc = state.dc = state.transceiver = state.micStream = null;
+  const { call, pc, micStream, response } = state;
+  state.call = state.pc = state.dc = state.transceiver = state.micStream = null;
   state.connected = false;
-  if (ws) { ws.onclose = null; ws.close(); }
+  if (call && call.url) {  // hang up: the server frees the session at once (keepalive: also on unload)
+    fetch(`${call.url}/hangup`, { method: "POST", headers: { Authorization: `Bearer ${call.key}` }, keepalive: true })
+      .catch(() => {});
+  }
   if (pc) pc.close();
   if (micStream) micStream.getTracks().forEach((t) => t.stop());
   if (response) endBubble(response.bubble, "incomplete");  // the reply was cut by the disconnect
@@ -171,7 +188,6 @@ function detachRemote() {
 function send(event) {
   const data = JSON.stringify(event);
   if (state.dc && state.dc.readyState === "open") state.dc.send(data);
-  else if (state.ws && state.ws.readyState === WebSocket.OPEN) state.ws.send(data);
 }
 
 function onEvent(ev) {
@@ -258,8 +274,13 @@ function onEvent(ev) {
       state.voice = voice;
       break;
     }
+    case "conversation.item.done":
+      if (state.pending && state.pending.itemId === ev.item.id) {
+        send({ type: "response.create", event_id: state.pending.eventIds[1] });
+      }
+      break;  // the page shows its own copy of what it sent
     default:
-      break;  // conversation.item.*: the page shows its own copy of what it sent
+      break;
   }
 }
 
@@ -274,13 +295,15 @@ async function speak(text) {
   addBubble("user", text);
   requests += 1;
   const eventIds = [`item_${requests}`, `create_${requests}`];
-  state.pending = { t0: performance.now(), eventIds };
+  const itemId = `item_page_${Date.now()}_${requests}`;
+  state.pending = { t0: performance.now(), eventIds, itemId };
+  // response.create waits for the item's conversation.item.done: a response.create with no new input
+  // answers the conversation as it stands, so one sent after a refused item would reply to nothing.
   send({
     type: "conversation.item.create",
     event_id: eventIds[0],
-    item: { type: "message", role: "user", content: [{ type: "input_text", text }] },
+    item: { id: itemId, type: "message", role: "user", content: [{ type: "input_text", text }] },
   });
-  send({ type: "response.create", event_id: eventIds[1] });
 }
 
 function sendVoice() {
@@ -415,7 +438,7 @@ function setSpeaking(on) {
 
 // Stop works while a reply is generated and while its audio still plays (playout is real time).
 function updateStop() {
-  ui.stop.disabled = !state.ws || !(state.response || state.speaking);
+  ui.stop.disabled = !state.connected || !(state.response || state.speaking);
 }
 
 function stop() {
@@ -447,7 +470,7 @@ ui.connect.addEventListener("click", () => connect().catch((e) => console.error(
 ui.composer.addEventListener("submit", (e) => {
   e.preventDefault();
   const text = ui.text.value.trim();
-  if (!text || !state.ws) return;
+  if (!text || !state.connected) return;
   ui.text.value = "";
   document.getElementById("text-limit").hidden = true;
   speak(text);
@@ -457,5 +480,5 @@ ui.stop.addEventListener("click", stop);
 ui.text.addEventListener("input", () => {
   document.getElementById("text-limit").hidden = ui.text.value.length < ui.text.maxLength;
 });
-ui.voice.addEventListener("change", () => { if (state.ws) sendVoice(); });
+ui.voice.addEventListener("change", () => { if (state.connected) sendVoice(); });
 ui.mic.addEventListener("change", () => setMic(ui.mic.checked));

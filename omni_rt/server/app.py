@@ -1,4 +1,5 @@
-"""`omni-rt serve`: the demo page and the realtime endpoint `/ws` on one port.
+"""`omni-rt serve`: the demo page, the realtime WebSocket (`/v1/realtime`, `/ws`) and OpenAI's Realtime
+HTTP endpoints (`rest.py`) on one port.
 
 HTTP GET requests for the page are answered from the handshake hook of `websockets` (no second web
 framework); `/ws` upgrades to a WebSocket and gets its own `Peer` and `Session`. Checks happen before
@@ -12,7 +13,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import ipaddress
 import json
 import logging
@@ -33,9 +33,12 @@ from websockets.http11 import Request, Response
 
 from omni_rt.model.config import PRESETS, preset
 from omni_rt.server import protocol
-from omni_rt.server.peer import CLOSE_TIMEOUT_S, Peer, PeerSettings
+from omni_rt.server.http import BodyConnection
+from omni_rt.server.peer import Peer, PeerSettings, model_voice
 from omni_rt.server.protocol import ProtocolError
-from omni_rt.server.webrtc import ice_server
+from omni_rt.server.rest import RealtimeHttp
+from omni_rt.server.transport import CLOSE_TIMEOUT_S
+from omni_rt.server.webrtc import IcePolicy, ice_server
 
 log = logging.getLogger("omni_rt.server")
 
@@ -78,9 +81,16 @@ class Server:
         if self.web_dir is None:
             # /ws works without it; only the demo page is missing (an install without package data).
             log.warning("the demo page (web/) was not found: serving /ws only")
+        peer = self.settings.peer
+        if peer.ice_policy is None:  # media follows the bind address (issue #13, defect 7)
+            policy = IcePolicy.for_bind(self.settings.host, peer.ice_servers, peer.ice_public_address)
+            self.settings = dataclasses.replace(
+                self.settings, peer=dataclasses.replace(peer, ice_policy=policy)
+            )
         self._allowed_origins = {normalize_origin(o) for o in self.settings.allowed_origins}
         self._loopback = _is_loopback(self.settings.host)
-        self.peers: set[Peer] = set()
+        self.peers: set[Peer] = set()  # WebSocket connections and calls
+        self.rest = RealtimeHttp(self)
         self._server: Any = None
         self._handlers: set[asyncio.Task] = set()
 
@@ -92,6 +102,7 @@ class Server:
             **where,
             process_request=self._process_request,
             server_header="omni-rt",  # no versions for a probe to match against
+            create_connection=BodyConnection,  # POST bodies for /v1/realtime/calls, client_secrets
             # Our own limit answers with an error event; this one is the backstop for absurd frames.
             max_size=4 * s.peer.max_message_bytes,
             max_queue=16,
@@ -123,6 +134,34 @@ class Server:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def has_room(self) -> bool:
+        return len(self.peers) < self.settings.max_sessions
+
+    def run_peer(self, peer: Peer, on_end: Any) -> None:
+        """Serve a call's peer (one without a socket) in the background until it ends."""
+
+        async def serve() -> None:
+            try:
+                await peer.run()
+            finally:
+                self.peers.discard(peer)
+                on_end()
+                log.info("%s closed after %d responses", peer.session_id, peer.responses)
+
+        task = asyncio.create_task(serve(), name=f"{peer.session_id} call")
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+
+    def session_preview(self, fields: protocol.SessionFields | None) -> dict[str, Any]:
+        """The session object that a session opened with this configuration starts with."""
+        peer = Peer(self.engine, None, self.settings.peer)
+        if fields is not None:
+            peer.configure(fields)
+        return peer.session_object()
+
+    def model_voice(self, name: str) -> str:
+        return model_voice(self.engine, name)
+
     @property
     def port(self) -> int:
         return self._server.sockets[0].getsockname()[1]
@@ -139,18 +178,39 @@ class Server:
 
     # -- HTTP, before any upgrade ---------------------------------------------------------------------
 
-    def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
-        if request.method not in ("GET", "HEAD"):  # nothing here takes a body
+    async def _process_request(self, connection: ServerConnection, request: Request) -> Response | None:
+        # only the REST endpoints take a body; every other path is GET or HEAD
+        if request.method not in ("GET", "HEAD") and not self.rest.handles(urlsplit(request.path).path):
             return _response(HTTPStatus.METHOD_NOT_ALLOWED, b"Only GET and HEAD.\n", "text/plain")
-        response = self._route(connection, request)
+        response = await self._route(connection, request)
         if request.method == "HEAD" and response is not None:  # the headers of a GET, no body
             response = dataclasses.replace(response, body=b"")
         return response
 
-    def _route(self, connection: ServerConnection, request: Request) -> Response | None:
+    async def _route(self, connection: ServerConnection, request: Request) -> Response | None:
         url = urlsplit(request.path)
-        if url.path == "/ws":
-            return self._check_ws(connection, request, url.query)
+        try:
+            origin = request.headers.get("Origin")
+            host = request.headers.get("Host", "")
+            bearer = _bearer(request.headers.get("Authorization", ""))
+        except MultipleValuesError:  # which one would count? Neither.
+            return connection.respond(HTTPStatus.BAD_REQUEST, "Repeated Origin, Host or Authorization.\n")
+        if self.rest.handles(url.path):
+            if origin is not None and not self._origin_allowed(origin, host):
+                log.warning("refused %s from origin %s (Host %s)", url.path, origin, host)
+                return connection.respond(HTTPStatus.FORBIDDEN, "Origin not allowed.\n")
+            problem = getattr(connection, "body_error", None)
+            if problem is not None:
+                return connection.respond(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"{problem}.\n")
+            answer = await self.rest.handle(
+                request.method, url.path, request.headers, getattr(connection, "body", None), bearer
+            )
+            response = _response(answer.status, answer.body, answer.content_type)
+            for name, value in answer.headers.items():
+                response.headers[name] = value
+            return response
+        if is_realtime_path(url.path):
+            return self._check_ws(connection, url.query, origin, host, bearer)
         if url.path == "/health":
             body = json.dumps(
                 {"ok": True, "sessions": len(self.peers), "max_sessions": self.settings.max_sessions}
@@ -158,23 +218,18 @@ class Server:
             return _response(HTTPStatus.OK, body.encode(), "application/json")
         return self._static(url.path)
 
-    def _check_ws(self, connection: ServerConnection, request: Request, query: str) -> Response | None:
-        try:
-            origin = request.headers.get("Origin")
-            host = request.headers.get("Host", "")
-            auth = request.headers.get("Authorization", "")
-        except MultipleValuesError:  # which one would count? Neither.
-            return connection.respond(HTTPStatus.BAD_REQUEST, "Repeated Origin, Host or Authorization.\n")
+    def _check_ws(
+        self, connection: ServerConnection, query: str, origin: str | None, host: str, bearer: str | None
+    ) -> Response | None:
         if origin is not None and not self._origin_allowed(origin, host):
             log.warning("refused /ws from origin %s (Host %s)", origin, host)
             return connection.respond(HTTPStatus.FORBIDDEN, "Origin not allowed.\n")
-        if self.settings.token is not None:
-            given = parse_qs(query).get("token", [""])[0]
-            scheme, _, credentials = auth.partition(" ")
-            if scheme.lower() == "bearer":  # auth schemes are case-insensitive (RFC 9110)
-                given = credentials.strip()
-            if not hmac.compare_digest(given.encode(), self.settings.token.encode()):
-                return connection.respond(HTTPStatus.UNAUTHORIZED, "A valid token is required.\n")
+        given = bearer if bearer is not None else parse_qs(query).get("token", [""])[0]
+        allowed, secret = self.rest.authorize(given, keys=True)
+        if not allowed:
+            return connection.respond(HTTPStatus.UNAUTHORIZED, "A valid token is required.\n")
+        # The key's session configuration, for the peer that this connection becomes.
+        connection.client_secret = secret  # type: ignore[attr-defined]
         return None  # websockets answers a plain GET here with 426 Upgrade Required
 
     def _origin_allowed(self, origin: str, host: str) -> bool:
@@ -211,7 +266,7 @@ class Server:
     # -- WebSocket ------------------------------------------------------------------------------------
 
     async def _handle(self, ws: ServerConnection) -> None:
-        if len(self.peers) >= self.settings.max_sessions:
+        if not self.has_room():
             busy = ProtocolError(
                 "session_limit",
                 f"the server is at its limit of {self.settings.max_sessions} sessions; try again later",
@@ -220,7 +275,13 @@ class Server:
             await ws.send(json.dumps(protocol.error(busy)))
             await ws.close(1013, "session limit")
             return
-        peer = Peer(self.engine, ws, self.settings.peer)
+        secret = getattr(ws, "client_secret", None)
+        peer = Peer(
+            self.engine,
+            ws,
+            self.settings.peer,
+            sessions=[secret.session] if secret and secret.session else [],
+        )
         self.peers.add(peer)
         log.info(
             "%s opened from %s (%d/%d)",
@@ -234,6 +295,18 @@ class Server:
         finally:
             self.peers.discard(peer)
             log.info("%s closed after %d responses", peer.session_id, peer.responses)
+
+
+def is_realtime_path(path: str) -> bool:
+    """The WebSocket endpoint: `/ws`, or where OpenAI's clients look for it, any path ending in
+    `/realtime` (the official SDK opens `<base>/realtime?model=M`; `/v1/realtime` for most)."""
+    return path == "/ws" or path.rstrip("/").endswith("/realtime")
+
+
+def _bearer(authorization: str) -> str | None:
+    """The credentials of an `Authorization: Bearer ...` header (schemes are case-insensitive, RFC 9110)."""
+    scheme, _, credentials = authorization.partition(" ")
+    return credentials.strip() if scheme.lower() == "bearer" else None
 
 
 def normalize_origin(origin: str) -> str:
@@ -306,7 +379,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="URL",
-        help="STUN/TURN URL (default: none; LAN only)",
+        help="STUN/TURN URL, used when listening on all interfaces (default: none; LAN only)",
+    )
+    p.add_argument(
+        "--ice-public-address",
+        default=None,
+        metavar="IP",
+        help="behind a 1:1 NAT: the public address to announce in ICE candidates instead of the bound one",
     )
     p.add_argument(
         "--max-audio-seconds",
@@ -335,6 +414,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             ice_server(url)
         except ValueError as exc:
             p.error(str(exc))
+    if args.ice_public_address is not None:
+        try:
+            IcePolicy(public_address=args.ice_public_address)
+        except ValueError:
+            p.error(f"--ice-public-address must be an IP address, not {args.ice_public_address!r}")
     if args.max_audio_seconds is None:
         args.max_audio_seconds = TINY_REPLY_SECONDS if args.model == "tiny" else 60.0
     if args.max_audio_seconds <= 0:
@@ -377,6 +461,7 @@ async def serve_forever(args: argparse.Namespace) -> None:
             model=Path(args.model).name,
             voice=args.voice,
             ice_servers=tuple(args.ice_server),
+            ice_public_address=args.ice_public_address,
             idle=args.idle,
             max_audio_frames=max(1, round(args.max_audio_seconds / 0.08)),
         ),

@@ -1,7 +1,7 @@
 """The realtime JSON events on the wire, both ways, with OpenAI Realtime (GA) names and shapes.
 
 Client events are parsed and validated here (pydantic; unknown fields are tolerated, as OpenAI clients
-send more than omni_rt uses); server events are built here as plain dicts. Nothing here touches a
+send more than omni_rt uses); server events are built by `omni_rt.wire`, the one serialiser. Nothing here touches a
 socket: `peer.py` moves the events, `docs/protocol.md` documents them.
 """
 
@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import base64
 import json
-import secrets
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from omni_rt import wire
+from omni_rt.server.tools import ToolChoice, Tools, tool_call_text, tool_response
 
 MAX_MESSAGE_BYTES = 256 * 1024  # an SDP offer is a few kB; a text message far less
 MAX_TEXT_CHARS = 16_000  # one user message
-INPUT_SAMPLE_RATE = 24_000  # input_audio_buffer.append carries 24 kHz mono PCM16, as OpenAI's does
+INPUT_SAMPLE_RATE = wire.INPUT_SAMPLE_RATE
 MAX_APPEND_MS = 2_000  # audio in one append; clients send 20-100 ms at a time
 # base64 of MAX_APPEND_MS of PCM16: 4 characters per 3 bytes
 MAX_APPEND_CHARS = -(-INPUT_SAMPLE_RATE * MAX_APPEND_MS // 1000 * 2 // 3) * 4
@@ -49,8 +51,21 @@ class ProtocolError(Exception):
         self.type = type
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(8)}"
+# OpenAI's voice names, for clients that send them (a default such as `alloy` or `marin`), mapped to
+# Qwen3-Omni's speakers by their register; docs/protocol.md carries this table. A model voice name is
+# taken as it is.
+OPENAI_VOICES = {
+    "alloy": "chelsie",
+    "ash": "aiden",
+    "ballad": "aiden",
+    "coral": "chelsie",
+    "echo": "ethan",
+    "sage": "chelsie",
+    "shimmer": "chelsie",
+    "verse": "ethan",
+    "marin": "chelsie",
+    "cedar": "ethan",
+}
 
 
 # -- client → server ---------------------------------------------------------------------------------
@@ -70,10 +85,12 @@ class AudioOutputConfig(BaseModel):
 
 
 class TurnDetectionFields(BaseModel):
-    """`turn_detection`: server VAD only (`semantic_vad` is not offered). Missing fields: defaults."""
+    """`turn_detection`: server VAD. `semantic_vad` (OpenAI's default in some clients) is accepted and
+    served by the same server VAD (its `eagerness` is ignored): refusing it would refuse the client's
+    whole `session.update`. Missing fields: defaults."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["server_vad"] = "server_vad"
+    type: Literal["server_vad", "semantic_vad"] = "server_vad"
     threshold: float | None = Field(default=None, gt=0.0, lt=1.0)
     prefix_padding_ms: int | None = Field(default=None, ge=0, le=5_000)
     silence_duration_ms: int | None = Field(default=None, ge=20, le=10_000)
@@ -108,6 +125,8 @@ class SessionFields(BaseModel):
     output_modalities: list[Literal["audio", "text"]] | None = Field(default=None, min_length=1)
     audio: AudioConfig | None = None
     max_output_tokens: TokenLimit | None = None
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
     # Older (beta) clients send these flat.
     voice: str | None = Field(default=None, min_length=1, max_length=64)
     modalities: list[Literal["audio", "text"]] | None = Field(default=None, min_length=1)
@@ -118,16 +137,16 @@ class SessionUpdate(_Event):
     type: Literal["session.update"]
     session: SessionFields
 
-    def turn_detection(self) -> tuple[bool, TurnDetectionFields | None]:
-        """(given, value): whether the update sets `turn_detection` (GA `audio.input.turn_detection`
-        or beta `turn_detection`), and to what; `None` as a value turns server VAD off."""
-        s = self.session
-        audio_input = s.audio.input if s.audio is not None else None
-        if audio_input is not None and "turn_detection" in audio_input.model_fields_set:
-            return True, audio_input.turn_detection
-        if "turn_detection" in s.model_fields_set:
-            return True, s.turn_detection
-        return False, None
+
+def turn_detection_of(s: SessionFields) -> tuple[bool, TurnDetectionFields | None]:
+    """(given, value): whether a session configuration sets `turn_detection` (GA
+    `audio.input.turn_detection` or beta `turn_detection`), and to what; `None` turns server VAD off."""
+    audio_input = s.audio.input if s.audio is not None else None
+    if audio_input is not None and "turn_detection" in audio_input.model_fields_set:
+        return True, audio_input.turn_detection
+    if "turn_detection" in s.model_fields_set:
+        return True, s.turn_detection
+    return False, None
 
 
 class ContentPart(BaseModel):
@@ -137,11 +156,28 @@ class ContentPart(BaseModel):
 
 
 class Item(BaseModel):
+    """A message (its role and content), a function call the assistant made (`call_id`, `name`,
+    `arguments`), or its result (`call_id`, `output`)."""
+
     model_config = ConfigDict(extra="allow")
     id: str | None = Field(default=None, max_length=64)
-    type: Literal["message"] = "message"
+    type: Literal["message", "function_call", "function_call_output"] = "message"
     role: Literal["user", "system", "assistant"] = "user"
-    content: list[ContentPart] = Field(min_length=1, max_length=64)
+    content: list[ContentPart] = Field(default_factory=list, max_length=64)
+    call_id: str | None = Field(default=None, min_length=1, max_length=64)
+    name: str | None = Field(default=None, min_length=1, max_length=64)
+    arguments: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+    output: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
+
+    @model_validator(mode="after")
+    def _complete(self) -> Item:
+        if self.type == "message" and not self.content:
+            raise ValueError("a message needs content")
+        if self.type == "function_call" and (self.call_id is None or self.name is None):
+            raise ValueError("a function_call needs call_id and name")
+        if self.type == "function_call_output" and (self.call_id is None or self.output is None):
+            raise ValueError("a function_call_output needs call_id and output")
+        return self
 
 
 class ConversationItemCreate(_Event):
@@ -150,11 +186,24 @@ class ConversationItemCreate(_Event):
     item: Item
 
 
+Metadata = dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]]
+
+
 class ResponseFields(BaseModel):
     model_config = ConfigDict(extra="allow")
     instructions: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
     output_modalities: list[Literal["audio", "text"]] | None = Field(default=None, min_length=1)
+    modalities: list[Literal["audio", "text"]] | None = Field(default=None, min_length=1)  # beta name
     max_output_tokens: TokenLimit | None = None
+    metadata: Metadata | None = Field(default=None, max_length=16)
+    audio: AudioConfig | None = None
+    conversation: Literal["auto", "none"] = "auto"
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+
+    @property
+    def voice(self) -> str | None:
+        return self.audio.output.voice if self.audio is not None and self.audio.output is not None else None
 
 
 class ResponseCreate(_Event):
@@ -214,7 +263,19 @@ class ConversationItemTruncate(_Event):
     audio_end_ms: int = Field(ge=0)
 
 
+class ConversationItemRetrieve(_Event):
+    type: Literal["conversation.item.retrieve"]
+    item_id: str = Field(min_length=1, max_length=64)
+
+
+class ConversationItemDelete(_Event):
+    type: Literal["conversation.item.delete"]
+    item_id: str = Field(min_length=1, max_length=64)
+
+
 CLIENT_EVENTS: dict[str, type[_Event]] = {
+    "conversation.item.retrieve": ConversationItemRetrieve,
+    "conversation.item.delete": ConversationItemDelete,
     "session.update": SessionUpdate,
     "conversation.item.create": ConversationItemCreate,
     "response.create": ResponseCreate,
@@ -261,196 +322,49 @@ def parse_client_event(raw: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> 
         ) from None
 
 
-def user_text(item: Item) -> str:
-    """The text of a user message item (its `input_text` parts, in order)."""
-    texts = [p.text for p in item.content if p.type in ("input_text", "text") and p.text]
+def message_text(item: Item) -> str:
+    """The text of a message item (its `input_text` / `output_text` / `text` parts, in order)."""
+    texts = [p.text for p in item.content if p.type in ("input_text", "output_text", "text") and p.text]
     if not texts:
         raise ProtocolError(
             "invalid_value",
-            "a message needs at least one non-empty 'input_text' content part",
+            "a message needs at least one non-empty 'input_text' (or, for the assistant, 'output_text') "
+            "content part",
             param="item.content",
         )
     return "\n".join(texts)
 
 
-# -- server → client ---------------------------------------------------------------------------------
+def item_turn(item: Item) -> tuple[str, str]:
+    """(role, text) of an item as a turn of the chat template: a function's result is a user turn
+    (`<tool_response>`), a call the assistant's turn that made it."""
+    if item.type == "function_call_output":
+        return "user", tool_response(item.output or "")
+    if item.type == "function_call":
+        try:
+            arguments = json.loads(item.arguments or "{}")
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise ProtocolError("invalid_value", "arguments must be a JSON object", param="item.arguments")
+        return "assistant", tool_call_text(item.name or "", json.dumps(arguments))
+    return item.role, message_text(item)
 
 
-def _event(type: str, **fields: Any) -> dict[str, Any]:
-    return {"type": type, "event_id": new_id("event"), **fields}
+def item_wire(item: Item, item_id: str, text: str) -> dict[str, Any]:
+    """The item as the server echoes it (`conversation.item.added` / `.done` / `.retrieved`)."""
+    if item.type == "function_call_output":
+        return wire.function_call_output_item(item_id, item.call_id or "", item.output or "")
+    if item.type == "function_call":
+        return wire.function_call_item(
+            item_id, item.call_id or "", item.name or "", item.arguments or "{}", "completed"
+        )
+    return wire.item_object(item_id, item.role, text)
+
+
+# -- server → client: built by omni_rt.wire (the one serialiser) ------------------------------------
 
 
 def error(exc: ProtocolError) -> dict[str, Any]:
-    return _event(
-        "error",
-        error={
-            "type": exc.type,
-            "code": exc.code,
-            "message": exc.message,
-            "param": exc.param,
-            "event_id": exc.event_id,
-        },
-    )
-
-
-def session_object(
-    session_id: str,
-    model: str,
-    voice: str,
-    instructions: str,
-    output_modalities: list[str],
-    sample_rate: int,
-    max_output_tokens: int | str = "inf",
-    turn_detection: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    return {
-        "type": "realtime",
-        "object": "realtime.session",
-        "id": session_id,
-        "model": model,
-        "output_modalities": list(output_modalities),
-        "instructions": instructions,
-        "max_output_tokens": max_output_tokens,
-        "audio": {
-            "input": {
-                "format": {"type": "audio/pcm", "rate": INPUT_SAMPLE_RATE},
-                "turn_detection": turn_detection,
-            },
-            "output": {"format": {"type": "audio/pcm", "rate": sample_rate}, "voice": voice},
-        },
-    }
-
-
-def session_created(session: dict[str, Any]) -> dict[str, Any]:
-    return _event("session.created", session=session)
-
-
-def session_updated(session: dict[str, Any]) -> dict[str, Any]:
-    return _event("session.updated", session=session)
-
-
-def webrtc_answer(sdp: str) -> dict[str, Any]:
-    return _event("webrtc.answer", sdp=sdp)
-
-
-def item_object(item_id: str, role: str, text: str, status: str = "completed") -> dict[str, Any]:
-    part_type = "input_text" if role == "user" else "output_audio"
-    part = {"type": part_type, "text": text} if role == "user" else {"type": part_type, "transcript": text}
-    return {
-        "id": item_id,
-        "object": "realtime.item",
-        "type": "message",
-        "status": status,
-        "role": role,
-        "content": [part],
-    }
-
-
-def input_audio_item(item_id: str) -> dict[str, Any]:
-    """A user message made of the speech the input audio buffer committed (no transcription here)."""
-    return {
-        "id": item_id,
-        "object": "realtime.item",
-        "type": "message",
-        "status": "completed",
-        "role": "user",
-        "content": [{"type": "input_audio", "transcript": None}],
-    }
-
-
-def conversation_item_truncated(item_id: str, content_index: int, audio_end_ms: int) -> dict[str, Any]:
-    return _event(
-        "conversation.item.truncated", item_id=item_id, content_index=content_index, audio_end_ms=audio_end_ms
-    )
-
-
-def conversation_item_added(item: dict[str, Any], previous_item_id: str | None) -> dict[str, Any]:
-    return _event("conversation.item.added", previous_item_id=previous_item_id, item=item)
-
-
-def conversation_item_done(item: dict[str, Any], previous_item_id: str | None) -> dict[str, Any]:
-    return _event("conversation.item.done", previous_item_id=previous_item_id, item=item)
-
-
-def response_object(
-    response_id: str,
-    status: str,
-    output: list[dict[str, Any]] | None = None,
-    *,
-    status_details: dict[str, Any] | None = None,
-    usage: dict[str, Any] | None = None,
-    metrics: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    response: dict[str, Any] = {
-        "id": response_id,
-        "object": "realtime.response",
-        "status": status,
-        "status_details": status_details,
-        "output": output or [],
-        "usage": usage,
-    }
-    if metrics is not None:
-        response["metrics"] = metrics  # omni_rt's addition: latency figures of this response
-    return response
-
-
-def response_created(response_id: str) -> dict[str, Any]:
-    return _event("response.created", response=response_object(response_id, "in_progress"))
-
-
-def response_done(response: dict[str, Any]) -> dict[str, Any]:
-    return _event("response.done", response=response)
-
-
-def _part_fields(response_id: str, item_id: str) -> dict[str, Any]:
-    return {"response_id": response_id, "item_id": item_id, "output_index": 0, "content_index": 0}
-
-
-def transcript_delta(response_id: str, item_id: str, delta: str) -> dict[str, Any]:
-    return _event("response.output_audio_transcript.delta", **_part_fields(response_id, item_id), delta=delta)
-
-
-def transcript_done(response_id: str, item_id: str, transcript: str) -> dict[str, Any]:
-    return _event(
-        "response.output_audio_transcript.done", **_part_fields(response_id, item_id), transcript=transcript
-    )
-
-
-def text_delta(response_id: str, item_id: str, delta: str) -> dict[str, Any]:
-    return _event("response.output_text.delta", **_part_fields(response_id, item_id), delta=delta)
-
-
-def text_done(response_id: str, item_id: str, text: str) -> dict[str, Any]:
-    return _event("response.output_text.done", **_part_fields(response_id, item_id), text=text)
-
-
-def audio_delta(response_id: str, item_id: str, pcm: np.ndarray) -> dict[str, Any]:
-    """Audio for clients without a media track: little-endian PCM16, base64, as OpenAI sends it."""
-    data = np.asarray(pcm, dtype="<i2").tobytes()
-    return _event(
-        "response.output_audio.delta",
-        **_part_fields(response_id, item_id),
-        delta=base64.b64encode(data).decode("ascii"),
-    )
-
-
-def audio_done(response_id: str, item_id: str) -> dict[str, Any]:
-    return _event("response.output_audio.done", **_part_fields(response_id, item_id))
-
-
-def output_audio_buffer(kind: Literal["started", "stopped", "cleared"], response_id: str) -> dict[str, Any]:
-    """WebRTC only: the media track began / finished playing a response's audio, or dropped it."""
-    return _event(f"output_audio_buffer.{kind}", response_id=response_id)
-
-
-def metrics_dict(metrics: Any) -> dict[str, Any]:
-    """A session's metrics (a pydantic model, a dataclass, a dict or None) as JSON-ready numbers."""
-    if metrics is None:
-        return {}
-    if hasattr(metrics, "model_dump"):
-        data = metrics.model_dump()
-    elif isinstance(metrics, dict):
-        data = dict(metrics)
-    else:
-        data = {k: v for k, v in vars(metrics).items() if not k.startswith("_")}
-    return {k: v for k, v in data.items() if v is None or isinstance(v, int | float | str | bool)}
+    """The `error` event a ProtocolError becomes."""
+    return wire.error(exc.type, exc.code, exc.message, param=exc.param, event_id=exc.event_id)

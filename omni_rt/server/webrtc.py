@@ -5,13 +5,26 @@ already gathered) and one answer are the whole exchange: no trickle, no renegoti
 says to each part of an offer: audio gets the outgoing reply track (and the client's microphone, if
 it sends one, is received); video is declined (`inactive`: nothing to decode for nothing); a data
 channel is accepted, and `peer.py` decides what to do with it.
+
+ICE host candidates follow the server's bind address (`IcePolicy.for_bind`): a server on loopback
+offers media on loopback alone, one bound to an interface offers that interface, and only a server
+bound to all interfaces offers every interface (and uses its STUN/TURN servers). aiortc always gathers
+on every interface (aioice's `get_host_addresses`); the policy of the connection being answered is
+handed to that function through a context variable, so other connections in the process (clients,
+other servers) gather as before. Behind a 1:1 NAT, `public_address` is announced in place of the
+bound address (the NAT forwards it there).
 """
 
 from __future__ import annotations
 
+import contextvars
+import ipaddress
+import socket
 from collections.abc import Sequence
+from dataclasses import dataclass
 from urllib.parse import unquote
 
+import aioice.ice
 from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 
 from omni_rt.server.track import AudioOutputTrack
@@ -29,12 +42,79 @@ def ice_server(url: str) -> RTCIceServer:
     return RTCIceServer(urls=f"{scheme}:{address}", username=unquote(username), credential=unquote(password))
 
 
-def peer_connection(ice_servers: Sequence[str]) -> RTCPeerConnection:
-    """A peer connection with only the given STUN/TURN servers (aiortc's default is a public STUN host)."""
-    return RTCPeerConnection(RTCConfiguration(iceServers=[ice_server(url) for url in ice_servers]))
+@dataclass(frozen=True)
+class IcePolicy:
+    """Where this server's media may flow: `addresses` to gather host candidates on (None: every
+    interface), the STUN/TURN servers used, and an address announced in place of the bound one."""
+
+    addresses: tuple[str, ...] | None = None
+    ice_servers: tuple[str, ...] = ()
+    public_address: str | None = None
+
+    @classmethod
+    def for_bind(
+        cls, host: str, ice_servers: Sequence[str] = (), public_address: str | None = None
+    ) -> IcePolicy:
+        """The policy of a server listening on `host`: loopback → loopback only; one interface → it;
+        all interfaces ("", 0.0.0.0, ::) → every interface, with `ice_servers`."""
+        if host in ("", "0.0.0.0", "::"):
+            return cls(None, tuple(ice_servers), public_address)
+        name = host.strip("[]")
+        if name.lower() == "localhost":
+            name = "127.0.0.1"
+        try:
+            address = str(ipaddress.ip_address(name))
+        except ValueError:  # a host name: the interface it names here
+            address = socket.gethostbyname(name)
+        # STUN/TURN are not used: a server bound to one address was asked to stay there.
+        return cls((address,), (), public_address)
+
+    def __post_init__(self) -> None:
+        if self.public_address is not None:
+            ipaddress.ip_address(self.public_address)  # ValueError for anything but an IP address
 
 
-async def answer_offer(pc: RTCPeerConnection, sdp: str, track: AudioOutputTrack) -> tuple[str, bool]:
+_policy: contextvars.ContextVar[IcePolicy | None] = contextvars.ContextVar("omni_rt_ice_policy", default=None)
+_gather_all = aioice.ice.get_host_addresses
+
+
+def _host_addresses(use_ipv4: bool, use_ipv6: bool) -> list[str]:
+    policy = _policy.get()
+    if policy is None or policy.addresses is None:
+        return _gather_all(use_ipv4, use_ipv6)
+    return [a for a in policy.addresses if (":" in a and use_ipv6) or (":" not in a and use_ipv4)]
+
+
+aioice.ice.get_host_addresses = _host_addresses
+
+
+def peer_connection(policy: IcePolicy) -> RTCPeerConnection:
+    """A peer connection with only the policy's STUN/TURN servers (aiortc's default is a public STUN host)."""
+    return RTCPeerConnection(RTCConfiguration(iceServers=[ice_server(url) for url in policy.ice_servers]))
+
+
+def _announce(sdp: str, policy: IcePolicy) -> str:
+    """The answer with the public address in place of the bound one in host candidates and `c=`."""
+    if policy.public_address is None:
+        return sdp
+    bound = set(policy.addresses or ())
+    lines = []
+    for line in sdp.split("\r\n"):
+        if line.startswith("a=candidate:"):
+            fields = line.split(" ")
+            if len(fields) > 7 and fields[7] == "host" and (not bound or fields[4] in bound):
+                fields[4] = policy.public_address
+            line = " ".join(fields)
+        elif line.startswith("c=IN IP") and (not bound or line.split(" ")[-1] in bound):
+            version = "6" if ":" in policy.public_address else "4"
+            line = f"c=IN IP{version} {policy.public_address}"
+        lines.append(line)
+    return "\r\n".join(lines)
+
+
+async def answer_offer(
+    pc: RTCPeerConnection, sdp: str, track: AudioOutputTrack, policy: IcePolicy = IcePolicy()
+) -> tuple[str, bool]:
     """Apply the client's offer to `pc` and make the answer: `(answer SDP, whether track is sent)`.
 
     `track` rides the offer's audio; it is not sent when the offer has no audio or only sends audio
@@ -55,12 +135,15 @@ async def answer_offer(pc: RTCPeerConnection, sdp: str, track: AudioOutputTrack)
         # Added after setRemoteDescription and before createAnswer, so that it rides the offer's
         # audio transceiver even when the browser only receives (no microphone).
         pc.addTrack(track)
+    token = _policy.set(policy)  # gathering happens inside setLocalDescription, in this context
     try:
         await pc.setLocalDescription(await pc.createAnswer())
     except Exception as exc:
         raise ValueError(f"no answer to this offer: {exc}") from None
+    finally:
+        _policy.reset(token)
     _bad_text_as_bytes(pc)
-    return pc.localDescription.sdp, _sends(pc, track)
+    return _announce(pc.localDescription.sdp, policy), _sends(pc, track)
 
 
 def _bad_text_as_bytes(pc: RTCPeerConnection) -> bool:

@@ -1,0 +1,139 @@
+"""One connection's conversation as the client sees it: its items, and the input not yet answered.
+
+The model's context is the Session's (its KV cache); this is the client's view of it, by item id:
+user, system and assistant messages, function calls and their outputs, spoken turns. Input added
+since the last response waits here until the next one reads it (`take`); until then it can be
+deleted. What a response has read cannot be: the Session's context is not rewritten. Items join at
+the end only. The latest items are kept for `conversation.item.retrieve`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from omni_rt import wire
+from omni_rt.server import protocol
+from omni_rt.server.protocol import ProtocolError
+
+KEPT_ITEMS = 512  # items remembered for conversation.item.retrieve / delete
+
+
+class Conversation:
+    def __init__(self, send: Callable[[dict[str, Any]], None], max_text_chars: int) -> None:
+        self._send = send
+        self.max_text_chars = max_text_chars
+        self.last_item_id: str | None = None
+        self._items: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        # Input since the last response, by item id: (role, text) turns, committed speech (16 kHz).
+        self._text: dict[str, tuple[str, str]] = {}
+        self._speech: dict[str, np.ndarray] = {}
+
+    # -- adding ---------------------------------------------------------------------------------------
+
+    def create(self, event: protocol.ConversationItemCreate) -> None:
+        """`conversation.item.create`: checked, echoed, waiting for the next response."""
+        item = event.item
+        if event.previous_item_id is not None and event.previous_item_id != self.last_item_id:
+            raise ProtocolError(
+                "invalid_value",
+                "items can only be added at the end of the conversation (previous_item_id must be the "
+                f"last item, {self.last_item_id!r})",
+                param="previous_item_id",
+                event_id=event.event_id,
+            )
+        try:
+            role, text = protocol.item_turn(item)
+        except ProtocolError as exc:
+            exc.event_id = event.event_id
+            raise
+        pending = sum(len(t) for _, t in self._text.values()) + len(text)
+        if pending > self.max_text_chars:
+            raise ProtocolError(
+                "pending_input_full",
+                f"at most {self.max_text_chars} characters of text wait for a response ({pending} with "
+                "this message): send response.create, or a shorter message",
+                event_id=event.event_id,
+            )
+        item_id = item.id or wire.new_id("item")
+        if item_id in self._items:
+            raise ProtocolError(
+                "invalid_value", f"the conversation already has an item {item_id!r}", param="item.id",
+                event_id=event.event_id,
+            )  # fmt: skip
+        self._text[item_id] = (role, text)
+        self._add(protocol.item_wire(item, item_id, text))
+
+    def add_speech(self, item_id: str, audio: np.ndarray) -> None:
+        """A committed spoken turn (16 kHz), a user item."""
+        self._speech[item_id] = audio
+        self._add(wire.input_audio_item(item_id))
+
+    def remember(self, items: list[dict[str, Any]]) -> None:
+        """A response's items (its message, its calls), which it announced itself."""
+        for item in items:
+            self._keep(item)
+
+    def _add(self, item: dict[str, Any]) -> None:
+        self._send(wire.conversation_item_added(item, self.last_item_id))
+        self._send(wire.conversation_item_done(item, self.last_item_id))
+        self._keep(item)
+
+    def _keep(self, item: dict[str, Any]) -> None:
+        self._items[item["id"]] = item
+        while len(self._items) > KEPT_ITEMS:
+            self._items.popitem(last=False)
+        self.last_item_id = item["id"]
+
+    # -- what waits for a response -------------------------------------------------------------------
+
+    @property
+    def speech_samples(self) -> int:
+        return sum(map(len, self._speech.values()))
+
+    def waiting(self) -> tuple[list[tuple[str, str]], bool]:
+        """(the text turns waiting, whether speech waits too)."""
+        return list(self._text.values()), bool(self._speech)
+
+    def take(self) -> tuple[list[tuple[str, str]], np.ndarray | None]:
+        """What the next response reads: the text turns in order, the speech as one clip."""
+        turns = list(self._text.values())
+        speech = np.concatenate(list(self._speech.values())) if self._speech else None
+        self._text.clear()
+        self._speech.clear()
+        return turns, speech
+
+    # -- retrieve, delete -----------------------------------------------------------------------------
+
+    def retrieve(self, event: protocol.ConversationItemRetrieve) -> None:
+        item = self._items.get(event.item_id)
+        if item is None:
+            raise ProtocolError(
+                "invalid_value", f"no item {event.item_id!r}", param="item_id", event_id=event.event_id
+            )
+        self._send(wire.conversation_item_retrieved(item))
+
+    def delete(self, event: protocol.ConversationItemDelete) -> None:
+        """Input not yet answered can be taken back; what a response has read is in the model's
+        context (its KV cache), which is not rewritten."""
+        item_id = event.item_id
+        if item_id not in self._text and item_id not in self._speech:
+            known = item_id in self._items
+            raise ProtocolError(
+                "item_delete_unsupported" if known else "invalid_value",
+                f"item {item_id!r} is in the model's context already: only items added since the last "
+                "response can be deleted"
+                if known
+                else f"no item {item_id!r}",
+                param="item_id",
+                event_id=event.event_id,
+            )
+        self._text.pop(item_id, None)
+        self._speech.pop(item_id, None)
+        del self._items[item_id]
+        if self.last_item_id == item_id:
+            self.last_item_id = next(reversed(self._items), None)
+        self._send(wire.conversation_item_deleted(item_id))

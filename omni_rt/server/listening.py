@@ -1,0 +1,147 @@
+"""One connection's speech input: appended audio and microphone frames into the input audio buffer,
+its VAD events out as wire events, its turns into the conversation.
+
+Microphone frames and `input_audio_buffer.append` audio go to one `InputAudioBuffer` (`speech.py`:
+16 kHz, server VAD), rate-limited together. All of it is synchronous on the event loop, so the
+microphone loop never waits on anything but the next frame. What a turn does to replies is the
+peer's: `on_speech_started` (barge-in) and `on_turn` (answer it), called only with server VAD's
+`interrupt_response` / `create_response` on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from omni_rt import wire
+from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn
+from omni_rt.server import protocol
+from omni_rt.server.conversation import Conversation
+from omni_rt.server.protocol import ProtocolError
+from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, InputRate, TurnDetection
+
+log = logging.getLogger("omni_rt.server")
+
+
+class SpeechInput:
+    def __init__(
+        self,
+        name: str,
+        detection: TurnDetection | None,
+        *,
+        max_turn_ms: int,
+        max_pending_ms: int,
+        send: Callable[[dict[str, Any]], None],
+        conversation: Conversation,
+        on_speech_started: Callable[[], None],
+        on_turn: Callable[[], None],
+    ) -> None:
+        self.name = name
+        self.max_turn_ms, self.max_pending_ms = max_turn_ms, max_pending_ms
+        self._send, self._conversation = send, conversation
+        self._on_speech_started, self._on_turn = on_speech_started, on_turn
+        self.detection = detection
+        self.buffer = InputAudioBuffer(detection, max_turn_ms)
+        self._rate = InputRate()  # appends and microphone frames together
+        self._item_id: str | None = None  # the user item the turn being spoken will become
+        self._full_reported = False  # the microphone overran a buffer without VAD: said once
+        self._failed = False  # speech input hit a bug: the microphone is read and dropped
+        self.frames = 0  # audio the client sent: appends and microphone frames
+
+    def set_detection(self, detection: TurnDetection | None) -> None:
+        if detection == self.detection:
+            return
+        # A new detector and an empty buffer: a turn half-heard under the old settings is dropped.
+        self.detection = detection
+        self.buffer = InputAudioBuffer(detection, self.max_turn_ms)
+        self._item_id = None
+        self._full_reported = False
+
+    def append(self, event: protocol.InputAudioBufferAppend) -> None:
+        self.frames += 1
+        ms = len(event.audio) * 3 / 4 / 2 * 1000 / wire.INPUT_SAMPLE_RATE  # before decoding it
+        if not self._rate.take(ms):
+            raise ProtocolError(
+                "rate_limited",
+                "input audio is coming faster than 4x real time (after a 30 s burst): it is dropped",
+                param="audio",
+                event_id=event.event_id,
+            )
+        try:
+            self._on_events(self.buffer.push(event.pcm(), wire.INPUT_SAMPLE_RATE))
+        except ProtocolError as exc:
+            exc.event_id = event.event_id
+            raise
+
+    def mic_frame(self, frame: Any) -> None:
+        """One decoded WebRTC frame (48 kHz stereo s16 from aiortc) into the input buffer."""
+        self.frames += 1
+        if self._failed or not self._rate.take(1000 * frame.samples / frame.sample_rate):
+            return  # a client sending RTP faster than real time: the excess is not heard
+        try:
+            samples = frame.to_ndarray()  # packed: [1, samples * channels]; planar: [channels, samples]
+            channels = len(frame.layout.channels)
+            if frame.format.is_planar:
+                samples, channels = samples.mean(axis=0), 1
+            self._on_events(self.buffer.push(samples, frame.sample_rate, channels))
+        except ProtocolError as exc:  # the buffer without VAD is full: say so once, until it is emptied
+            if not self._full_reported:
+                self._full_reported = True
+                self._send(protocol.error(exc))
+        except Exception:
+            # A bug in speech input costs this client its speech input, never the track reading.
+            log.exception("peer %s: speech input failed", self.name)
+            self._failed = True
+            self._send(
+                protocol.error(ProtocolError("server_error", "speech input failed", type="server_error"))
+            )
+
+    def commit(self, event: protocol.InputAudioBufferCommit) -> None:
+        try:
+            # A manual commit adds the turn; response.create answers it.
+            self._commit(self.buffer.commit())
+        except ProtocolError as exc:
+            exc.event_id = event.event_id
+            raise
+
+    def clear(self) -> None:
+        self.buffer.clear()
+        self._item_id = None
+        self._send(wire.cleared())
+
+    def _on_events(self, events: list[SpeechStarted | SpeechStopped | Turn]) -> None:
+        detection = self.detection
+        for ev in events:
+            if isinstance(ev, SpeechStarted):
+                self._item_id = wire.new_id("item")
+                self._send(wire.speech_started(ev.audio_start_ms, self._item_id))
+                if detection is not None and detection.interrupt_response:
+                    self._on_speech_started()
+            elif isinstance(ev, SpeechStopped):
+                self._item_id = self._item_id or wire.new_id("item")
+                self._send(wire.speech_stopped(ev.audio_end_ms, self._item_id))
+            else:
+                try:
+                    self._commit(ev)
+                except ProtocolError as exc:  # too much speech already waits (create_response off)
+                    self._send(protocol.error(exc))
+                    continue
+                if detection is not None and detection.create_response:
+                    self._on_turn()
+
+    def _commit(self, turn: Turn) -> None:
+        """The turn's audio becomes a user item, waiting for the next response like user text."""
+        pending = self._conversation.speech_samples + len(turn.audio)
+        if pending > self.max_pending_ms * SPEECH_RATE // 1000:
+            self._item_id = None
+            raise ProtocolError(
+                "pending_input_full",
+                f"at most {self.max_pending_ms / 1000:g} s of speech wait for a response: "
+                "send response.create; this turn is dropped",
+            )
+        item_id = self._item_id or wire.new_id("item")
+        self._item_id = None
+        self._full_reported = False
+        self._send(wire.committed(item_id, self._conversation.last_item_id))
+        self._conversation.add_speech(item_id, turn.audio)

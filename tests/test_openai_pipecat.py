@@ -1,0 +1,59 @@
+"""pipecat's OpenAI Realtime service, unmodified, against the server: a text turn, a spoken turn that
+barges in on a reply (server VAD), and a spoken turn after it. pipecat validates the server's events
+strictly: a status outside OpenAI's schema, or an unknown voice, once ended its session."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pipecat")
+
+from pipecat.frames.frames import (  # noqa: E402
+    ErrorFrame,
+    InputAudioRawFrame,
+    LLMContextFrame,
+    TTSAudioRawFrame,
+)
+from pipecat.processors.aggregators.llm_context import LLMContext  # noqa: E402
+from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService  # noqa: E402
+from pipecat.tests.utils import SleepFrame, run_test  # noqa: E402
+from server_fakes import FRAME, FakeEngine, speech_like  # noqa: E402
+
+from omni_rt.server import Server, ServerSettings  # noqa: E402
+
+
+def speech_frames(seconds: float, rate: int = 24000) -> list[InputAudioRawFrame]:
+    """A spoken turn then silence, in 20 ms frames, as a transport hands them to the service."""
+    audio = np.concatenate([speech_like(seconds, rate), np.zeros(rate)])
+    pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
+    step = rate // 50 * 2
+    return [
+        InputAudioRawFrame(audio=pcm[i : i + step], sample_rate=rate, num_channels=1)
+        for i in range(0, len(pcm), step)
+    ]
+
+
+async def test_pipecat_text_turn_barge_in_and_a_turn_after():
+    # A long reply (about 2 s) for the spoken turn to cut.
+    engine = FakeEngine(step_s=0.05, reply=" ".join(["word"] * 40))
+    async with Server(engine, ServerSettings(port=0, token="tk")) as server:
+        llm = OpenAIRealtimeLLMService(api_key="tk", base_url=f"ws://127.0.0.1:{server.port}/v1/realtime")
+        context = LLMContext(messages=[{"role": "user", "content": "Tell me a story."}])
+        frames = [
+            LLMContextFrame(context),
+            SleepFrame(sleep=0.5),  # the reply is under way
+            *speech_frames(1.0),  # server VAD: speech starts, the reply is cut (turn_detected)
+            SleepFrame(sleep=3.0),
+            *speech_frames(0.8),  # a turn after the barge-in, once that reply is done
+            SleepFrame(sleep=3.0),
+        ]
+        down, up = await run_test(llm, frames_to_send=frames)
+    errors = [f for f in [*down, *up] if isinstance(f, ErrorFrame)]
+    assert errors == []
+    assert sum(isinstance(f, TTSAudioRawFrame) for f in down) > 0
+    # The three turns reached the model: the text, the speech that cut its reply, the speech after.
+    assert engine.requests == ["Tell me a story.", None, None] and len(engine.audio_requests) == 2
+    first = engine.sessions[0].pcm_samples  # by response id, in order
+    assert list(first.values())[0] < 40 * FRAME  # the story was cut before its 40 words
+    assert engine.sessions[-1] is engine.sessions[0]  # one session throughout: nothing restarted it

@@ -1,0 +1,94 @@
+"""`/v1/realtime/calls` and `/v1/realtime/client_secrets` over plain HTTP: what a client gets wrong."""
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+pytest.importorskip("aiortc")
+
+from aiortc import RTCPeerConnection, RTCSessionDescription  # noqa: E402
+from server_fakes import FakeEngine, candidate_addresses, loopback_ice  # noqa: E402, F401
+
+from omni_rt.server import Server, ServerSettings  # noqa: E402
+from omni_rt.server.http import MAX_BODY_BYTES  # noqa: E402
+
+
+async def test_a_raw_sdp_call_gets_its_events_and_ends_at_hangup():
+    engine = FakeEngine(step_s=0.0, reply="hello there")
+    async with Server(engine, ServerSettings(port=0, token="tk")) as server:
+        base = f"http://127.0.0.1:{server.port}/v1/realtime"
+        auth = {"Authorization": "Bearer tk"}
+        events: asyncio.Queue = asyncio.Queue()
+        pc = RTCPeerConnection()
+        pc.addTransceiver("audio", direction="recvonly")
+        channel = pc.createDataChannel("oai-events")
+        channel.on("message", lambda m: events.put_nowait(json.loads(m)))
+        await pc.setLocalDescription(await pc.createOffer())
+        async with httpx.AsyncClient() as http:
+            r = await http.post(
+                f"{base}/calls",
+                content=pc.localDescription.sdp,
+                headers={**auth, "Content-Type": "application/sdp"},
+            )
+            assert r.status_code == 201, r.text
+            assert set(candidate_addresses(r.text)) == {"127.0.0.1"}
+            await pc.setRemoteDescription(RTCSessionDescription(sdp=r.text, type="answer"))
+            assert (await asyncio.wait_for(events.get(), 10))["type"] == "session.created"
+            channel.send(json.dumps({"type": "response.create"}))
+            while (ev := await asyncio.wait_for(events.get(), 10))["type"] != "response.done":
+                pass
+            assert ev["response"]["status"] == "completed"
+            assert len(server.peers) == 1 and engine.open_sessions == 1
+
+            r = await http.post(f"{server_url(server)}{r.headers['location']}/hangup", headers=auth)
+            assert r.status_code == 200
+            async with asyncio.timeout(10):
+                while server.peers or engine.open_sessions:
+                    await asyncio.sleep(0.02)
+        await pc.close()
+
+
+def server_url(server: Server) -> str:
+    return f"http://127.0.0.1:{server.port}"
+
+
+async def test_call_and_key_mistakes_get_clear_http_errors():
+    engine = FakeEngine(step_s=0.0)
+    async with Server(engine, ServerSettings(port=0, token="tk", max_sessions=1)) as server:
+        base = f"{server_url(server)}/v1/realtime"
+        auth = {"Authorization": "Bearer tk"}
+        async with httpx.AsyncClient() as http:
+
+            async def code(r: httpx.Response) -> tuple[int, str]:
+                return r.status_code, r.json()["error"]["code"]
+
+            assert await code(await http.post(f"{base}/calls", content="v=0")) == (401, "invalid_api_key")
+            sdp = {**auth, "Content-Type": "application/sdp"}
+            assert await code(await http.post(f"{base}/calls", content="", headers=sdp)) == (
+                400,
+                "invalid_sdp",
+            )
+            assert await code(await http.post(f"{base}/calls", content="v=0\r\nnonsense", headers=sdp)) == (
+                400,
+                "invalid_sdp",
+            )
+            multipart = {**auth, "Content-Type": "multipart/form-data; boundary=x"}
+            assert (await http.post(f"{base}/calls", content="garbage", headers=multipart)).status_code == 400
+            assert await code(await http.get(f"{base}/calls", headers=auth)) == (405, "method_not_allowed")
+            assert await code(await http.post(f"{base}/calls/rtc_nope/hangup", headers=auth)) == (
+                404,
+                "call_not_found",
+            )
+            big = await http.post(f"{base}/calls", content="x" * (MAX_BODY_BYTES + 1), headers=sdp)
+            assert big.status_code == 413
+            bad = {"session": {"audio": {"output": {"voice": "nobody"}}}}
+            assert await code(await http.post(f"{base}/client_secrets", json=bad, headers=auth)) == (
+                400,
+                "invalid_value",
+            )
+            short = {"expires_after": {"anchor": "created_at", "seconds": 1}}
+            assert (await http.post(f"{base}/client_secrets", json=short, headers=auth)).status_code == 400
+            # Nothing of it held a session slot: a call still fits the one slot.
+            assert not server.peers and engine.open_sessions == 0

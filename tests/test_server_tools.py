@@ -1,0 +1,152 @@
+"""Function calling with a scripted Thinker: tools reach the system turn, `<tool_call>` becomes a
+function_call item (never spoken), its output is fed back, and a malformed call fails closed."""
+
+import asyncio
+import json
+
+import pytest
+
+pytest.importorskip("websockets")
+
+import websockets  # noqa: E402
+from openai_check import validate  # noqa: E402
+from server_fakes import FakeEngine, user_message  # noqa: E402
+
+from omni_rt.server import Server, ServerSettings  # noqa: E402
+from omni_rt.server.tools import TOOL_CALL, TOOL_CALL_END, ToolCallParser  # noqa: E402
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+def call_script(body: str) -> list[tuple[str, list[int]]]:
+    """The Thinker's deltas of a reply that is one call: the special tokens decode to nothing."""
+    return [("", [TOOL_CALL]), *[(c, [1000 + i]) for i, c in enumerate(body)], ("", [TOOL_CALL_END])]
+
+
+async def recv(ws) -> dict:
+    return validate(await asyncio.wait_for(ws.recv(), 5))
+
+
+async def until(ws, type_: str) -> list[dict]:
+    events = [await recv(ws)]
+    while events[-1]["type"] != type_:
+        events.append(await recv(ws))
+    return events
+
+
+@pytest.fixture
+async def served():
+    engine = FakeEngine(step_s=0.0)
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/v1/realtime?model=m") as ws:
+            await recv(ws)
+            await ws.send(
+                json.dumps(
+                    {"type": "session.update", "session": {"tools": [WEATHER], "instructions": "Help."}}
+                )
+            )
+            updated = await recv(ws)
+            assert updated["type"] == "session.updated"
+            yield engine, ws
+
+
+async def test_a_tool_call_becomes_a_function_call_item_and_its_output_goes_back(served):
+    engine, ws = served
+    # The tools are in the system turn, as Qwen3-Omni's chat template writes them.
+    system = engine.instructions[-1]
+    assert system.startswith("Help.\n\n# Tools") and '"name": "get_weather"' in system
+    assert "<tool_call>" in system and "</tools>" in system
+
+    engine.script = call_script('{"name": "get_weather", "arguments": {"city": "Paris"}}')
+    await ws.send(json.dumps(user_message("Weather in Paris?")))
+    await ws.send(json.dumps({"type": "response.create"}))
+    events = await until(ws, "response.done")
+    types = [e["type"] for e in events]
+    # Nothing of the call is spoken or shown.
+    spoken = (
+        "response.output_audio.delta",
+        "response.output_audio_transcript.delta",
+        "response.output_text.delta",
+    )
+    assert not [t for t in types if t in spoken]
+    assert "response.content_part.added" not in types
+    added = next(e for e in events if e["type"] == "response.output_item.added")["item"]
+    assert added["type"] == "function_call" and added["name"] == "get_weather"
+    done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
+    assert json.loads(done["arguments"]) == {"city": "Paris"} and done["call_id"] == added["call_id"]
+    response = events[-1]["response"]
+    assert response["status"] == "completed"
+    assert [(i["type"], i["call_id"]) for i in response["output"]] == [("function_call", added["call_id"])]
+
+    # The result goes back as the template's tool response; the next reply answers it.
+    engine.script = None
+    engine.reply = "It is sunny."
+    output = {"type": "function_call_output", "call_id": added["call_id"], "output": '{"sky": "clear"}'}
+    await ws.send(json.dumps({"type": "conversation.item.create", "item": output}))
+    echoed = (await until(ws, "conversation.item.done"))[-1]
+    assert echoed["item"]["type"] == "function_call_output" and echoed["previous_item_id"] == added["id"]
+    await ws.send(json.dumps({"type": "response.create"}))
+    events = await until(ws, "response.done")
+    assert engine.requests[-1] == '<tool_response>\n{"sky": "clear"}\n</tool_response>'
+    assert events[-1]["response"]["output"][0]["content"][0]["transcript"] == "It is sunny."
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"name": "get_weather", "arguments": {"city": ',  # not JSON
+        '{"name": "rm_rf", "arguments": {}}',  # not a tool of the session
+        '{"name": "get_weather", "arguments": [1]}',  # arguments not an object
+    ],
+)
+async def test_a_malformed_tool_call_fails_closed(served, body):
+    engine, ws = served
+    engine.script = call_script(body)
+    await ws.send(json.dumps(user_message("Weather?")))
+    await ws.send(json.dumps({"type": "response.create"}))
+    events = await until(ws, "response.done")
+    types = [e["type"] for e in events]
+    assert [e["error"]["code"] for e in events if e["type"] == "error"] == ["invalid_tool_call"]
+    assert "response.output_item.added" not in types and "response.output_audio.delta" not in types
+    assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["output"] == []
+
+
+def test_the_parser_speaks_text_before_a_call_and_nothing_after():
+    parser = ToolCallParser(frozenset({"f"}))
+    assert parser.feed("Let me check.", [1]) == ("Let me check.", [])
+    assert parser.feed("", [TOOL_CALL]) == ("", [])
+    assert parser.calling
+    assert parser.feed('{"name": "f", "arguments": {}}', [2]) == ("", [])
+    speak, calls = parser.feed("", [TOOL_CALL_END])
+    assert speak == "" and [(c.name, c.arguments) for c in calls] == [("f", "{}")]
+    assert parser.feed(" more", [3]) == ("", [])  # after a call: not spoken
+    parser.feed("", [TOOL_CALL])
+    assert [type(b).__name__ for b in parser.end()] == ["BadToolCall"]  # left open
+
+
+async def test_items_are_retrieved_and_unanswered_ones_deleted(served):
+    engine, ws = served
+    await ws.send(json.dumps(user_message("first")))
+    first = (await until(ws, "conversation.item.done"))[-1]["item"]
+    await ws.send(json.dumps(user_message("second")))
+    second = (await until(ws, "conversation.item.done"))[-1]["item"]
+    await ws.send(json.dumps({"type": "conversation.item.retrieve", "item_id": first["id"]}))
+    assert (await recv(ws))["item"] == first
+    await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": second["id"]}))
+    assert (await recv(ws)) | {"event_id": None} == {
+        "type": "conversation.item.deleted",
+        "item_id": second["id"],
+        "event_id": None,
+    }
+    await ws.send(json.dumps({"type": "response.create"}))
+    await until(ws, "response.done")
+    assert engine.requests[-1] == "first"  # the deleted item never reached the model
+    # Answered input is in the model's context: deleting it is refused, clearly.
+    await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": first["id"], "event_id": "d"}))
+    error = (await recv(ws))["error"]
+    assert (error["code"], error["event_id"]) == ("item_delete_unsupported", "d")

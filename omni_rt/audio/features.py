@@ -116,27 +116,28 @@ def _check_rate(sample_rate: int) -> None:
         )
 
 
-def _log_mel(waves: torch.Tensor) -> torch.Tensor:
+def _log_mel(waves: torch.Tensor, n_mels: int = N_MELS) -> torch.Tensor:
     """waves [B, S] float32 -> [B, n_mels, S // hop], each row normalised by its own maximum."""
     window = torch.hann_window(N_FFT, device=waves.device)  # periodic, as the reference's
     spec = torch.stft(
         waves, N_FFT, HOP_LENGTH, window=window, center=True, return_complex=True
     )  # [B, F, S//hop + 1]
     power = (spec[..., :-1].abs() ** 2).contiguous()  # [B, F, T]: the last (half-empty) frame is dropped
-    mel = mel_filters().to(waves.device).T @ power  # [B, M, T]
+    mel = mel_filters(n_mels).to(waves.device).T @ power  # [B, M, T]
     logs = torch.clamp(mel, min=1e-10).log10()
     peak = logs.amax(dim=(1, 2), keepdim=True)  # [B, 1, 1]
     logs = torch.maximum(logs, peak - 8.0)  # an 80 dB dynamic range below the clip's loudest bin
     return (logs + 4.0) / 4.0
 
 
-def log_mel(audio, sample_rate: int = SAMPLE_RATE) -> torch.Tensor:
-    """Log-mel features of one mono clip: audio [S] (float in [-1, 1], or int16) -> [128, S // 160] float32.
+def log_mel(audio, sample_rate: int = SAMPLE_RATE, n_mels: int = N_MELS) -> torch.Tensor:
+    """Log-mel features of one mono clip: audio [S] (float in [-1, 1], or int16) -> [n_mels, S // 160].
 
-    Equal to transformers' `WhisperFeatureExtractor` as Qwen3-Omni's processor configures it, for one clip.
+    Equal to transformers' `WhisperFeatureExtractor` as Qwen3-Omni's processor configures it, for one clip
+    (128 bins); with 80 bins, Whisper's own (what Smart Turn takes).
     """
     _check_rate(sample_rate)
-    return _log_mel(_as_waveform(audio)[None])[0]
+    return _log_mel(_as_waveform(audio)[None], n_mels)[0]
 
 
 def log_mel_batch(clips: Sequence, sample_rate: int = SAMPLE_RATE) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,10 +70,11 @@ class AudioOutputConfig(BaseModel):
 
 
 class TurnDetectionFields(BaseModel):
-    """`turn_detection`: server VAD only (`semantic_vad` is not offered). Missing fields: defaults."""
+    """`turn_detection`: `server_vad` or `semantic_vad` (omni_rt.audio.semantic). Missing fields: defaults."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["server_vad"] = "server_vad"
+    type: Literal["server_vad", "semantic_vad"] = "server_vad"
+    eagerness: Literal["low", "medium", "high", "auto"] | None = None  # semantic_vad's
     threshold: float | None = Field(default=None, gt=0.0, lt=1.0)
     prefix_padding_ms: int | None = Field(default=None, ge=0, le=5_000)
     silence_duration_ms: int | None = Field(default=None, ge=20, le=10_000)

@@ -9,7 +9,6 @@ reading the remote track.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from omni_rt.audio.resample import StreamingResampler
+from omni_rt.audio.semantic import SemanticVadConfig
 from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn, TurnSegmenter, VadConfig
 from omni_rt.server.protocol import ProtocolError
 
@@ -26,30 +26,22 @@ MIN_COMMIT_MS = 100  # a shorter turn is a mistake, not speech (OpenAI refuses i
 
 @dataclass(frozen=True)
 class TurnDetection:
-    """`turn_detection` of type `server_vad`: the detector's settings and what a turn triggers."""
+    """`turn_detection` of type `server_vad` or `semantic_vad`: the detector's settings and what a turn
+    triggers."""
 
-    vad: VadConfig = field(default_factory=VadConfig)
+    vad: VadConfig | SemanticVadConfig = field(default_factory=VadConfig)
     create_response: bool = True  # answer each turn when it ends
     interrupt_response: bool = True  # speech cancels the reply in progress (barge-in)
 
     @classmethod
     def from_wire(cls, fields: Any) -> TurnDetection:
-        """From a client's `turn_detection` object: missing fields take the defaults; times are rounded
-        to the detector's 20 ms frames."""
-        frame = VadConfig.frame_ms
+        """From a client's `turn_detection` object: missing fields take the defaults."""
         base = cls()
-        vad = base.vad
-        changes: dict[str, Any] = {}
-        if fields.threshold is not None:
-            changes["threshold"] = fields.threshold
-        for name in ("prefix_padding_ms", "silence_duration_ms"):
-            value = getattr(fields, name)
-            if value is not None:
-                changes[name] = max(
-                    round(value / frame) * frame, frame if name == "silence_duration_ms" else 0
-                )
+        semantic = getattr(fields, "type", "server_vad") == "semantic_vad"
+        names = ("eagerness",) if semantic else ("threshold", "prefix_padding_ms", "silence_duration_ms")
+        changes = {n: getattr(fields, n) for n in names if getattr(fields, n, None) is not None}
         return cls(
-            vad=dataclasses.replace(vad, **changes),
+            vad=(SemanticVadConfig if semantic else VadConfig)(**changes),
             create_response=base.create_response
             if fields.create_response is None
             else fields.create_response,
@@ -59,11 +51,17 @@ class TurnDetection:
         )
 
     def to_wire(self) -> dict[str, Any]:
+        if isinstance(self.vad, SemanticVadConfig):
+            detector: dict[str, Any] = {"type": "semantic_vad", "eagerness": self.vad.eagerness}
+        else:
+            detector = {
+                "type": "server_vad",
+                "threshold": self.vad.threshold,
+                "prefix_padding_ms": self.vad.prefix_padding_ms,
+                "silence_duration_ms": self.vad.silence_duration_ms,
+            }
         return {
-            "type": "server_vad",
-            "threshold": self.vad.threshold,
-            "prefix_padding_ms": self.vad.prefix_padding_ms,
-            "silence_duration_ms": self.vad.silence_duration_ms,
+            **detector,
             "create_response": self.create_response,
             "interrupt_response": self.interrupt_response,
         }

@@ -285,6 +285,11 @@ class TurnSegmenter:
         return self.vad.elapsed_ms if self.detect else self._pushed * 1000 // self.vad.cfg.sample_rate
 
     @property
+    def pushed_ms(self) -> float:
+        """Milliseconds of audio pushed in all (analysed or not)."""
+        return self._pushed * 1000 / self.vad.cfg.sample_rate
+
+    @property
     def turn_ms(self) -> int:
         """Milliseconds of audio in the open turn (0 when none is open)."""
         return 0 if self._turn_start_ms is None else self.elapsed_ms - self._turn_start_ms

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from omni_rt.server.protocol import ProtocolError
 from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, InputRate, TurnDetection
 from omni_rt.server.track import FRAME_SAMPLES, AudioOutputTrack, Idle
 from omni_rt.server.track import SAMPLE_RATE as TRACK_RATE
+from omni_rt.server.turns import SpokenTurnClock
 
 if TYPE_CHECKING:
     from websockets.asyncio.server import ServerConnection
@@ -93,6 +95,7 @@ class _Response:
     text: list[str] = field(default_factory=list)
     audio_ms: float = 0.0  # audio the session made for it
     played_ms: float | None = None  # what the client said it played (conversation.item.truncate)
+    spoken: SpokenTurnClock | None = None  # the spoken turn it answers: end_of_speech/voice_to_voice
 
 
 class Peer:
@@ -126,6 +129,7 @@ class Peer:
         self._last_item_id: str | None = None
         self._response: _Response | None = None
         self._respond_when_idle = False  # a VAD turn ended during a response: answer it after
+        self._spoken_turn: SpokenTurnClock | None = None  # the last detected turn, for the next response
         self._items: OrderedDict[str, _Response] = OrderedDict()  # recent assistant items by id
 
         self.turn_detection = settings.turn_detection
@@ -474,7 +478,8 @@ class Peer:
             playing = self.track.response_id
             self._drop_queued_audio()
             self.send(protocol.output_audio_buffer("cleared", playing))
-        response = _Response(item_id=protocol.new_id("item"))
+        response = _Response(item_id=protocol.new_id("item"), spoken=self._spoken_turn)
+        self._spoken_turn = None
         self._response = response
         self._items[response.item_id] = response
         while len(self._items) > KEPT_ITEMS:
@@ -606,6 +611,7 @@ class Peer:
                     InputAudioBufferSpeechStopped(audio_end_ms=ev.audio_end_ms, item_id=item_id).to_wire()
                 )
             else:
+                self._spoken_turn = SpokenTurnClock.from_turn(ev, self.input.arrivals)
                 try:
                     self._commit_turn(ev)
                 except ProtocolError as exc:  # too much speech already waits (create_response off)
@@ -621,6 +627,7 @@ class Peer:
         try:
             # A manual commit adds the turn; response.create answers it.
             self._commit_turn(self.input.commit())
+            self._spoken_turn = None  # the latest speech has no detected end: no figure from it
         except ProtocolError as exc:
             exc.event_id = event.event_id
             raise
@@ -721,6 +728,8 @@ class Peer:
                     if not audio_out or response.cancelled:
                         continue
                     response.audio_ms += 1000.0 * len(ev.pcm) / ev.sample_rate
+                    if response.spoken is not None:
+                        response.spoken.audio_out(time.monotonic())
                     if use_track:
                         await self._audio.put((response, ev.pcm, ev.sample_rate))
                     else:  # in deltas of at most 500 ms: a long chunk would not fit a data channel message
@@ -779,7 +788,8 @@ class Peer:
             [item],
             status_details=details,
             usage=usage,
-            metrics=protocol.metrics_dict(getattr(done, "metrics", None)),
+            metrics=protocol.metrics_dict(getattr(done, "metrics", None))
+            | (response.spoken.metrics() if response.spoken is not None else {}),
         )
 
     async def _cancel_response(self, response: _Response, event_id: str | None = None) -> None:

@@ -19,6 +19,7 @@ from omni_rt.audio.resample import StreamingResampler
 from omni_rt.audio.semantic import SemanticVadConfig
 from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn, TurnSegmenter, VadConfig
 from omni_rt.server.protocol import ProtocolError
+from omni_rt.server.turns import ArrivalLog
 
 SPEECH_RATE = 16_000  # what the VAD and the model's audio tower take
 MIN_COMMIT_MS = 100  # a shorter turn is a mistake, not speech (OpenAI refuses it too)
@@ -103,6 +104,7 @@ class InputAudioBuffer:
         vad = turn_detection.vad if turn_detection is not None else None
         self.segmenter = TurnSegmenter(vad, detect=turn_detection is not None)
         self._resamplers: dict[int, StreamingResampler] = {}  # one per input rate (one per source)
+        self.arrivals = ArrivalLog()  # when the audio came: latency figures count from the end of speech
 
     @property
     def buffered_ms(self) -> int:
@@ -122,6 +124,7 @@ class InputAudioBuffer:
                 "input_audio_buffer_full",
                 f"the input audio buffer holds at most {self.max_turn_ms / 1000:g} s: commit or clear it",
             )
+        self.arrivals.note(self.segmenter.pushed_ms + len(audio) * 1000 / SPEECH_RATE, time.monotonic())
         events: list[SpeechStarted | SpeechStopped | Turn] = []
         while True:
             room = len(audio)

@@ -12,8 +12,9 @@ truncation. The recipe, which this module follows step by step:
     Slaney-normalised mel filter bank (0-8 kHz, Slaney mel scale)
     log10(max(mel, 1e-10)); floor at (max over the whole clip - 8); (x + 4) / 4
 
-The floor uses the clip's maximum, so features of a clip are known only when the clip is complete: a
-turn's features are computed once the turn is committed (server VAD or an explicit commit).
+The floor uses the clip's maximum, so a clip's features are final only when the clip is complete; the
+log power of each frame is final as soon as its window has arrived (`raw_log_mel`, `floor_log_mel`:
+`omni_rt.model.speech_stream` computes a turn's frames as it is spoken).
 """
 
 from __future__ import annotations

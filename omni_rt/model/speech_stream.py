@@ -39,7 +39,9 @@ class SpeechStream:
         self.encoder = encoder
         self.win = 2 * encoder.cfg.n_window
         self.block_windows = encoder.cfg.n_window_infer // self.win
-        self._audio = np.zeros(0, np.float32)
+        self._pieces: list[np.ndarray] = []  # pushed audio not yet joined onto `_joined`
+        self._joined = np.zeros(0, np.float32)
+        self._n = 0
         self._logs: list[torch.Tensor] = []  # raw log-mel frames [M, k], in order
         self._frames = 0  # raw frames computed
         self._peak = -float("inf")
@@ -48,25 +50,31 @@ class SpeechStream:
 
     @property
     def samples(self) -> int:
-        return len(self._audio)
+        return self._n
+
+    @property
+    def _audio(self) -> np.ndarray:
+        if self._pieces:  # joined only when frames are computed (once a window), not on every push
+            self._joined = np.concatenate((self._joined, *self._pieces))
+            self._pieces.clear()
+        return self._joined
 
     def push(self, audio: np.ndarray) -> None:
         a = np.asarray(audio)
         if a.ndim != 1 or not np.issubdtype(a.dtype, np.floating) or not np.isfinite(a).all():
             raise InvalidRequestError("speech input must be finite float mono PCM at 16 kHz")
-        self._audio = np.concatenate((self._audio, a.astype(np.float32)))
-        with torch.inference_mode():
-            self._advance()
-
-    def _advance(self) -> None:
-        n = len(self._audio)
+        self._pieces.append(a.astype(np.float32))
+        self._n += len(a)
+        n = self._n
         if n <= HALF:  # the start's reflection needs the first 201 samples
             return
-        final = (n - HALF) // HOP_LENGTH + 1 if n >= HALF else 0  # frames whose window has arrived
-        final = min(final, n // HOP_LENGTH)
-        if final > self._frames:
-            self._add_frames(final)
-        self._encode_ready()
+        final = min((n - HALF) // HOP_LENGTH + 1, n // HOP_LENGTH)  # frames whose window has arrived
+        # Frames are computed a conv window at a time: the encoder needs no earlier, and each call
+        # into torch costs more than the few frames a 20 ms push completes.
+        if final // self.win > len(self._windows):
+            with torch.inference_mode():
+                self._add_frames(final)
+                self._encode_ready()
 
     def _add_frames(self, upto: int) -> None:
         """Raw frames [self._frames, upto) from the audio so far (no right padding: they do not reach it)."""
@@ -104,7 +112,7 @@ class SpeechStream:
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(features [n_mels, T], tokens [audio_token_count(T), output_dim]) of the whole turn."""
-        n = len(self._audio)
+        n = self._n
         if n < N_FFT:
             raise InvalidRequestError(f"a turn needs at least {N_FFT} samples at {SAMPLE_RATE} Hz, got {n}")
         with torch.inference_mode():

@@ -45,6 +45,7 @@ from omni_rt.server.protocol import ProtocolError
 from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, InputRate, TurnDetection
 from omni_rt.server.track import FRAME_SAMPLES, AudioOutputTrack, Idle
 from omni_rt.server.track import SAMPLE_RATE as TRACK_RATE
+from omni_rt.server.transcription import InputTranscriber, transcription_update
 from omni_rt.server.turns import SpokenTurnClock
 
 if TYPE_CHECKING:
@@ -134,6 +135,7 @@ class Peer:
 
         self.turn_detection = settings.turn_detection
         self.input = InputAudioBuffer(self.turn_detection, settings.max_turn_ms)
+        self.transcriber = InputTranscriber(engine, self.send, self._spawn)  # audio.input.transcription
         self._input_rate = InputRate()  # appends and microphone frames together
         self._input_item_id: str | None = None  # the user item the turn being spoken will become
         self._input_full_reported = False  # the microphone overran a buffer without VAD: said once
@@ -250,7 +252,7 @@ class Peer:
         self._session_stack = stack
 
     def _session_object(self) -> dict[str, Any]:
-        return protocol.session_object(
+        session = protocol.session_object(
             self.session_id,
             self.settings.model,
             self.voice,
@@ -260,6 +262,9 @@ class Peer:
             self.max_output_tokens,
             None if self.turn_detection is None else self.turn_detection.to_wire(),
         )
+        if self.transcriber.setting is not None:
+            session["audio"]["input"]["transcription"] = self.transcriber.setting
+        return session
 
     # -- transport --------------------------------------------------------------------------------------
 
@@ -389,7 +394,10 @@ class Peer:
                     "invalid_value", str(exc), param="session.audio.output.voice", event_id=event.event_id
                 ) from None
         given, detection = event.turn_detection()
+        transcription_given, transcription = transcription_update(event)
         # Valid: apply all of it.
+        if transcription_given:
+            self.transcriber.configure(transcription)
         if given:
             self._set_turn_detection(None if detection is None else TurnDetection.from_wire(detection))
         modalities = s.output_modalities or s.modalities
@@ -479,6 +487,7 @@ class Peer:
             self._drop_queued_audio()
             self.send(protocol.output_audio_buffer("cleared", playing))
         response = _Response(item_id=protocol.new_id("item"), spoken=self._spoken_turn)
+        self.transcriber.hold()  # until its first audio: transcripts never come before the answer
         self._spoken_turn = None
         self._response = response
         self._items[response.item_id] = response
@@ -652,6 +661,7 @@ class Peer:
         self.send(protocol.conversation_item_done(item, previous))
         self._last_item_id = item_id
         self._pending_audio.append(turn.audio)
+        self.transcriber.add(item_id, turn.audio)
 
     def _max_tokens(self, asked: int | str | None = None) -> int:
         """A response's token limit: what it asks for, else the session's, never over the server's."""
@@ -730,6 +740,7 @@ class Peer:
                     response.audio_ms += 1000.0 * len(ev.pcm) / ev.sample_rate
                     if response.spoken is not None:
                         response.spoken.audio_out(time.monotonic())
+                    self.transcriber.release()
                     if use_track:
                         await self._audio.put((response, ev.pcm, ev.sample_rate))
                     else:  # in deltas of at most 500 ms: a long chunk would not fit a data channel message
@@ -758,6 +769,7 @@ class Peer:
                 protocol.error(ProtocolError("server_error", "the response failed", type="server_error"))
             )
         finally:
+            self.transcriber.release()
             if not done_sent and response.id is not None and not self._closing:
                 # The Session promises response.done; if the stream broke anyway, the client still gets one.
                 status = "cancelled" if response.cancelled else "failed"

@@ -32,11 +32,14 @@ thing `semantic_vad` changes (`omni_rt.audio.semantic`): it subclasses `ServerVa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import numpy as np
 
 from omni_rt.audio.onnx import onnx_session, packaged_file
+
+if TYPE_CHECKING:
+    from omni_rt.audio.semantic import SemanticVadConfig
 
 __all__ = [
     "ServerVad",
@@ -254,8 +257,8 @@ class Turn:
 class TurnSegmenter:
     """A `ServerVad` that also keeps the audio: each speech_stopped is followed by the `Turn` it closed.
 
-    Memory is bounded while idle (the last prefix_padding + min_speech + one frame of audio, what a
-    speech_started can reach back to); during a turn it holds the turn (the caller bounds turn length
+    Memory is bounded while idle (the last prefix_padding + min_speech + two frames of audio, what a
+    speech_started can reach back to, and a frame not yet analysed); during a turn it holds the turn (the caller bounds turn length
     with `turn_ms`, as the Realtime API bounds its input buffer). `commit()` ends a turn early (a
     client's `input_audio_buffer.commit` while the user is still talking), `clear()` drops it.
 
@@ -263,9 +266,8 @@ class TurnSegmenter:
     open, and it holds everything pushed since the last commit or clear until `commit()` takes it.
     """
 
-    def __init__(self, cfg: VadConfig | None = None, *, detect: bool = True) -> None:
-        # `cfg` is any detector config: VadConfig (server_vad) or SemanticVadConfig (semantic_vad)
-        self.vad = (cfg or VadConfig()).detector()
+    def __init__(self, cfg: VadConfig | SemanticVadConfig | None = None, *, detect: bool = True) -> None:
+        self.vad = (cfg or VadConfig()).detector()  # server_vad's detector, or semantic_vad's
         self.detect = detect
         if detect:
             self.vad.load()

@@ -126,3 +126,34 @@ def test_bad_settings_are_typed_errors():
     with pytest.raises(ConfigError):
         SemanticVadConfig(threshold=0.0)
     assert SemanticVadConfig().max_wait_ms == 4000 and SemanticVadConfig(eagerness="high").max_wait_ms == 2000
+
+
+@needs_espeak
+def test_offloaded_the_model_answers_between_frames_and_a_resumed_pause_drops_its_answer():
+    import threading
+
+    voice = speech(QUESTION)
+    seg = TurnSegmenter(SemanticVadConfig(offload=True))
+    gate = threading.Event()  # the worker answers when the test says so, not during a push
+    model = seg.vad._turn_model
+    seg.vad._turn_model = lambda audio: (gate.wait(60), model(audio))[1]
+    out = seg.push(cat(silence(600), voice, silence(320)))  # the pause is long enough to ask
+    assert [type(e) for e in out] == [SpeechStarted]
+    answer = seg.vad.pending
+    gate.set()
+    assert answer is not None and answer.result(timeout=60) >= EAGERNESS["auto"][0]
+    out = seg.poll()  # no more audio came: the answer still ends the turn, where the audio stands
+    assert [type(e) for e in out] == [SpeechStopped, Turn] and out[0].audio_end_ms == seg.elapsed_ms
+    assert seg.poll() == [] and not seg.in_speech
+
+    gate = threading.Event()
+    vad = SemanticVad(SemanticVadConfig(offload=True, eagerness="high"))
+    vad.load()
+    vad._turn_model = lambda audio: (gate.wait(60), 0.99)[1]  # "finished", once let through
+    vad.push(cat(silence(600), voice, silence(320)))
+    answer = vad.pending
+    assert answer is not None and not answer.done()
+    assert vad.push(speech("and one more thing")) == []  # the speaker goes on before the answer
+    gate.set()
+    answer.result(timeout=60)
+    assert vad.pending is None and vad.poll() is None and vad.in_speech  # the answer does not count

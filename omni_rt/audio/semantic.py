@@ -24,6 +24,8 @@ and unit variance first, as its training did.
 
 from __future__ import annotations
 
+import functools
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -31,7 +33,7 @@ import numpy as np
 
 from omni_rt.audio.features import log_mel
 from omni_rt.audio.onnx import onnx_session, packaged_file
-from omni_rt.audio.vad import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE, ServerVad, VadConfig
+from omni_rt.audio.vad import FRAME_MS, FRAME_SAMPLES, SAMPLE_RATE, ServerVad, SpeechStopped, VadConfig
 
 __all__ = ["EAGERNESS", "SemanticVad", "SemanticVadConfig", "SmartTurn"]
 
@@ -43,6 +45,12 @@ EAGERNESS: dict[str, tuple[float, int]] = {
     "high": (0.3, 2000),
     "auto": (0.5, 4000),
 }
+
+
+@functools.lru_cache(maxsize=1)
+def _worker() -> ThreadPoolExecutor:
+    """The threads every offloaded SemanticVad shares (onnxruntime releases the GIL while it runs)."""
+    return ThreadPoolExecutor(max_workers=2, thread_name_prefix="smart-turn")
 
 
 class SmartTurn:
@@ -73,6 +81,10 @@ class SemanticVadConfig:
     min_speech_ms: int = 64
     release: float = 0.15
     pause_ms: int = 160  # silence after which the end-of-turn model is asked
+    # True: the model runs on a worker thread and its answer applies on the first frame (or `poll`)
+    # after it arrives, so the caller's thread (a server's event loop) never waits for it; False: in
+    # `push`, deterministic on the audio timeline
+    offload: bool = False
 
     sample_rate: ClassVar[int] = SAMPLE_RATE
     frame_ms: ClassVar[int] = FRAME_MS
@@ -135,14 +147,31 @@ class SemanticVad(ServerVad):
         super().reset()
         self._recent = np.zeros(SmartTurn.WINDOW, np.float32)  # the last 8 s analysed, oldest first
         self._asked = False  # whether this pause was put to the model already
+        self._answer: Future | None = None  # the model's answer being computed off this thread
         self.last_completion: float | None = None  # the model's last answer
 
     def _heard(self, frame: np.ndarray) -> None:
         self._recent = np.concatenate((self._recent[FRAME_SAMPLES:], frame))
 
+    def _voiced(self) -> None:
+        self._asked = False  # the pause is over: the next one is put to the model afresh
+        self._answer = None  # and an answer about this one no longer counts
+
+    @property
+    def pending(self) -> Future | None:
+        return self._answer
+
+    def poll(self) -> SpeechStopped | None:
+        if self._in_speech and self._run and self._answer is not None and self._answer.done():
+            return self._stop() if self._turn_over(self._run) else None
+        return None
+
     def _turn_over(self, silent_frames: int) -> bool:
-        if silent_frames == 1:
-            self._asked = False  # a new pause
+        if self._answer is not None and self._answer.done():
+            answer, self._answer = self._answer, None
+            self.last_completion = answer.result()
+            if self.last_completion >= self.semantic.completion_threshold:
+                return True
         if not self._asked and silent_frames >= self._pause_frames:
             self._asked = True
             if self._turn_model is None:
@@ -155,7 +184,10 @@ class SemanticVad(ServerVad):
             turn_samples = (self._speech_end_ms - self.turn_start_ms) * SAMPLE_RATE // 1000
             voiced = self._recent[: len(self._recent) - since_voice]
             audio = voiced[-min(turn_samples, SmartTurn.WINDOW) :]
-            self.last_completion = self._turn_model(audio)
-            if self.last_completion >= self.semantic.completion_threshold:
-                return True
+            if self.semantic.offload:
+                self._answer = _worker().submit(self._turn_model, audio)
+            else:
+                self.last_completion = self._turn_model(audio)
+                if self.last_completion >= self.semantic.completion_threshold:
+                    return True
         return silent_frames >= self._max_frames

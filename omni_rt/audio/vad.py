@@ -32,7 +32,7 @@ thing `semantic_vad` changes (`omni_rt.audio.semantic`): it subclasses `ServerVa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
@@ -228,12 +228,28 @@ class ServerVad:
             return None
         if p >= cfg.threshold - cfg.release:
             self._run, self._speech_end_ms = 0, now
+            self._voiced()
             return None
         self._run += 1
-        if self._turn_over(self._run):
-            self._in_speech, self._run = False, 0
-            return SpeechStopped(audio_end_ms=now, speech_end_ms=self._speech_end_ms)
+        return self._stop() if self._turn_over(self._run) else None
+
+    def _stop(self) -> SpeechStopped:
+        """End the turn now (the current frame's end)."""
+        self._in_speech, self._run = False, 0
+        return SpeechStopped(audio_end_ms=self.elapsed_ms, speech_end_ms=self._speech_end_ms)
+
+    def poll(self) -> SpeechStopped | None:
+        """An end of turn decided since the last frame, between frames (semantic_vad's model answering
+        from a worker thread); server_vad decides on frames only."""
         return None
+
+    @property
+    def pending(self) -> Any:
+        """A decision being made off this thread (a `concurrent.futures.Future`), or None."""
+        return None
+
+    def _voiced(self) -> None:
+        """A voiced frame during a turn: any pause is over."""
 
     def _heard(self, frame: np.ndarray) -> None:
         """Every analysed frame, in order (a subclass that needs the audio keeps it)."""
@@ -313,6 +329,11 @@ class TurnSegmenter:
                 out.append(self._take(ev.audio_end_ms, ev.speech_end_ms))
         self._trim()
         return out
+
+    def poll(self) -> list[SpeechStopped | Turn]:
+        """A turn the detector ended between pushes (see `ServerVad.poll`): its SpeechStopped and Turn."""
+        ev = self.vad.poll() if self.detect else None
+        return [] if ev is None else [ev, self._take(ev.audio_end_ms, ev.speech_end_ms)]
 
     def commit(self) -> Turn | None:
         """End the current turn now (whole frames analysed so far); None when no turn is open."""

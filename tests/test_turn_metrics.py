@@ -95,3 +95,25 @@ async def test_a_spoken_turn_reply_reports_end_of_speech_and_voice_to_voice(dete
             events = await until(ws, "response.done")
             metrics = events[-1]["response"].get("metrics") or {}
             assert "end_of_speech_ms" not in metrics and "voice_to_voice_ms" not in metrics
+
+
+@needs_espeak
+async def test_semantic_vad_ends_a_turn_when_its_model_answers_with_no_more_audio_coming():
+    # The end-of-turn model runs on a worker thread (the event loop never waits for it); the client
+    # sends its question and 400 ms of silence, then nothing: the model's answer alone ends the turn.
+    voice = speech("What is the capital of France?")
+    clip = resample(cat(silence(300), voice, silence(400)), SR, RATE_IN)
+    engine = FakeEngine(step_s=0.0, reply="Paris")
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            await until(ws, "session.created")
+            update = {"audio": {"input": {"turn_detection": {"type": "semantic_vad", "eagerness": "low"}}}}
+            await ws.send(json.dumps({"type": "session.update", "session": update}))
+            await until(ws, "session.updated")
+            half = len(clip) // 2  # an append holds at most 2 s
+            for part in (clip[:half], clip[half:]):
+                await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(part)}))
+            events = await until(ws, "response.done")
+            stopped = next(e for e in events if e["type"] == "input_audio_buffer.speech_stopped")
+            assert stopped["audio_end_ms"] <= 300 + len(voice) * 1000 // SR + 400  # within what was sent
+            assert events[-1]["response"]["status"] == "completed"

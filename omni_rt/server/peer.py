@@ -46,7 +46,7 @@ from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, InputRate, Turn
 from omni_rt.server.track import FRAME_SAMPLES, AudioOutputTrack, Idle
 from omni_rt.server.track import SAMPLE_RATE as TRACK_RATE
 from omni_rt.server.transcription import InputTranscriber, transcription_update
-from omni_rt.server.turns import SpokenTurnClock
+from omni_rt.server.turns import SpokenTurnClock, when_answered
 
 if TYPE_CHECKING:
     from websockets.asyncio.server import ServerConnection
@@ -131,6 +131,7 @@ class Peer:
         self._response: _Response | None = None
         self._respond_when_idle = False  # a VAD turn ended during a response: answer it after
         self._spoken_turn: SpokenTurnClock | None = None  # the last detected turn, for the next response
+        self._watched_answer: Any = None  # semantic_vad's pending answer that _on_turn_answer awaits
         self._items: OrderedDict[str, _Response] = OrderedDict()  # recent assistant items by id
 
         self.turn_detection = settings.turn_detection
@@ -631,6 +632,19 @@ class Peer:
                         self._start_response(self._max_tokens(), list(self.output_modalities))
                     else:  # still stopping (or not interrupted), or a new voice: answer when ready
                         self._respond_when_idle = True
+        answer = self.input.pending  # semantic_vad asked its model: the turn may end when it answers
+        if answer is not None and answer is not self._watched_answer:
+            self._watched_answer = answer
+            when_answered(answer, asyncio.get_running_loop(), self._on_turn_answer)
+
+    def _on_turn_answer(self) -> None:
+        if self._closing or self._input_failed:
+            return
+        try:
+            self._on_input_events(self.input.poll())
+        except Exception:  # as for a microphone frame: this client loses speech input, nothing else
+            log.exception("peer %s: speech input failed", self.session_id)
+            self._input_failed = True
 
     def _on_audio_commit(self, event: protocol.InputAudioBufferCommit) -> None:
         try:

@@ -42,7 +42,8 @@ class TurnDetection:
         names = ("eagerness",) if semantic else ("threshold", "prefix_padding_ms", "silence_duration_ms")
         changes = {n: getattr(fields, n) for n in names if getattr(fields, n, None) is not None}
         return cls(
-            vad=(SemanticVadConfig if semantic else VadConfig)(**changes),
+            # the event loop never waits for the end-of-turn model: it answers from a worker thread
+            vad=SemanticVadConfig(offload=True, **changes) if semantic else VadConfig(**changes),
             create_response=base.create_response
             if fields.create_response is None
             else fields.create_response,
@@ -138,6 +139,15 @@ class InputAudioBuffer:
                 events += [SpeechStopped(audio_end_ms=turn.audio_end_ms), turn]
             if not len(audio):
                 return events
+
+    @property
+    def pending(self) -> Any:
+        """semantic_vad's end-of-turn answer being computed on a worker thread (a Future), or None."""
+        return self.segmenter.vad.pending if self.segmenter.detect else None
+
+    def poll(self) -> list[SpeechStopped | Turn]:
+        """The turn that answer ended, if it did (call once `pending` is done)."""
+        return self.segmenter.poll()
 
     def commit(self) -> Turn:
         """The audio buffered for the open turn, as a turn; refused when there is (almost) none."""

@@ -20,7 +20,7 @@ import collections
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ArrivalLog", "SpokenTurnClock"]
+__all__ = ["ArrivalLog", "SpokenTurnClock", "when_answered"]
 
 
 class ArrivalLog:
@@ -65,3 +65,9 @@ class SpokenTurnClock:
         if self.first_audio_at is not None:
             out["voice_to_voice_ms"] = round(1000.0 * (self.first_audio_at - self.speech_end_at), 1)
         return out
+
+
+def when_answered(answer: Any, loop: Any, callback: Any) -> None:
+    """Run `callback()` on `loop` once `answer` (semantic_vad's end-of-turn model on its worker thread,
+    a `concurrent.futures.Future`) is done: the turn may end then, with no more audio coming."""
+    answer.add_done_callback(lambda _: loop.call_soon_threadsafe(callback))

@@ -26,7 +26,7 @@ A frame is speech at probability >= `threshold`; a turn starts after `min_speech
 row (one loud frame is not a turn) and then holds while frames stay above `threshold - release` (Silero's
 own hysteresis: a soft syllable inside a word does not count as a pause). How a turn ends is the one
 thing `semantic_vad` changes (`omni_rt.audio.semantic`): it subclasses `ServerVad` and overrides
-`_turn_over`.
+`_turn_over` (and `_heard`, `_voiced`, `poll` for the audio and the answer it keeps).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 
 The shape voice-agent frameworks expect (fastrtc's `receive`/`emit`, livekit's `push_audio`/`interrupt`,
 pipecat's input audio and interruption frames): push 16 kHz mic audio as it arrives; server-side VAD
-(OpenAI Realtime semantics: 300 ms prefix, 500 ms of silence ends a turn) cuts turns; each turn is
+(Silero VAD with OpenAI Realtime semantics: 300 ms prefix, 500 ms of silence ends a turn) cuts turns; each turn is
 answered with `Session.respond(audio=...)`; speech that starts while a reply plays cancels the reply.
 Here the "microphone" is synthetic: two short voiced bursts, the second one interrupting the first reply.
 """
@@ -61,12 +61,16 @@ async def play(speaker: asyncio.Queue[np.ndarray]) -> None:
 
 
 def voiced(seconds: float, seed: int) -> np.ndarray:
-    """A speech-like burst: a 140 Hz harmonic tone with a syllable envelope and a little noise."""
+    """A speech-like burst: a gliding 120-180 Hz pitch with harmonics, syllables and a little breath
+    noise (the VAD is a trained model: a steady tone is not speech to it)."""
     t = np.arange(int(seconds * RATE)) / RATE
-    tone = sum(np.sin(2 * np.pi * 140 * k * t) / k for k in range(1, 6))
-    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 4 * t) ** 2
-    noise = np.random.default_rng(seed).normal(0, 0.01, t.size)
-    return (0.2 * tone * envelope + noise).astype(np.float32)
+    phase = 2 * np.pi * np.cumsum(150 + 30 * np.sin(2 * np.pi * 1.3 * t)) / RATE
+    tone = sum(np.sin(k * phase) / k for k in range(1, 5))
+    envelope = (0.55 + 0.45 * np.sin(2 * np.pi * 4 * t) ** 2) * np.minimum(
+        1.0, np.minimum(t, t[-1] - t) / 0.03
+    )
+    noise = np.random.default_rng(seed).normal(0, 0.003, t.size)
+    return (0.25 * tone * envelope + noise).astype(np.float32)
 
 
 async def main() -> None:

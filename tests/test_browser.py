@@ -148,6 +148,10 @@ async def test_page_answers_speech_and_cuts_playback_on_barge_in(tmp_path):
         # Turn two interrupts: the server cuts and cancels the reply, the page mutes what it holds.
         await page.wait_for_function("window.omni.cuts >= 1", timeout=10_000)
         await page.wait_for_selector('.msg.assistant[data-status="cancelled"]', timeout=10_000)
+        # the first-audible figure of a spoken reply counts from the end of speech, not speech_stopped:
+        # the page moved it back by the silence window (500 ms, in 32 ms frames)
+        eos = await page.evaluate("window.omni.endOfSpeech")
+        assert eos is not None and eos["waitMs"] == 16 * 32
         events = await page.evaluate("window.omni.events")
         first_cut = events.index("output_audio_buffer.cleared")
         assert (

@@ -133,7 +133,7 @@ def test_malformed_append_audio_is_an_invalid_value(audio, message):
             False,
         ),
         (
-            '{"type": "session.update", "session": {"turn_detection": {"type": "push_to_talk"}}}',
+            '{"type": "session.update", "session": {"turn_detection": {"type": "semantic_vad", "eagerness": "now"}}}',
             "invalid_value",
             False,
         ),
@@ -356,11 +356,21 @@ async def test_session_reports_and_updates_turn_detection(served):
     }
     await ws.send(json.dumps({"type": "session.update", "session": {"audio": {"input": update}}}))
     detection = (await recv(ws))["session"]["audio"]["input"]["turn_detection"]
-    # missing fields take the defaults; times are rounded to the detector's 20 ms frames
-    assert detection["silence_duration_ms"] == 780 and detection["prefix_padding_ms"] == 300
+    # missing fields take the defaults; times are kept as given (the detector rounds up to its frames)
+    assert detection["silence_duration_ms"] == 789 and detection["prefix_padding_ms"] == 300
     assert detection["interrupt_response"] is False and detection["create_response"] is True
     (peer,) = server.peers
-    assert peer.input.segmenter.vad.cfg.silence_duration_ms == 780
+    assert peer.input.segmenter.vad.cfg.silence_duration_ms == 789
+    semantic = {"turn_detection": {"type": "semantic_vad", "eagerness": "high"}}
+    await ws.send(json.dumps({"type": "session.update", "session": {"audio": {"input": semantic}}}))
+    detection = (await recv(ws))["session"]["audio"]["input"]["turn_detection"]
+    assert detection == {
+        "type": "semantic_vad",
+        "eagerness": "high",
+        "create_response": True,
+        "interrupt_response": True,
+    }
+    assert type(peer.input.segmenter.vad).__name__ == "SemanticVad"
     await ws.send(json.dumps({"type": "session.update", "session": {"turn_detection": None}}))
     assert (await recv(ws))["session"]["audio"]["input"]["turn_detection"] is None
     assert not peer.input.segmenter.detect

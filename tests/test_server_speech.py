@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("aiortc")
 
 import websockets  # noqa: E402
+from audio_clips import needs_espeak, speech  # noqa: E402
 from server_fakes import Client, FakeEngine, MicTrack, loopback_ice, speech_like, user_message  # noqa: E402, F401
 
 from omni_rt.audio.resample import resample  # noqa: E402
@@ -94,7 +95,8 @@ async def test_appended_speech_with_server_vad_gets_a_spoken_reply():
             stopped = events[t.index("input_audio_buffer.speech_stopped")]
             # speech from 200 ms: the turn starts 300 ms earlier (not before 0) and ends 500 ms after it
             assert started["audio_start_ms"] == 0
-            assert stopped["audio_end_ms"] == pytest.approx(1500, abs=40)
+            # (Silero's 32 ms frames, and its probability falls a frame or two after the voice)
+            assert 1500 <= stopped["audio_end_ms"] <= 1500 + 4 * 32
             assert t.index("conversation.item.added") < t.index("response.created")
             assert "response.output_audio.delta" in t and events[-1]["response"]["status"] == "completed"
             reply_item = events[-1]["response"]["output"][0]["id"]
@@ -226,6 +228,7 @@ async def test_speech_during_a_reply_cancels_it_then_answers_the_new_turn():
             assert answered["response"]["status"] == "completed" and len(engine.audio_requests) == 3
 
 
+@needs_espeak
 async def test_bad_audio_gets_errors_and_the_connection_keeps_serving():
     engine = FakeEngine(step_s=0.0, reply="still here")
     settings = ServerSettings(port=0, peer=PeerSettings(max_turn_ms=1000))
@@ -243,12 +246,17 @@ async def test_bad_audio_gets_errors_and_the_connection_keeps_serving():
                 assert error["error"]["event_id"] == f"b{i}"
 
             # A turn that reaches the longest turn (1 s here) is ended there; the rest is the next turn.
-            await append(ws, np.concatenate([speech_like(1.3, RATE_IN), np.zeros(RATE_IN, np.float32)]))
+            # (espeak-ng's voice: Silero hears a long synthetic buzz as less and less like speech)
+            voice = resample(speech("What is the capital of France?"), 16000, RATE_IN)
+            await append(ws, np.concatenate([voice, np.zeros(RATE_IN, np.float32)]))
             events = await until(ws, "response.done", status="completed")
             stopped = next(e for e in events if e["type"] == "input_audio_buffer.speech_stopped")
             started = next(e for e in events if e["type"] == "input_audio_buffer.speech_started")
-            assert stopped["audio_end_ms"] - started["audio_start_ms"] == 1000
-            assert len(engine.audio_requests[0][0]) == 16000
+            # (at the end of the detector's 32 ms frame that reaches it)
+            assert 1000 <= stopped["audio_end_ms"] - started["audio_start_ms"] < 1000 + 32
+            assert len(engine.audio_requests[0][0]) == 16 * (
+                stopped["audio_end_ms"] - started["audio_start_ms"]
+            )
             assert types(events).count("input_audio_buffer.committed") == 2
 
             # Without VAD, the buffer refuses audio past its size.
@@ -463,11 +471,11 @@ def test_input_buffer_downmixes_resamples_and_keeps_time_per_source():
     fields = TurnDetectionFields(
         threshold=0.7, prefix_padding_ms=250, silence_duration_ms=25, create_response=False
     )
-    detection = TurnDetection.from_wire(fields)  # times rounded to 20 ms frames, the rest defaults
+    detection = TurnDetection.from_wire(fields)  # times as given, the rest defaults
     assert (detection.vad.threshold, detection.vad.prefix_padding_ms, detection.vad.silence_duration_ms) == (
         0.7,
-        240,
-        20,
+        250,
+        25,
     )
     assert detection.create_response is False and detection.interrupt_response is True
 

@@ -198,9 +198,10 @@ function onEvent(ev) {
       break;
     case "response.created": {
       const t0 = state.pending ? state.pending.t0 : performance.now();
+      const audioEndMs = state.pending ? state.pending.audioEndMs : null;
       state.pending = null;
       state.response = { id: ev.response.id, bubble: addBubble("assistant", "") };
-      state.audible = { t0 };
+      state.audible = { t0, audioEndMs, id: ev.response.id };
       state.response.bubble.classList.add("streaming");
       updateStop();
       break;
@@ -214,8 +215,10 @@ function onEvent(ev) {
       break;
     case "input_audio_buffer.speech_stopped":
       setListen("thinking");
-      // The first-audible figure of a spoken turn counts from the end of the user's turn.
-      state.pending = { t0: performance.now() };
+      // The first-audible figure of a spoken turn counts from where the voice ended: speech_stopped
+      // comes the silence window (or semantic_vad's wait) later, which response.done's
+      // metrics.end_of_speech_ms tells (audio_end_ms - end_of_speech_ms).
+      state.pending = { t0: performance.now(), audioEndMs: ev.audio_end_ms };
       break;
     case "input_audio_buffer.committed":
       addBubble("user", "(spoke)").classList.add("spoken");
@@ -243,6 +246,7 @@ function onEvent(ev) {
       const m = r.metrics || {};
       ui.ttfa.textContent = fmt(m.ttfa_ms);
       ui.ttft.textContent = fmt(m.ttft_ms);
+      if (m.end_of_speech_ms != null) endOfSpeech(r.id, m.end_of_speech_ms);
       if (state.response && state.response.id === r.id) endBubble(state.response.bubble, r.status);
       state.response = null;
       updateStop();
@@ -365,6 +369,7 @@ setInterval(() => {
   // Measured until the reply is heard, not until response.done: its audio may be heard after that.
   if (state.audible && peak > AUDIBLE_PEAK) {
     const ms = performance.now() - state.audible.t0;
+    state.heard = { ...state.audible, ms };
     state.audible = null;
     state.latencies.push(ms);
     ui.audible.textContent = fmt(ms);
@@ -374,6 +379,25 @@ setInterval(() => {
   }
   draw(peak);
 }, 5);
+
+// A spoken reply's figure moves back to where the voice ended, whether its sound is still awaited
+// or was already heard (its first audio usually comes before response.done).
+function endOfSpeech(id, endMs) {
+  for (const r of [state.audible, state.heard]) {
+    if (!r || r.id !== id || r.audioEndMs == null || r.shifted) continue;
+    r.shifted = true;
+    const wait = r.audioEndMs - endMs;
+    if (r === state.audible) {
+      r.t0 -= wait;
+    } else {
+      r.ms += wait;
+      state.latencies[state.latencies.length - 1] = r.ms;
+      ui.audible.textContent = fmt(r.ms);
+      ui.median.textContent = fmt(median(state.latencies));
+    }
+    window.omni.endOfSpeech = { id, waitMs: wait };
+  }
+}
 
 let lastDraw = 0;
 function draw(peak) {

@@ -1,4 +1,4 @@
-"""Audio helpers around the model: streaming resampling (and later 20 ms framing, mel features, VAD)."""
+"""Audio helpers around the model: streaming resampling, mel features, voice activity and end of turn."""
 
 from omni_rt.audio.resample import StreamingResampler, resample
 

@@ -12,8 +12,9 @@ truncation. The recipe, which this module follows step by step:
     Slaney-normalised mel filter bank (0-8 kHz, Slaney mel scale)
     log10(max(mel, 1e-10)); floor at (max over the whole clip - 8); (x + 4) / 4
 
-The floor uses the clip's maximum, so features of a clip are known only when the clip is complete: a
-turn's features are computed once the turn is committed (server VAD or an explicit commit).
+The floor uses the clip's maximum, so a clip's features are final only when the clip is complete; the
+log power of each frame is final as soon as its window has arrived (`raw_log_mel`, `floor_log_mel`:
+`omni_rt.model.speech_stream` computes a turn's frames as it is spoken).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from functools import lru_cache
 
 import numpy as np
 import torch
+from torch.nn import functional as F
 
 from omni_rt.errors import InvalidRequestError
 
@@ -33,9 +35,11 @@ __all__ = [
     "N_MELS",
     "SAMPLE_RATE",
     "audio_token_count",
+    "floor_log_mel",
     "log_mel",
     "log_mel_batch",
     "mel_filters",
+    "raw_log_mel",
 ]
 
 SAMPLE_RATE = 16000
@@ -116,27 +120,39 @@ def _check_rate(sample_rate: int) -> None:
         )
 
 
-def _log_mel(waves: torch.Tensor) -> torch.Tensor:
+def raw_log_mel(padded: torch.Tensor, n_mels: int = N_MELS) -> torch.Tensor:
+    """log10 mel power of every whole 400-sample frame of `padded` [B, S'] (hop 160, no centring):
+    [B, n_mels, 1 + (S' - 400) // 160], before the clip-wide floor. The one place frames are analysed:
+    whole clips (`_log_mel`) and turns as they arrive (`omni_rt.model.speech_stream`) both come here."""
+    window = torch.hann_window(N_FFT, device=padded.device)  # periodic, as the reference's
+    spec = torch.stft(padded, N_FFT, HOP_LENGTH, window=window, center=False, return_complex=True)
+    power = (spec.abs() ** 2).contiguous()  # [B, F, T]
+    mel = mel_filters(n_mels).to(padded.device).T @ power  # [B, M, T]
+    return torch.clamp(mel, min=1e-10).log10()
+
+
+def floor_log_mel(logs: torch.Tensor, peak: torch.Tensor | float) -> torch.Tensor:
+    """The floor and scale of the reference: an 80 dB range below the clip's loudest bin, (x + 4) / 4."""
+    return (torch.maximum(logs, torch.as_tensor(peak, dtype=logs.dtype) - 8.0) + 4.0) / 4.0
+
+
+def _log_mel(waves: torch.Tensor, n_mels: int = N_MELS) -> torch.Tensor:
     """waves [B, S] float32 -> [B, n_mels, S // hop], each row normalised by its own maximum."""
-    window = torch.hann_window(N_FFT, device=waves.device)  # periodic, as the reference's
-    spec = torch.stft(
-        waves, N_FFT, HOP_LENGTH, window=window, center=True, return_complex=True
-    )  # [B, F, S//hop + 1]
-    power = (spec[..., :-1].abs() ** 2).contiguous()  # [B, F, T]: the last (half-empty) frame is dropped
-    mel = mel_filters().to(waves.device).T @ power  # [B, M, T]
-    logs = torch.clamp(mel, min=1e-10).log10()
+    # centred frames: reflect-pad half a window each side; the last (half-empty) frame is dropped
+    padded = F.pad(waves[:, None], (N_FFT // 2, N_FFT // 2), mode="reflect")[:, 0]
+    logs = raw_log_mel(padded, n_mels)[..., :-1]
     peak = logs.amax(dim=(1, 2), keepdim=True)  # [B, 1, 1]
-    logs = torch.maximum(logs, peak - 8.0)  # an 80 dB dynamic range below the clip's loudest bin
-    return (logs + 4.0) / 4.0
+    return floor_log_mel(logs, peak)
 
 
-def log_mel(audio, sample_rate: int = SAMPLE_RATE) -> torch.Tensor:
-    """Log-mel features of one mono clip: audio [S] (float in [-1, 1], or int16) -> [128, S // 160] float32.
+def log_mel(audio, sample_rate: int = SAMPLE_RATE, n_mels: int = N_MELS) -> torch.Tensor:
+    """Log-mel features of one mono clip: audio [S] (float in [-1, 1], or int16) -> [n_mels, S // 160].
 
-    Equal to transformers' `WhisperFeatureExtractor` as Qwen3-Omni's processor configures it, for one clip.
+    Equal to transformers' `WhisperFeatureExtractor` as Qwen3-Omni's processor configures it, for one clip
+    (128 bins); with 80 bins, Whisper's own (what Smart Turn takes).
     """
     _check_rate(sample_rate)
-    return _log_mel(_as_waveform(audio)[None])[0]
+    return _log_mel(_as_waveform(audio)[None], n_mels)[0]
 
 
 def log_mel_batch(clips: Sequence, sample_rate: int = SAMPLE_RATE) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,69 +1,78 @@
-"""Server-side voice activity detection with OpenAI Realtime `server_vad` semantics; numpy only.
+"""Voice activity detection with OpenAI Realtime `server_vad` semantics, on Silero VAD.
 
     vad = ServerVad()                                   # threshold 0.5, prefix 300 ms, silence 500 ms
     for chunk in mic_16k_chunks:                        # float [-1, 1] or int16, any chunk length
         for ev in vad.push(chunk):
             ev.type        # "input_audio_buffer.speech_started": ev.audio_start_ms
-                           # "input_audio_buffer.speech_stopped": ev.audio_end_ms
+                           # "input_audio_buffer.speech_stopped": ev.audio_end_ms, ev.speech_end_ms
     seg = TurnSegmenter()                               # the same, plus each turn's audio
     for ev in seg.push(chunk): ...                      # ... SpeechStopped, then Turn(audio, start, end)
 
+The speech probability of each 32 ms frame (512 samples at 16 kHz) comes from Silero VAD, a small
+trained model (MIT licence) whose ONNX file ships inside the `silero-vad` package; it runs on CPU through
+onnxruntime (`omni_rt.audio.onnx`), one recurrent state per stream, about a tenth of a millisecond a frame.
+
 Times are milliseconds of audio pushed since the detector started (or was `reset`), as the Realtime API
-counts them on its input buffer:
+counts them on its input buffer, on the model's 32 ms frames:
 - `speech_started.audio_start_ms` is where the turn's audio begins: the first speech frame minus
   `prefix_padding_ms` (not before 0), so the audio sent to the model includes that lead-in.
-- `speech_stopped.audio_end_ms` is where it ends: the end of the last speech frame plus
-  `silence_duration_ms`, the moment the silence window completed; the turn is [start, end).
+- `speech_stopped.audio_end_ms` is where it ends: the frame on which the silence after the last speech
+  frame reached `silence_duration_ms` (rounded up to whole frames); the turn is [start, end).
+  `speech_stopped.speech_end_ms` is where the speech itself ended (the last speech frame's end), what a
+  latency figure counts from.
 A pause shorter than the silence window keeps the turn going.
 
-The detector works on 20 ms frames at 16 kHz. Its speech probability of a frame combines
-- energy above an adaptive noise floor: p_e = sigmoid((level_dB - floor_dB - margin_dB) / slope_dB); the
-  floor follows quiet frames at once and rises only slowly (3 dB/s), so a steady sound stops counting
-  as speech within seconds, while speech, whose pauses pull the floor back down, keeps counting;
-- the zero-crossing rate: noise-like frames (ZCR near 0.5, as in white noise or hiss) are scaled down
-  toward `noise_zcr_weight`, voiced speech (a few hundred Hz, ZCR well below 0.2) keeps its weight;
-and a frame is speech when p >= threshold. Speech starts after `min_speech_ms` of consecutive speech
-frames (a click or a single loud frame is not a turn). Plain Python and numpy, deterministic.
+A frame is speech at probability >= `threshold`; a turn starts after `min_speech_ms` of such frames in a
+row (one loud frame is not a turn) and then holds while frames stay above `threshold - release` (Silero's
+own hysteresis: a soft syllable inside a word does not count as a pause). How a turn ends is the one
+thing `semantic_vad` changes (`omni_rt.audio.semantic`): it subclasses `ServerVad` and overrides
+`_turn_over` (and `_heard`, `_voiced`, `poll` for the audio and the answer it keeps).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
+from omni_rt.audio.onnx import onnx_session, packaged_file
+
+if TYPE_CHECKING:
+    from omni_rt.audio.semantic import SemanticVadConfig
+
 __all__ = [
     "ServerVad",
+    "SileroVad",
     "SpeechStarted",
     "SpeechStopped",
     "Turn",
     "TurnSegmenter",
     "VadConfig",
-    "frame_features",
     "pcm_float",
-    "speech_probability",
 ]
+
+SAMPLE_RATE = 16000
+FRAME_SAMPLES = 512  # what Silero VAD takes at 16 kHz
+FRAME_MS = FRAME_SAMPLES * 1000 // SAMPLE_RATE  # 32
+
+
+def _ms_to_frames(ms: int) -> int:
+    return -(-ms // FRAME_MS)
 
 
 @dataclass(frozen=True)
 class VadConfig:
     """OpenAI Realtime `turn_detection` of type server_vad, plus the detector's own tuning."""
 
-    threshold: float = 0.5  # on the speech probability in [0, 1]
+    threshold: float = 0.5  # on Silero's speech probability in [0, 1]
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
-    sample_rate: int = 16000
-    frame_ms: int = 20
-    min_speech_ms: int = 60  # consecutive speech frames before a turn starts
-    margin_db: float = 12.0  # p_e = 0.5 this far above the noise floor
-    slope_db: float = 3.0
-    floor_init_db: float = -60.0  # the floor before any audio: quiet room level
-    floor_min_db: float = -80.0  # digital silence must not pull the floor to -inf
-    floor_rise_db_per_s: float = 3.0  # how fast the floor creeps up under steady noise
-    noise_zcr: tuple[float, float] = (0.25, 0.45)  # ZCR where the noise penalty starts / is full
-    noise_zcr_weight: float = 0.3
+    min_speech_ms: int = 64  # speech frames in a row before a turn starts
+    release: float = 0.15  # during a turn a frame is silence below threshold - release
+
+    sample_rate: ClassVar[int] = SAMPLE_RATE
+    frame_ms: ClassVar[int] = FRAME_MS
 
     def __post_init__(self) -> None:
         from omni_rt.errors import ConfigError
@@ -72,19 +81,21 @@ class VadConfig:
             raise ConfigError(f"VAD threshold must be in (0, 1), got {self.threshold}")
         for name in ("prefix_padding_ms", "silence_duration_ms", "min_speech_ms"):
             v = getattr(self, name)
-            if v < 0 or v % self.frame_ms:
-                raise ConfigError(
-                    f"VAD {name} must be a non-negative multiple of {self.frame_ms} ms, got {v}"
-                )
-        if self.silence_duration_ms < self.frame_ms:
+            if not isinstance(v, int) or v < 0:
+                raise ConfigError(f"VAD {name} must be a non-negative whole number of ms, got {v!r}")
+        if self.silence_duration_ms < 1:
             # a zero window would end every turn on the frame that started it
-            raise ConfigError(f"VAD silence_duration_ms must be at least {self.frame_ms} ms")
-        if self.sample_rate * self.frame_ms % 1000:
-            raise ConfigError(f"{self.frame_ms} ms is not a whole number of samples at {self.sample_rate} Hz")
+            raise ConfigError("VAD silence_duration_ms must be at least 1 ms")
+        if not 0.0 <= self.release < self.threshold:
+            raise ConfigError(f"VAD release must be in [0, threshold), got {self.release}")
 
     @property
     def frame_samples(self) -> int:
-        return self.sample_rate * self.frame_ms // 1000
+        return FRAME_SAMPLES
+
+    def detector(self) -> ServerVad:
+        """A fresh detector for one stream with these settings."""
+        return ServerVad(self)
 
 
 @dataclass(frozen=True)
@@ -96,27 +107,8 @@ class SpeechStarted:
 @dataclass(frozen=True)
 class SpeechStopped:
     audio_end_ms: int
+    speech_end_ms: int | None = None  # where the voice ended, before the silence window (None: unknown)
     type: Literal["input_audio_buffer.speech_stopped"] = "input_audio_buffer.speech_stopped"
-
-
-def frame_features(frame: np.ndarray) -> tuple[float, float]:
-    """(level in dBFS of the frame's RMS, zero-crossing rate per sample in [0, 1]) of a float frame."""
-    x = frame.astype(np.float64)
-    x = x - x.mean()  # a DC offset is neither energy nor crossings
-    rms = math.sqrt(float(np.mean(x * x)))
-    level = 20.0 * math.log10(rms) if rms > 0 else -math.inf
-    signs = np.signbit(x)
-    zcr = float(np.count_nonzero(signs[1:] != signs[:-1])) / max(len(x) - 1, 1)
-    return level, zcr
-
-
-def speech_probability(level_db: float, zcr: float, floor_db: float, cfg: VadConfig) -> float:
-    """Speech probability of a frame from its level, its ZCR and the current noise floor."""
-    z = (level_db - floor_db - cfg.margin_db) / cfg.slope_db
-    p_energy = 1.0 / (1.0 + math.exp(-max(min(z, 60.0), -60.0)))
-    lo, hi = cfg.noise_zcr
-    noisiness = min(max((zcr - lo) / (hi - lo), 0.0), 1.0)
-    return p_energy * (1.0 - (1.0 - cfg.noise_zcr_weight) * noisiness)
 
 
 def pcm_float(audio: np.ndarray) -> np.ndarray:
@@ -130,7 +122,36 @@ def pcm_float(audio: np.ndarray) -> np.ndarray:
         return a.astype(np.float32) / 32768.0
     if not np.issubdtype(a.dtype, np.floating):
         raise InvalidRequestError(f"VAD input must be float or int16 PCM, got dtype {a.dtype}")
-    return a.astype(np.float32, copy=False)
+    a = a.astype(np.float32, copy=False)
+    if not np.isfinite(a).all():
+        raise InvalidRequestError("VAD input contains NaN or infinite samples")
+    return a
+
+
+class SileroVad:
+    """Silero VAD on one stream: `prob = model(frame)` for consecutive 512-sample frames at 16 kHz.
+
+    The model is recurrent: it carries a state from frame to frame and also sees the last 64 samples
+    of the previous frame (the context its front end needs), so frames must come in order; `reset()`
+    starts a new stream.
+    """
+
+    CONTEXT = 64
+
+    def __init__(self) -> None:
+        self._session = onnx_session(packaged_file("silero-vad", "silero_vad/data/silero_vad.onnx"))
+        self._sr = np.array(SAMPLE_RATE, dtype=np.int64)
+        self.reset()
+
+    def reset(self) -> None:
+        self._state = np.zeros((2, 1, 128), np.float32)
+        self._context = np.zeros((1, self.CONTEXT), np.float32)
+
+    def __call__(self, frame: np.ndarray) -> float:
+        x = np.concatenate((self._context, frame.reshape(1, FRAME_SAMPLES)), axis=1)
+        out, self._state = self._session.run(None, {"input": x, "state": self._state, "sr": self._sr})
+        self._context = x[:, -self.CONTEXT :]
+        return float(out[0, 0])
 
 
 class ServerVad:
@@ -138,19 +159,31 @@ class ServerVad:
 
     def __init__(self, cfg: VadConfig | None = None) -> None:
         self.cfg = cfg or VadConfig()
+        self._model: SileroVad | None = None  # loaded on first use (`load`): a detector made but never
+        # fed (no turn detection) costs nothing
+        self._min_frames = max(_ms_to_frames(self.cfg.min_speech_ms), 1)
+        self._silence_frames = _ms_to_frames(self.cfg.silence_duration_ms)
         self.reset()
 
     def reset(self) -> None:
         """Forget everything: time restarts at 0 (a new input buffer)."""
+        if self._model is not None:
+            self._model.reset()
         self._pending = np.zeros(0, dtype=np.float32)  # samples of an incomplete frame
         self._frames = 0  # whole frames processed
-        self._floor = self.cfg.floor_init_db
         self._in_speech = False
         self._run = 0  # consecutive speech frames (before a start) / silent frames (during speech)
+        self._speech_end_ms = 0  # end of the turn's last speech frame
+        self.turn_start_ms = 0  # the open turn's first speech frame
         self.last_probability = 0.0
 
+    def load(self) -> None:
+        """Load the model now (a missing package is a `ConfigError` here, not at the first audio)."""
+        if self._model is None:
+            self._model = SileroVad()
+
     def reset_speech(self) -> None:
-        """End any turn in progress without an event (a manual commit or clear); time and floor stay."""
+        """End any turn in progress without an event (a manual commit or clear); time and state stay."""
         self._in_speech = False
         self._run = 0
 
@@ -161,53 +194,69 @@ class ServerVad:
     @property
     def elapsed_ms(self) -> int:
         """Milliseconds of audio analysed (whole frames)."""
-        return self._frames * self.cfg.frame_ms
+        return self._frames * FRAME_MS
 
     def push(self, audio: np.ndarray) -> list[SpeechStarted | SpeechStopped]:
         """Analyse `audio` (1-D float in [-1, 1], or int16) and return the events it completes, in order."""
         buf = np.concatenate((self._pending, pcm_float(audio)))
-        n = self.cfg.frame_samples
-        whole = len(buf) // n
+        whole = len(buf) // FRAME_SAMPLES
         events: list[SpeechStarted | SpeechStopped] = []
         for i in range(whole):
-            ev = self._frame(buf[i * n : (i + 1) * n])
+            ev = self._frame(buf[i * FRAME_SAMPLES : (i + 1) * FRAME_SAMPLES])
             if ev is not None:
                 events.append(ev)
-        self._pending = buf[whole * n :].copy()
+        self._pending = buf[whole * FRAME_SAMPLES :].copy()
         return events
 
     def _frame(self, frame: np.ndarray) -> SpeechStarted | SpeechStopped | None:
         cfg = self.cfg
-        level, zcr = frame_features(frame)
-        level = max(level, cfg.floor_min_db)
-        p = speech_probability(level, zcr, self._floor, cfg)
+        if self._model is None:
+            self.load()
+        assert self._model is not None
+        p = self._model(frame)
         self.last_probability = p
-        is_speech = p >= cfg.threshold
         self._frames += 1
+        self._heard(frame)
         now = self.elapsed_ms  # end of this frame
-        self._track_floor(level)
         if not self._in_speech:
-            self._run = self._run + 1 if is_speech else 0
-            if self._run * cfg.frame_ms >= max(cfg.min_speech_ms, cfg.frame_ms):
-                self._in_speech, self._run = True, 0
-                first = now - cfg.frame_ms * max(cfg.min_speech_ms // cfg.frame_ms, 1)
+            self._run = self._run + 1 if p >= cfg.threshold else 0
+            if self._run >= self._min_frames:
+                first = now - self._run * FRAME_MS
+                self._in_speech, self._run, self._speech_end_ms = True, 0, now
+                self.turn_start_ms = first
                 return SpeechStarted(audio_start_ms=max(first - cfg.prefix_padding_ms, 0))
             return None
-        self._run = 0 if is_speech else self._run + 1
-        if self._run * cfg.frame_ms >= cfg.silence_duration_ms:
-            self._in_speech, self._run = False, 0
-            return SpeechStopped(audio_end_ms=now)  # last speech frame's end + silence_duration_ms
+        if p >= cfg.threshold - cfg.release:
+            self._run, self._speech_end_ms = 0, now
+            self._voiced()
+            return None
+        self._run += 1
+        return self._stop() if self._turn_over(self._run) else None
+
+    def _stop(self) -> SpeechStopped:
+        """End the turn now (the current frame's end)."""
+        self._in_speech, self._run = False, 0
+        return SpeechStopped(audio_end_ms=self.elapsed_ms, speech_end_ms=self._speech_end_ms)
+
+    def poll(self) -> SpeechStopped | None:
+        """An end of turn decided since the last frame, between frames (semantic_vad's model answering
+        from a worker thread); server_vad decides on frames only."""
         return None
 
-    def _track_floor(self, level: float) -> None:
-        """Fast down, slow up. Speech has dips between syllables and words that pull the floor back down
-        at once, so it stays near the background; a steady sound (a hum) has none, so the floor climbs
-        to it and it stops counting as speech (and ends a turn it started) within seconds."""
-        cfg = self.cfg
-        if level < self._floor:
-            self._floor = max(level, cfg.floor_min_db)
-        else:
-            self._floor = min(level, self._floor + cfg.floor_rise_db_per_s * cfg.frame_ms / 1000.0)
+    @property
+    def pending(self) -> Any:
+        """A decision being made off this thread (a `concurrent.futures.Future`), or None."""
+        return None
+
+    def _voiced(self) -> None:
+        """A voiced frame during a turn: any pause is over."""
+
+    def _heard(self, frame: np.ndarray) -> None:
+        """Every analysed frame, in order (a subclass that needs the audio keeps it)."""
+
+    def _turn_over(self, silent_frames: int) -> bool:
+        """Whether `silent_frames` of silence after speech end the turn: server_vad's fixed window."""
+        return silent_frames >= self._silence_frames
 
 
 @dataclass(frozen=True)
@@ -217,14 +266,15 @@ class Turn:
     audio: np.ndarray
     audio_start_ms: int
     audio_end_ms: int
+    speech_end_ms: int | None = None  # where the voice ended (None: the turn was committed by hand)
     type: Literal["turn"] = "turn"
 
 
 class TurnSegmenter:
     """A `ServerVad` that also keeps the audio: each speech_stopped is followed by the `Turn` it closed.
 
-    Memory is bounded while idle (the last prefix_padding + min_speech + one frame of audio, what a
-    speech_started can reach back to); during a turn it holds the turn (the caller bounds turn length
+    Memory is bounded while idle (the last prefix_padding + min_speech + two frames of audio, what a
+    speech_started can reach back to, and a frame not yet analysed); during a turn it holds the turn (the caller bounds turn length
     with `turn_ms`, as the Realtime API bounds its input buffer). `commit()` ends a turn early (a
     client's `input_audio_buffer.commit` while the user is still talking), `clear()` drops it.
 
@@ -232,9 +282,11 @@ class TurnSegmenter:
     open, and it holds everything pushed since the last commit or clear until `commit()` takes it.
     """
 
-    def __init__(self, cfg: VadConfig | None = None, *, detect: bool = True) -> None:
-        self.vad = ServerVad(cfg)
+    def __init__(self, cfg: VadConfig | SemanticVadConfig | None = None, *, detect: bool = True) -> None:
+        self.vad = (cfg or VadConfig()).detector()  # server_vad's detector, or semantic_vad's
         self.detect = detect
+        if detect:
+            self.vad.load()
         self._chunks: list[np.ndarray] = []
         self._start = 0  # sample index of the first buffered sample
         self._pushed = 0  # samples pushed in all
@@ -249,6 +301,11 @@ class TurnSegmenter:
     def elapsed_ms(self) -> int:
         """Where the input buffer stands: whole frames analysed, or (no detection) all samples pushed."""
         return self.vad.elapsed_ms if self.detect else self._pushed * 1000 // self.vad.cfg.sample_rate
+
+    @property
+    def pushed_ms(self) -> float:
+        """Milliseconds of audio pushed in all (analysed or not)."""
+        return self._pushed * 1000 / self.vad.cfg.sample_rate
 
     @property
     def turn_ms(self) -> int:
@@ -269,9 +326,14 @@ class TurnSegmenter:
                 self._turn_start_ms = ev.audio_start_ms
             out.append(ev)
             if not isinstance(ev, SpeechStarted):
-                out.append(self._take(ev.audio_end_ms))
+                out.append(self._take(ev.audio_end_ms, ev.speech_end_ms))
         self._trim()
         return out
+
+    def poll(self) -> list[SpeechStopped | Turn]:
+        """A turn the detector ended between pushes (see `ServerVad.poll`): its SpeechStopped and Turn."""
+        ev = self.vad.poll() if self.detect else None
+        return [] if ev is None else [ev, self._take(ev.audio_end_ms, ev.speech_end_ms)]
 
     def commit(self) -> Turn | None:
         """End the current turn now (whole frames analysed so far); None when no turn is open."""
@@ -293,13 +355,14 @@ class TurnSegmenter:
     def _samples(self, ms: int) -> int:
         return ms * self.vad.cfg.sample_rate // 1000
 
-    def _take(self, end_ms: int) -> Turn:
+    def _take(self, end_ms: int, speech_end_ms: int | None = None) -> Turn:
         start_ms = self._turn_start_ms if self._turn_start_ms is not None else end_ms
         buf = np.concatenate(self._chunks) if self._chunks else np.zeros(0, np.float32)
         lo, hi = self._samples(start_ms) - self._start, self._samples(end_ms) - self._start
         self._turn_start_ms = None
         self._last_end_ms = end_ms
-        return Turn(audio=buf[max(lo, 0) : hi].copy(), audio_start_ms=start_ms, audio_end_ms=end_ms)
+        audio = buf[max(lo, 0) : hi].copy()
+        return Turn(audio=audio, audio_start_ms=start_ms, audio_end_ms=end_ms, speech_end_ms=speech_end_ms)
 
     def _trim(self) -> None:
         """Keep only what a turn can still need: from the open turn's start, or the look-back window."""

@@ -175,29 +175,47 @@ class AudioEncoder(nn.Module):
         cfg = self.cfg
         win = 2 * cfg.n_window
 
-        # 1. conv windows of every clip, zero-padded to the longest window: [C, 1, M, Lw]
+        # 1.-2. conv windows of every clip, zero-padded to the longest window, valid steps packed
         chunk_lens = [min(win, n - s) for n in lens for s in range(0, n, win)]
-        chunks = features.T.split(chunk_lens, dim=0)  # C x [len, M]
-        x = nn.utils.rnn.pad_sequence(chunks, batch_first=True).transpose(1, 2)  # [C, M, Lw]
-        x = x.unsqueeze(1).to(self.conv2d1.weight.dtype)  # [C, 1, M, Lw]
+        tokens = self.conv_tokens(list(features.T.split(chunk_lens, dim=0)))
+
+        # 3. attention blocks: n_window_infer / win conv windows' worth of steps, never across clips
+        block = self.block_tokens(max(chunk_lens))
+        sizes = []
+        for n in lens:
+            t = int(audio_token_count(n, cfg.n_window))
+            sizes += [block] * (t // block) + ([t % block] if t % block else [])
+        return self.attend(tokens, sizes)
+
+    def block_tokens(self, longest_window: int) -> int:
+        """Tokens in one attention block, when the batch's longest conv window has that many frames."""
+        return conv_steps(longest_window) * (self.cfg.n_window_infer // (2 * self.cfg.n_window))
+
+    def conv_tokens(self, chunks: list[torch.Tensor], pad_to: int = 0) -> torch.Tensor:
+        """Conv windows chunks[i] [len_i, n_mels] (time first) -> their valid steps [sum, d_model].
+
+        Windows are zero-padded to the longest of them (or `pad_to`): what a window's boundary steps
+        are depends on it, so a window encoded alone (a turn as it arrives) is padded as the whole
+        clip's batch would pad it.
+        """
+        lens = [c.shape[0] for c in chunks]
+        width = max(max(lens), pad_to)
+        x = chunks[0].new_zeros(len(chunks), width, chunks[0].shape[1])
+        for i, c in enumerate(chunks):
+            x[i, : lens[i]] = c
+        x = x.transpose(1, 2).unsqueeze(1).to(self.conv2d1.weight.dtype)  # [C, 1, M, Lw]
         x = F.gelu(self.conv2d1(x))
         x = F.gelu(self.conv2d2(x))
         x = F.gelu(self.conv2d3(x))  # [C, ch, M', L']
         c, ch, m, steps = x.shape
         x = self.conv_out(x.permute(0, 3, 1, 2).reshape(c, steps, ch * m))  # [C, L', d]
         x = x + self.positional_embedding[:steps].to(x.dtype)  # positions restart in every window
-
-        # 2. keep each window's valid steps, packed clip by clip: [N_tok, d]
-        valid = [conv_steps(n) for n in chunk_lens]
+        valid = [conv_steps(n) for n in lens]
         keep = torch.arange(steps)[None] < torch.tensor(valid)[:, None]  # [C, L']
-        tokens = x.reshape(c * steps, -1)[keep.flatten().nonzero().squeeze(1).to(x.device)]
+        return x.reshape(c * steps, -1)[keep.flatten().nonzero().squeeze(1).to(x.device)]
 
-        # 3. attention blocks: n_window_infer / win conv windows' worth of steps, never across clips
-        block = max(valid) * (cfg.n_window_infer // win)
-        sizes = []
-        for n in lens:
-            t = int(audio_token_count(n, cfg.n_window))
-            sizes += [block] * (t // block) + ([t % block] if t % block else [])
+    def attend(self, tokens: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Conv tokens [N, d_model] in attention blocks of `sizes` (consecutive runs) -> [N, output_dim]."""
         x, ok = self._blocks(tokens, sizes)  # [W, block, d], real tokens [W, block]
         for layer in self.layers:
             x = layer(x, ok)

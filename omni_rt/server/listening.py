@@ -10,6 +10,7 @@ peer's: `on_speech_started` (barge-in) and `on_turn` (answer it), called only wi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,7 @@ from omni_rt.server import protocol
 from omni_rt.server.conversation import Conversation
 from omni_rt.server.protocol import ProtocolError
 from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, InputRate, TurnDetection
+from omni_rt.server.turns import SpokenTurnClock, when_answered
 
 log = logging.getLogger("omni_rt.server")
 
@@ -36,11 +38,15 @@ class SpeechInput:
         conversation: Conversation,
         on_speech_started: Callable[[], None],
         on_turn: Callable[[], None],
+        on_committed: Callable[[str, Any], None] = lambda item_id, audio: None,
     ) -> None:
         self.name = name
         self.max_turn_ms, self.max_pending_ms = max_turn_ms, max_pending_ms
         self._send, self._conversation = send, conversation
         self._on_speech_started, self._on_turn = on_speech_started, on_turn
+        self._on_committed = on_committed  # (item id, 16 kHz audio) of every spoken item (transcription)
+        self.spoken_turn: SpokenTurnClock | None = None  # the last detected turn, for the next response
+        self._watched_answer: Any = None  # semantic_vad's pending answer that _on_turn_answer awaits
         self.detection = detection
         self.buffer = InputAudioBuffer(detection, max_turn_ms)
         self._rate = InputRate()  # appends and microphone frames together
@@ -101,6 +107,7 @@ class SpeechInput:
         try:
             # A manual commit adds the turn; response.create answers it.
             self._commit(self.buffer.commit())
+            self.spoken_turn = None  # the latest speech has no detected end: no figure from it
         except ProtocolError as exc:
             exc.event_id = event.event_id
             raise
@@ -122,6 +129,7 @@ class SpeechInput:
                 self._item_id = self._item_id or wire.new_id("item")
                 self._send(wire.speech_stopped(ev.audio_end_ms, self._item_id))
             else:
+                self.spoken_turn = SpokenTurnClock.from_turn(ev, self.buffer.arrivals)
                 try:
                     self._commit(ev)
                 except ProtocolError as exc:  # too much speech already waits (create_response off)
@@ -129,6 +137,19 @@ class SpeechInput:
                     continue
                 if detection is not None and detection.create_response:
                     self._on_turn()
+        answer = self.buffer.pending  # semantic_vad asked its model: the turn may end when it answers
+        if answer is not None and answer is not self._watched_answer:
+            self._watched_answer = answer
+            when_answered(answer, asyncio.get_running_loop(), self._on_turn_answer)
+
+    def _on_turn_answer(self) -> None:
+        if self._failed:
+            return
+        try:
+            self._on_events(self.buffer.poll())
+        except Exception:  # as for a microphone frame: this client loses speech input, nothing else
+            log.exception("peer %s: speech input failed", self.name)
+            self._failed = True
 
     def _commit(self, turn: Turn) -> None:
         """The turn's audio becomes a user item, waiting for the next response like user text."""
@@ -145,3 +166,4 @@ class SpeechInput:
         self._full_reported = False
         self._send(wire.committed(item_id, self._conversation.last_item_id))
         self._conversation.add_speech(item_id, turn.audio)
+        self._on_committed(item_id, turn.audio)

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from omni_rt.server.responses import CancelReason, Response
 from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, TurnDetection
 from omni_rt.server.track import FRAME_SAMPLES, AudioOutputTrack, Idle
 from omni_rt.server.track import SAMPLE_RATE as TRACK_RATE
+from omni_rt.server.transcription import InputTranscriber, transcription_update
 from omni_rt.server.transport import Transport
 
 if TYPE_CHECKING:
@@ -107,6 +109,7 @@ class Peer:
         self._task_failed = False  # one of this peer's tasks raised: the connection ends with 1011
 
         self.conversation = Conversation(self.send, settings.max_pending_text_chars)
+        self.transcriber = InputTranscriber(engine, self.send, self._spawn)  # audio.input.transcription
         self.speech = SpeechInput(
             self.session_id,
             settings.turn_detection,
@@ -116,6 +119,7 @@ class Peer:
             conversation=self.conversation,
             on_speech_started=lambda: self._interrupt("turn_detected"),
             on_turn=self._on_turn,
+            on_committed=self.transcriber.add,
         )
         self.media = Media(
             self.session_id,
@@ -283,7 +287,7 @@ class Peer:
         return tools.system_prompt(self.instructions, self.tools, self.tool_choice)
 
     def session_object(self) -> dict[str, Any]:
-        return wire.session_object(
+        session = wire.session_object(
             self.session_id,
             self.settings.model,
             self.voice,
@@ -293,6 +297,9 @@ class Peer:
             self.max_output_tokens,
             None if self.speech.detection is None else self.speech.detection.to_wire(),
         )
+        if self.transcriber.setting is not None:
+            session["audio"]["input"]["transcription"] = self.transcriber.setting
+        return session
 
     # -- client events ----------------------------------------------------------------------------------
 
@@ -360,7 +367,10 @@ class Peer:
                 event_id=event_id,
             )
         given, detection = protocol.turn_detection_of(s)
+        transcription_given, transcription = transcription_update(s, event_id)
         # Valid: apply all of it.
+        if transcription_given:
+            self.transcriber.configure(transcription)
         if given:
             self.speech.set_detection(None if detection is None else TurnDetection.from_wire(detection))
         modalities = s.output_modalities or s.modalities
@@ -468,7 +478,10 @@ class Peer:
             metadata=fields.metadata,
             previous_item_id=self.conversation.last_item_id,
             tools=self._tool_parser(),
+            spoken=self.speech.spoken_turn,
         )
+        self.transcriber.hold()  # until its first audio: transcripts never come before the answer
+        self.speech.spoken_turn = None
         self._response = response
         self._items[response.item_id] = response
         while len(self._items) > KEPT_ITEMS:
@@ -617,6 +630,9 @@ class Peer:
                     if not response.audio or response.cancelled or not response.speaking:
                         continue
                     response.audio_ms += 1000.0 * len(ev.pcm) / ev.sample_rate
+                    if response.spoken is not None:
+                        response.spoken.audio_out(time.monotonic())
+                    self.transcriber.release()
                     if use_track:
                         response.audio_started()
                         await self.media.play(response, ev.pcm, ev.sample_rate)
@@ -645,6 +661,7 @@ class Peer:
                 protocol.error(ProtocolError("server_error", "the response failed", type="server_error"))
             )
         finally:
+            self.transcriber.release()
             if not self._closing:
                 response.broken()  # the Session promises response.done; if the stream broke anyway
             if self._response is response:

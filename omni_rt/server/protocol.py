@@ -85,12 +85,11 @@ class AudioOutputConfig(BaseModel):
 
 
 class TurnDetectionFields(BaseModel):
-    """`turn_detection`: server VAD. `semantic_vad` (OpenAI's default in some clients) is accepted and
-    served by the same server VAD (its `eagerness` is ignored): refusing it would refuse the client's
-    whole `session.update`. Missing fields: defaults."""
+    """`turn_detection`: `server_vad` or `semantic_vad` (omni_rt.audio.semantic). Missing fields: defaults."""
 
     model_config = ConfigDict(extra="allow")
     type: Literal["server_vad", "semantic_vad"] = "server_vad"
+    eagerness: Literal["low", "medium", "high", "auto"] | None = None  # semantic_vad's
     threshold: float | None = Field(default=None, gt=0.0, lt=1.0)
     prefix_padding_ms: int | None = Field(default=None, ge=0, le=5_000)
     silence_duration_ms: int | None = Field(default=None, ge=20, le=10_000)

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from omni_rt import wire
 from omni_rt.server import protocol
 from omni_rt.server.tools import BadToolCall, ToolCallParser
+from omni_rt.server.turns import SpokenTurnClock
 
 CancelReason = Literal["client_cancelled", "turn_detected"]
 
@@ -54,6 +55,7 @@ class Response:
     tools: ToolCallParser | None = None  # the session's tools: <tool_call>s become function calls
     calls: list[dict[str, Any]] = field(default_factory=list)  # function_call items made
     failed: str | None = None  # a malformed tool call: the response fails (closed)
+    spoken: SpokenTurnClock | None = None  # the spoken turn it answers: end_of_speech / voice_to_voice
     _item_open: bool = False
     _message_previous: str | None = None
     _audio_done: bool = False
@@ -136,7 +138,8 @@ class Response:
                     output,
                     status_details=details,
                     usage=wire.usage_object(getattr(ev, "usage", None)),
-                    metrics=wire.metrics_dict(getattr(ev, "metrics", None)),
+                    metrics=wire.metrics_dict(getattr(ev, "metrics", None))
+                    | (self.spoken.metrics() if self.spoken is not None else {}),
                     echo=self.echo(),
                 )
             )

@@ -9,7 +9,6 @@ reading the remote track.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,8 +16,10 @@ from typing import Any
 import numpy as np
 
 from omni_rt.audio.resample import StreamingResampler
+from omni_rt.audio.semantic import SemanticVadConfig
 from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn, TurnSegmenter, VadConfig
 from omni_rt.server.protocol import ProtocolError
+from omni_rt.server.turns import ArrivalLog
 
 SPEECH_RATE = 16_000  # what the VAD and the model's audio tower take
 MIN_COMMIT_MS = 100  # a shorter turn is a mistake, not speech (OpenAI refuses it too)
@@ -26,30 +27,23 @@ MIN_COMMIT_MS = 100  # a shorter turn is a mistake, not speech (OpenAI refuses i
 
 @dataclass(frozen=True)
 class TurnDetection:
-    """`turn_detection` of type `server_vad`: the detector's settings and what a turn triggers."""
+    """`turn_detection` of type `server_vad` or `semantic_vad`: the detector's settings and what a turn
+    triggers."""
 
-    vad: VadConfig = field(default_factory=VadConfig)
+    vad: VadConfig | SemanticVadConfig = field(default_factory=VadConfig)
     create_response: bool = True  # answer each turn when it ends
     interrupt_response: bool = True  # speech cancels the reply in progress (barge-in)
 
     @classmethod
     def from_wire(cls, fields: Any) -> TurnDetection:
-        """From a client's `turn_detection` object: missing fields take the defaults; times are rounded
-        to the detector's 20 ms frames."""
-        frame = VadConfig.frame_ms
+        """From a client's `turn_detection` object: missing fields take the defaults."""
         base = cls()
-        vad = base.vad
-        changes: dict[str, Any] = {}
-        if fields.threshold is not None:
-            changes["threshold"] = fields.threshold
-        for name in ("prefix_padding_ms", "silence_duration_ms"):
-            value = getattr(fields, name)
-            if value is not None:
-                changes[name] = max(
-                    round(value / frame) * frame, frame if name == "silence_duration_ms" else 0
-                )
+        semantic = getattr(fields, "type", "server_vad") == "semantic_vad"
+        names = ("eagerness",) if semantic else ("threshold", "prefix_padding_ms", "silence_duration_ms")
+        changes = {n: getattr(fields, n) for n in names if getattr(fields, n, None) is not None}
         return cls(
-            vad=dataclasses.replace(vad, **changes),
+            # the event loop never waits for the end-of-turn model: it answers from a worker thread
+            vad=SemanticVadConfig(offload=True, **changes) if semantic else VadConfig(**changes),
             create_response=base.create_response
             if fields.create_response is None
             else fields.create_response,
@@ -59,11 +53,17 @@ class TurnDetection:
         )
 
     def to_wire(self) -> dict[str, Any]:
+        if isinstance(self.vad, SemanticVadConfig):
+            detector: dict[str, Any] = {"type": "semantic_vad", "eagerness": self.vad.eagerness}
+        else:
+            detector = {
+                "type": "server_vad",
+                "threshold": self.vad.threshold,
+                "prefix_padding_ms": self.vad.prefix_padding_ms,
+                "silence_duration_ms": self.vad.silence_duration_ms,
+            }
         return {
-            "type": "server_vad",
-            "threshold": self.vad.threshold,
-            "prefix_padding_ms": self.vad.prefix_padding_ms,
-            "silence_duration_ms": self.vad.silence_duration_ms,
+            **detector,
             "create_response": self.create_response,
             "interrupt_response": self.interrupt_response,
         }
@@ -105,6 +105,7 @@ class InputAudioBuffer:
         vad = turn_detection.vad if turn_detection is not None else None
         self.segmenter = TurnSegmenter(vad, detect=turn_detection is not None)
         self._resamplers: dict[int, StreamingResampler] = {}  # one per input rate (one per source)
+        self.arrivals = ArrivalLog()  # when the audio came: latency figures count from the end of speech
 
     @property
     def buffered_ms(self) -> int:
@@ -124,6 +125,7 @@ class InputAudioBuffer:
                 "input_audio_buffer_full",
                 f"the input audio buffer holds at most {self.max_turn_ms / 1000:g} s: commit or clear it",
             )
+        self.arrivals.note(self.segmenter.pushed_ms + len(audio) * 1000 / SPEECH_RATE, time.monotonic())
         events: list[SpeechStarted | SpeechStopped | Turn] = []
         while True:
             room = len(audio)
@@ -137,6 +139,15 @@ class InputAudioBuffer:
                 events += [SpeechStopped(audio_end_ms=turn.audio_end_ms), turn]
             if not len(audio):
                 return events
+
+    @property
+    def pending(self) -> Any:
+        """semantic_vad's end-of-turn answer being computed on a worker thread (a Future), or None."""
+        return self.segmenter.vad.pending if self.segmenter.detect else None
+
+    def poll(self) -> list[SpeechStopped | Turn]:
+        """The turn that answer ended, if it did (call once `pending` is done)."""
+        return self.segmenter.poll()
 
     def commit(self) -> Turn:
         """The audio buffered for the open turn, as a turn; refused when there is (almost) none."""

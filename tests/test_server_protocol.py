@@ -461,4 +461,5 @@ async def test_openai_defaults_that_clients_send_are_accepted(served):
     await ws.send(json.dumps({"type": "session.update", "session": session}))
     updated = (await recv(ws))["session"]
     assert updated["audio"]["output"]["voice"] == "chelsie"  # by the voice table
-    assert updated["audio"]["input"]["turn_detection"]["type"] == "server_vad"  # what serves it
+    detection = updated["audio"]["input"]["turn_detection"]
+    assert (detection["type"], detection["eagerness"]) == ("semantic_vad", "auto")  # served as asked

@@ -101,6 +101,7 @@ class OmniIngress:
             "replicas": len(live),
             "sessions": sum(r["sessions"] for r in live),
             "max_sessions": sum(r["max_sessions"] for r in live),
+            "per_replica": [{k: r[k] for k in ("replica", "sessions", "max_sessions", "ok")} for r in live],
         }
 
     async def __del__(self) -> None:
@@ -216,9 +217,9 @@ class OmniIngress:
                     await asyncio.wait_for(asyncio.shield(up), CLOSE_TIMEOUT_S)
             if down.done() and not up.done():  # the client left: close the replica's side
                 await _close(upstream, 1000, "")
-            elif upstream.close_rcvd is not None:  # the replica closed: pass its code on
-                await _close(client, upstream.close_rcvd.code, upstream.close_rcvd.reason)
-            elif client.close_rcvd is None:  # no close frame from the replica: it is gone
+            elif (closed := upstream.protocol.close_rcvd) is not None:  # the replica closed: pass it on
+                await _close(client, closed.code, closed.reason)
+            elif client.protocol.close_rcvd is None:  # no close frame from the replica: it is gone
                 await self._lose(client)
         finally:
             for task in (up, down, watch):

@@ -100,6 +100,8 @@ class OmniReplica:
 
     async def __del__(self) -> None:
         """Serve stops the replica (after draining): close what is left, then the engine."""
+        if getattr(self, "_reporter", None) is None:  # stopped before __init__ finished
+            return
         self._reporter.cancel()
         self._server.close()
         with contextlib.suppress(Exception):

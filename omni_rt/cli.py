@@ -170,6 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "say":
         return say(rest)
     if command == "serve":
+        if "--ray" in rest:  # across a Ray cluster: omni_rt.cluster (the `ray` extra)
+            from omni_rt.cluster.launch import main as ray_main
+
+            return ray_main([a for a in rest if a != "--ray"])
         from omni_rt.server.app import main as serve_main  # imported only when asked for
 
         return serve_main(rest) or 0

@@ -71,7 +71,8 @@ def build(settings: ClusterSettings) -> Any:
         name=INGRESS,
         num_replicas=1,  # one public port; see docs/deployment.md for more than one
         max_ongoing_requests=10_000,  # its calls are the replicas' load reports
-        ray_actor_options={"num_cpus": 0},
+        # On the head node: the public endpoint is where the cluster's address says.
+        ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}},
         logging_config=QUIET,
     )
     return ingress.bind(replica.bind(settings, INGRESS), settings)

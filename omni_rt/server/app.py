@@ -141,6 +141,8 @@ class Server:
                 {"ok": True, "sessions": len(self.peers), "max_sessions": self.settings.max_sessions}
             )
             return _response(HTTPStatus.OK, body.encode(), "application/json")
+        if url.path == "/metrics" and hasattr(self.engine, "metrics"):  # a MeteredEngine (server/metrics.py)
+            return _response(HTTPStatus.OK, *self.engine.metrics.exposition())
         return self._static(url.path)
 
     def _check_ws(self, connection: ServerConnection, request: Request, query: str) -> Response | None:
@@ -357,7 +359,9 @@ async def serve_forever(args: argparse.Namespace) -> None:
         print(
             "omni-rt: warning: listening beyond this machine without --token: anyone who can reach it can talk"
         )
-    async with engine, Server(engine, settings) as server:
+    from omni_rt.server.metrics import EngineMetrics, MeteredEngine
+
+    async with engine, Server(MeteredEngine(engine, EngineMetrics()), settings) as server:
         print(f"omni-rt: serving {args.model} at {server.url}  (Ctrl-C to stop)", flush=True)
         await stop.wait()
     print("omni-rt: stopped", flush=True)

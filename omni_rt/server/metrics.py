@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
@@ -111,13 +111,14 @@ class _MeteredSession:
 class _Playback:
     """A client that plays each delta as it arrives, in real time: how far behind did it fall?"""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
         self.start: float | None = None
         self.audio_s = 0.0  # audio received before the delta now arriving
         self.lateness_ms = 0.0
 
     def arrived(self, seconds: float) -> None:
-        now = time.perf_counter()
+        now = self.clock()
         if self.start is None:
             self.start = now
         else:

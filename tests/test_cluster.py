@@ -30,12 +30,21 @@ from omni_rt.cluster import ClusterSettings, build  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 PER_REPLICA = 3
 LOST_WITHIN_S = 5.0
+# grace_s: Serve stops the old replicas as the redeploy begins; loading the new ones on a busy 2-core
+# machine can take longer than the default 30 s of grace.
+SETTINGS = ClusterSettings(
+    replicas=2, max_sessions=PER_REPLICA, port=0, torch_threads=1, max_audio_seconds=2.4, grace_s=180
+)
 
 
 @pytest.fixture(scope="module")
 def cluster():
     # The replicas import omni_rt from this checkout, as the test does.
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    # A 2-core CI machine (or one shared with other work) can take longer than Ray's defaults (10 s,
+    # 30 s) to register its raylet and start its agents (Python processes importing much).
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
     ray.init(
         num_cpus=4,  # logical: two replicas of one CPU each, and room for Serve's own actors
         include_dashboard=False,
@@ -43,9 +52,7 @@ def cluster():
         runtime_env={"env_vars": {"PYTHONPATH": path}},
     )
     try:
-        settings = ClusterSettings(
-            replicas=2, max_sessions=PER_REPLICA, port=0, torch_threads=1, max_audio_seconds=2.4
-        )
+        settings = SETTINGS
         handle = serve.run(build(settings), name=settings.app_name, route_prefix=None)
         url = handle.endpoint.remote().result()
         _wait(lambda: len(_health(url)["per_replica"]) == 2, 60, "two replicas reporting")
@@ -73,7 +80,7 @@ def _wait(condition, timeout: float, what: str):
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what}: {value!r}")
         time.sleep(0.1)
 
 
@@ -230,3 +237,37 @@ async def test_a_killed_replica_ends_its_conversations_and_new_ones_go_to_the_li
 def _replica_actors() -> list[str]:
     names = ray.util.list_named_actors(all_namespaces=True)
     return [a["name"] for a in names if "OmniReplica" in a["name"]]
+
+
+async def test_a_redeploy_drains_replicas_they_keep_their_conversations_and_take_no_new_ones(cluster):
+    url = cluster
+    # After the kill, Serve's replacement must be up and reporting.
+    await asyncio.to_thread(_wait, lambda: _loads(url) == [0, 0], 90, "two idle replicas")
+    a, b = await _open_all(url, 2)
+    await asyncio.to_thread(_wait, lambda: _loads(url) == [1, 1], 10, "1 + 1")
+
+    # A redeploy (serve.run again: a new version) starts two new replicas and a new ingress, and drains
+    # the old ones: they take no new conversations and stop only when theirs have ended.
+    handle = await asyncio.to_thread(serve.run, build(SETTINGS), name=SETTINGS.app_name, route_prefix=None)
+    new_url = await handle.endpoint.remote()
+    assert new_url != url  # port 0: the new ingress has its own (with a fixed --port they share it)
+    with pytest.raises(OSError):  # the old ingress takes no new connections
+        _health(url)
+
+    c = await Conversation.open(new_url)
+    # Every replica reports to the new ingress: the two draining ones hold a and b; c is on a new one.
+    await asyncio.to_thread(_wait, lambda: _loads(new_url) == [0, 1, 1, 1], 10, "a, b draining; c new")
+    await asyncio.gather(*(x.reply("still here?") for x in (a, b, c)))
+    assert _replica_states() == {"RUNNING": 2, "STOPPING": 2}  # a and b hold their replicas
+    for x in (a, b):
+        await x.ws.close()
+    await asyncio.to_thread(
+        _wait, lambda: _replica_states() == {"RUNNING": 2}, 30, "the old replicas stopped"
+    )
+    await c.reply("and still here")
+    await c.ws.close()
+
+
+def _replica_states() -> dict[str, int]:
+    status = serve.status().applications["omni_rt"].deployments["OmniReplica"]
+    return {str(getattr(k, "value", k)): v for k, v in status.replica_states.items() if v}

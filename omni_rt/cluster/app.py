@@ -11,6 +11,7 @@ since a conversation is one long request: see replica.py).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ray import serve
@@ -23,6 +24,9 @@ from omni_rt.cluster.settings import ClusterSettings
 
 INGRESS = "OmniIngress"
 REPLICA = "OmniReplica"
+# Serve's router gives a replica 0.1 s to say its queue length before trying another; a replica busy
+# with a model step on a loaded CPU can miss that, and a new conversation then waits for a retry.
+ROUTER_ENV = {"RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1.0"}
 # A line per Serve call would be a line per load report, every second per replica.
 QUIET = LoggingConfig(enable_access_log=False)
 
@@ -61,7 +65,7 @@ def build(settings: ClusterSettings) -> Any:
             "num_cpus": settings.num_cpus,
             "num_gpus": settings.gpus,
             # Before torch loads: its OpenMP pool is sized at import.
-            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(settings.torch_threads)}},
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(settings.torch_threads), **ROUTER_ENV}},
         },
         logging_config=QUIET,
         **scaling,
@@ -71,11 +75,19 @@ def build(settings: ClusterSettings) -> Any:
         name=INGRESS,
         num_replicas=1,  # one public port; see docs/deployment.md for more than one
         max_ongoing_requests=10_000,  # its calls are the replicas' load reports
+        graceful_shutdown_timeout_s=settings.grace_s + 5.0,  # its own draining: see OmniIngress.__del__
         # On the head node: the public endpoint is where the cluster's address says.
-        ray_actor_options={"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}},
+        ray_actor_options={
+            "num_cpus": 0,
+            "resources": {"node:__internal_head__": 0.001},
+            "runtime_env": {"env_vars": ROUTER_ENV},
+        },
         logging_config=QUIET,
     )
-    return ingress.bind(replica.bind(settings, INGRESS), settings)
+    # The replicas' arguments leave out how many there are: with `serve deploy` (a config file) a new
+    # count is then a scale (Serve adds or drains replicas), not a new version that replaces them all.
+    args = replace(settings, replicas=1, autoscale=None, target_sessions=None)
+    return ingress.bind(replica.bind(args, INGRESS), args)
 
 
 def build_app(args: dict[str, Any]) -> Any:

@@ -80,6 +80,8 @@ class OmniIngress:
             ping_interval=20,
             ping_timeout=20,
             close_timeout=CLOSE_TIMEOUT_S,
+            # A redeploy starts the new ingress while the old one drains: both hold the port a while.
+            reuse_port=True,
         )
         log.info("ingress at %s", self.endpoint())
 
@@ -105,9 +107,15 @@ class OmniIngress:
         }
 
     async def __del__(self) -> None:
-        self._server.close()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._server.wait_closed(), 5.0)
+        """Draining (a redeploy): take no new connections (the new ingress, on the same port, takes
+        them) and relay the open ones until they end or `grace_s` passes; then close those left."""
+        if getattr(self, "_server", None) is None:  # stopped before __init__ finished
+            return
+        self._server.close(close_connections=False)
+        try:
+            await asyncio.wait_for(self._server.wait_closed(), self.settings.grace_s)
+        except TimeoutError:
+            await asyncio.gather(*(_close(c, 1001, "server restart") for c in list(self._server.connections)))
 
     def _live(self) -> list[dict[str, Any]]:
         now = time.monotonic()

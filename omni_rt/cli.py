@@ -225,6 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from omni_rt.errors import OmniRtError
 
     try:
+        if command == "serve" and "--ray" in rest:  # across a Ray cluster: omni_rt.cluster (the `ray` extra)
+            from omni_rt.cluster.launch import main as ray_main
+
+            return ray_main([a for a in rest if a != "--ray"])
         if command == "serve":
             from omni_rt.server.app import main as serve_main  # imported only when asked for
 

@@ -216,6 +216,8 @@ class Server:
                 {"ok": True, "sessions": len(self.peers), "max_sessions": self.settings.max_sessions}
             )
             return _response(HTTPStatus.OK, body.encode(), "application/json")
+        if url.path == "/metrics" and hasattr(self.engine, "metrics"):  # a MeteredEngine (server/metrics.py)
+            return _response(HTTPStatus.OK, *self.engine.metrics.exposition())
         return self._static(url.path)
 
     def _check_ws(
@@ -475,7 +477,9 @@ async def serve_forever(args: argparse.Namespace) -> None:
         print(
             "omni-rt: warning: listening beyond this machine without --token: anyone who can reach it can talk"
         )
-    async with engine, Server(engine, settings, sock=sock) as server:
+    from omni_rt.server.metrics import EngineMetrics, MeteredEngine
+
+    async with engine, Server(MeteredEngine(engine, EngineMetrics()), settings, sock=sock) as server:
         print(f"omni-rt: serving {args.model} at {server.url}  (Ctrl-C to stop)", flush=True)
         await stop.wait()
     print("omni-rt: stopped", flush=True)

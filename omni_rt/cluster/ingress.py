@@ -1,0 +1,294 @@
+"""The cluster's one public endpoint: each new realtime connection goes to an engine replica with a free
+session slot (the fewest sessions first) and stays there for its life.
+
+The ingress is a Ray Serve deployment that listens on its own port with the same `websockets` server
+as `omni-rt serve` (Serve's HTTP proxy is ASGI; a conversation is one long socket, not requests). Per
+connection it checks the Origin and the token, claims a slot (`OmniReplica.claim`: Serve's router picks
+the replica), opens a socket to that replica's session endpoint and relays frames both ways, untouched.
+WebRTC offers and answers are frames like any other, so the answer carries the replica node's ICE
+candidates and media goes straight to that node.
+
+When no replica has room (from the load every replica reports, at once on each change) the client gets
+the documented `session_limit` error and close 1013 without waiting. When a replica dies, its sockets
+drop (the process is gone) or stop answering pings (the node is gone): each of its conversations gets
+an `error` event (`replica_lost`) and close 1012, and the next conversations go to the living replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import json
+import logging
+import time
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import urlsplit
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from omni_rt.cluster.settings import ClusterSettings
+from omni_rt.cluster.wire import header, http_response, merged_metrics, query_value
+from omni_rt.server import protocol
+from omni_rt.server.app import normalize_origin
+from omni_rt.server.protocol import ProtocolError
+
+log = logging.getLogger("omni_rt.cluster")
+
+REALTIME_PATHS = ("/ws", "/v1/realtime")  # the single-process server's socket, under both names
+NOT_YET = ("/v1/realtime/calls", "/v1/realtime/client_secrets")  # see docs/deployment.md
+CLAIM_TIMEOUT_S = 3.0  # Serve found no slot this long although the reports said there was one
+STALE_S = 3.0  # a replica silent this long is taken for gone
+# Ingress -> replica: pings find a replica whose node vanished (no FIN, no RST) within ~3 s.
+UPSTREAM_PING_S = 1.0
+UPSTREAM_PING_TIMEOUT_S = 2.0
+CLOSE_TIMEOUT_S = 2.0
+LOST_CLOSE_CODE = 1012  # "service restart": the client may open a new conversation at once
+
+
+class OmniIngress:
+    """The deployment's class; `app.build_app` wraps it with `serve.deployment` and its options."""
+
+    async def __init__(self, replicas: Any, settings: ClusterSettings) -> None:
+        from websockets.asyncio.server import serve
+
+        self.settings = settings
+        self._replicas = replicas.options(stream=True)
+        self._reports: dict[str, dict[str, Any]] = {}
+        self._allowed = {normalize_origin(o) for o in settings.allowed_origins}
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._live_gauge = Gauge("omni_rt_cluster_replicas", "Replicas reporting", registry=self.registry)
+        self._rejected = Counter(
+            "omni_rt_cluster_session_limit",
+            "Connections refused: no replica had room",
+            registry=self.registry,
+        )
+        self._lost = Counter(
+            "omni_rt_cluster_replica_lost",
+            "Conversations ended by their replica's loss",
+            registry=self.registry,
+        )
+        self._server = await serve(
+            self._relay,
+            settings.host,
+            settings.port,
+            process_request=self._http,
+            max_size=4 * protocol.MAX_MESSAGE_BYTES,  # the replica's peer answers over-size frames itself
+            max_queue=16,
+            ping_interval=20,
+            ping_timeout=20,
+            close_timeout=CLOSE_TIMEOUT_S,
+            # A redeploy starts the new ingress while the old one drains: both hold the port a while.
+            reuse_port=True,
+        )
+        log.info("ingress at %s", self.endpoint())
+
+    # -- Serve calls ------------------------------------------------------------------------------------
+
+    def report(self, report: dict[str, Any]) -> None:
+        """A replica's load and metrics (`OmniReplica._report_forever`)."""
+        self._reports[report["replica"]] = report | {"seen": time.monotonic()}
+
+    def endpoint(self) -> str:
+        host, port = self._server.sockets[0].getsockname()[:2]
+        host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        return f"http://{host}:{port}"
+
+    def health(self) -> dict[str, Any]:
+        live = self._live()
+        return {
+            "ok": bool(live) and all(r["ok"] for r in live),
+            "replicas": len(live),
+            "sessions": sum(r["sessions"] for r in live),
+            "max_sessions": sum(r["max_sessions"] for r in live),
+            "per_replica": [{k: r[k] for k in ("replica", "sessions", "max_sessions", "ok")} for r in live],
+        }
+
+    async def __del__(self) -> None:
+        """Draining (a redeploy): take no new connections (the new ingress, on the same port, takes
+        them) and relay the open ones until they end or `grace_s` passes; then close those left."""
+        if getattr(self, "_server", None) is None:  # stopped before __init__ finished
+            return
+        self._server.close(close_connections=False)
+        try:
+            await asyncio.wait_for(self._server.wait_closed(), self.settings.grace_s)
+        except TimeoutError:
+            await asyncio.gather(*(_close(c, 1001, "server restart") for c in list(self._server.connections)))
+
+    def _live(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        for replica in [r for r, rep in self._reports.items() if now - rep["seen"] > STALE_S]:
+            del self._reports[replica]
+        self._live_gauge.set(len(self._reports))
+        return list(self._reports.values())
+
+    # -- HTTP, before any upgrade ---------------------------------------------------------------------
+
+    def _http(self, connection: Any, request: Any) -> Any:
+        url = urlsplit(request.path)
+        if url.path == "/health":
+            return http_response(HTTPStatus.OK, json.dumps(self.health()).encode(), "application/json")
+        if url.path == "/metrics":
+            texts = {r["replica"]: r["metrics"] for r in self._live()}
+            return http_response(
+                HTTPStatus.OK, merged_metrics(texts, self.registry), "text/plain; version=0.0.4"
+            )
+        if url.path in NOT_YET or url.path.startswith(NOT_YET[0] + "/"):
+            body = b"Not served through the cluster ingress yet: use the realtime WebSocket (/v1/realtime).\n"
+            return http_response(HTTPStatus.NOT_IMPLEMENTED, body, "text/plain")
+        if url.path not in REALTIME_PATHS:
+            return http_response(HTTPStatus.NOT_FOUND, b"Not found.\n", "text/plain")
+        try:
+            origin, host, auth = (header(request, h) for h in ("Origin", "Host", "Authorization"))
+        except ValueError as exc:
+            return connection.respond(HTTPStatus.BAD_REQUEST, f"{str(exc).capitalize()}.\n")
+        if origin is not None and not self._origin_allowed(origin, host or ""):
+            return connection.respond(HTTPStatus.FORBIDDEN, "Origin not allowed.\n")
+        if self.settings.token is not None:
+            given = query_value(url.query, "token")
+            scheme, _, credentials = (auth or "").partition(" ")
+            if scheme.lower() == "bearer":
+                given = credentials.strip()
+            if not hmac.compare_digest(given.encode(), self.settings.token.encode()):
+                return connection.respond(HTTPStatus.UNAUTHORIZED, "A valid token is required.\n")
+        return None
+
+    def _origin_allowed(self, origin: str, host: str) -> bool:
+        # The single-process server's rule (omni_rt/server/app.py): same origin, or allowed; on
+        # loopback, same origin only under a loopback name (anything else is DNS rebinding).
+        try:
+            origin = normalize_origin(origin)
+            own = normalize_origin(f"{urlsplit(origin).scheme}://{host}")
+        except ValueError:
+            return False
+        if "*" in self._allowed or origin in self._allowed:
+            return True
+        return origin == own and (
+            not _is_loopback(self.settings.host) or _is_loopback(urlsplit(origin).hostname or "")
+        )
+
+    # -- one conversation -----------------------------------------------------------------------------
+
+    async def _relay(self, client: Any) -> None:
+        if not any(r["sessions"] < r["max_sessions"] for r in self._live()):
+            await self._refuse(client)
+            return
+        claim = self._replicas.claim.remote()
+        try:
+            slot = await asyncio.wait_for(claim.__anext__(), CLAIM_TIMEOUT_S)
+        except TimeoutError:  # every replica filled up since it last reported
+            claim.cancel()
+            await self._refuse(client)
+            return
+        except Exception as exc:  # Serve refused (back pressure) or the chosen replica died
+            claim.cancel()
+            log.warning("ingress: no slot: %s", exc)
+            await self._refuse(client)
+            return
+        try:
+            if (report := self._reports.get(slot["replica"])) is not None:
+                report["sessions"] += 1  # until that replica's next report says so itself
+            await self._pipe(client, slot, claim)
+        finally:
+            claim.cancel()
+
+    async def _pipe(self, client: Any, slot: dict[str, Any], claim: Any) -> None:
+        from websockets.asyncio.client import connect
+
+        try:
+            upstream = await connect(
+                f"{slot['url']}?ticket={slot['ticket']}",
+                max_size=None,  # the replica's frames are the protocol's; the client's limit applies
+                max_queue=16,
+                ping_interval=UPSTREAM_PING_S,
+                ping_timeout=UPSTREAM_PING_TIMEOUT_S,
+                close_timeout=CLOSE_TIMEOUT_S,
+                open_timeout=5,
+                compression=None,  # loopback or a cluster network: deflate costs latency, saves nothing
+            )
+        except Exception as exc:
+            log.warning("ingress: replica %s unreachable: %s", slot["replica"], exc)
+            await self._lose(client)
+            return
+        up = asyncio.create_task(_forward(upstream, client), name="replica->client")
+        down = asyncio.create_task(_forward(client, upstream), name="client->replica")
+        watch = asyncio.create_task(_drain(claim), name="claim")
+        try:
+            await asyncio.wait((up, down, watch), return_when=asyncio.FIRST_COMPLETED)
+            if watch.done() and watch.exception() is not None:
+                log.warning("ingress: replica %s lost: %s", slot["replica"], watch.exception())
+            elif watch.done():
+                # The conversation ended on the replica: its socket's close is on the way.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(up), CLOSE_TIMEOUT_S)
+            if down.done() and not up.done():  # the client left: close the replica's side
+                await _close(upstream, 1000, "")
+            elif (closed := upstream.protocol.close_rcvd) is not None:  # the replica closed: pass it on
+                await _close(client, closed.code, closed.reason)
+            elif client.protocol.close_rcvd is None:  # no close frame from the replica: it is gone
+                await self._lose(client)
+        finally:
+            for task in (up, down, watch):
+                task.cancel()
+            await asyncio.gather(up, down, watch, return_exceptions=True)
+            await _close(upstream, 1000, "")
+
+    async def _refuse(self, client: Any) -> None:
+        self._rejected.inc()
+        capacity = sum(r["max_sessions"] for r in self._live())
+        busy = ProtocolError(
+            "session_limit",
+            f"every replica is at its session limit ({capacity} sessions in all); try again later",
+            type="server_error",
+        )
+        with contextlib.suppress(Exception):
+            await client.send(json.dumps(protocol.error(busy)))
+        await _close(client, 1013, "session limit")
+
+    async def _lose(self, client: Any) -> None:
+        self._lost.inc()
+        lost = ProtocolError(
+            "replica_lost",
+            "the server running this conversation stopped; open a new conversation",
+            type="server_error",
+        )
+        with contextlib.suppress(Exception):
+            await client.send(json.dumps(protocol.error(lost)))
+        await _close(client, LOST_CLOSE_CODE, "replica lost")
+
+
+async def _forward(source: Any, sink: Any) -> None:
+    """Every frame from `source` to `sink`, as it came (text stays text, bytes stay bytes)."""
+    from websockets.exceptions import ConnectionClosed
+
+    with contextlib.suppress(ConnectionClosed):
+        async for message in source:
+            await sink.send(message)
+
+
+async def _drain(claim: Any) -> None:
+    """The claim's stream yields nothing after the slot; it ends with the conversation, or raises when
+    its replica dies."""
+    async for _ in claim:
+        pass
+
+
+async def _close(ws: Any, code: int, reason: str) -> None:
+    try:
+        await asyncio.wait_for(ws.close(code, reason), CLOSE_TIMEOUT_S)
+    except TimeoutError:
+        ws.transport.abort()
+    except Exception:  # already gone
+        ws.transport.abort()
+
+
+def _is_loopback(name: str) -> bool:
+    name = name.strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False

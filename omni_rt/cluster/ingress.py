@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import json
 import logging
 import time
@@ -32,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from omni_rt.cluster.settings import ClusterSettings
 from omni_rt.cluster.wire import header, http_response, merged_metrics, query_value
 from omni_rt.server import protocol
-from omni_rt.server.app import normalize_origin
+from omni_rt.server.app import is_loopback, normalize_origin, origin_allowed
 from omni_rt.server.protocol import ProtocolError
 
 log = logging.getLogger("omni_rt.cluster")
@@ -156,18 +155,8 @@ class OmniIngress:
         return None
 
     def _origin_allowed(self, origin: str, host: str) -> bool:
-        # The single-process server's rule (omni_rt/server/app.py): same origin, or allowed; on
-        # loopback, same origin only under a loopback name (anything else is DNS rebinding).
-        try:
-            origin = normalize_origin(origin)
-            own = normalize_origin(f"{urlsplit(origin).scheme}://{host}")
-        except ValueError:
-            return False
-        if "*" in self._allowed or origin in self._allowed:
-            return True
-        return origin == own and (
-            not _is_loopback(self.settings.host) or _is_loopback(urlsplit(origin).hostname or "")
-        )
+        # the single-process server's rule, one function for both
+        return origin_allowed(origin, host, self._allowed, is_loopback(self.settings.host))
 
     # -- one conversation -----------------------------------------------------------------------------
 
@@ -282,13 +271,3 @@ async def _close(ws: Any, code: int, reason: str) -> None:
         ws.transport.abort()
     except Exception:  # already gone
         ws.transport.abort()
-
-
-def _is_loopback(name: str) -> bool:
-    name = name.strip("[]").lower()
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False

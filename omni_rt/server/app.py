@@ -88,7 +88,7 @@ class Server:
                 self.settings, peer=dataclasses.replace(peer, ice_policy=policy)
             )
         self._allowed_origins = {normalize_origin(o) for o in self.settings.allowed_origins}
-        self._loopback = _is_loopback(self.settings.host)
+        self._loopback = is_loopback(self.settings.host)
         self.peers: set[Peer] = set()  # WebSocket connections and calls
         self.rest = RealtimeHttp(self)
         self._server: Any = None
@@ -235,18 +235,7 @@ class Server:
         return None  # websockets answers a plain GET here with 426 Upgrade Required
 
     def _origin_allowed(self, origin: str, host: str) -> bool:
-        try:
-            origin = normalize_origin(origin)
-            own = normalize_origin(f"{urlsplit(origin).scheme}://{host}")
-        except ValueError:  # "null" (a sandboxed or file: page), garbage
-            return False
-        if "*" in self._allowed_origins or origin in self._allowed_origins:
-            return True
-        # Same origin: a page this server served, reached under the same host:port. On loopback, only
-        # under a loopback name: any other name that reaches it is DNS rebinding (a site whose name
-        # now points at 127.0.0.1), whose page would otherwise pass as "same origin".
-        name = urlsplit(origin).hostname or ""
-        return origin == own and (not self._loopback or _is_loopback(name))
+        return origin_allowed(origin, host, self._allowed_origins, self._loopback)
 
     def _static(self, path: str) -> Response:
         if self.web_dir is None:
@@ -324,7 +313,22 @@ def normalize_origin(origin: str) -> str:
     return f"{scheme}://{name}" if port in (None, default) else f"{scheme}://{name}:{port}"
 
 
-def _is_loopback(name: str) -> bool:
+def origin_allowed(origin: str, host: str, allowed: Sequence[str], loopback: bool) -> bool:
+    """May a page from `origin` use a server reached as `host`? Allowed origins ("*": any), or the same
+    origin: a page this server served, under the same host:port. On a loopback server, same origin only
+    under a loopback name: any other name that reaches it is DNS rebinding (a site whose name now points
+    at 127.0.0.1), whose page would otherwise pass as "same origin"."""
+    try:
+        origin = normalize_origin(origin)
+        own = normalize_origin(f"{urlsplit(origin).scheme}://{host}")
+    except ValueError:  # "null" (a sandboxed or file: page), garbage
+        return False
+    if "*" in allowed or origin in allowed:
+        return True
+    return origin == own and (not loopback or is_loopback(urlsplit(origin).hostname or ""))
+
+
+def is_loopback(name: str) -> bool:
     """localhost, 127.x.x.x or ::1 (a name as a URL or a listening address writes it)."""
     name = name.strip("[]").lower()
     if name == "localhost":

@@ -61,7 +61,8 @@ class OmniReplica:
         self._changed = asyncio.Event()
         self.metrics = EngineMetrics()
         self.engine = MeteredEngine(await _start_engine(settings), self.metrics)
-        self._server = await _serve_sessions(self, replica_host())
+        self.host = replica_host()  # where its sessions (and their media) are reached
+        self._server = await _serve_sessions(self, self.host)
         host, port = self._server.sockets[0].getsockname()[:2]
         self.url = f"ws://{host}:{port}{SESSION_PATH}"
         self._reporter = asyncio.create_task(self._report_forever())
@@ -138,7 +139,7 @@ class OmniReplica:
             await ws.close(1013, "claim expired")
             return
         try:
-            await Peer(self.engine, ws, _peer_settings(self.settings)).run()
+            await Peer(self.engine, ws, _peer_settings(self.settings, self.host)).run()
         finally:
             claim.ended.set()
 
@@ -186,13 +187,18 @@ async def _start_engine(settings: ClusterSettings) -> Any:
     return engine
 
 
-def _peer_settings(settings: ClusterSettings) -> Any:
+def _peer_settings(settings: ClusterSettings, host: str) -> Any:
+    from omni_rt.server.app import is_loopback
     from omni_rt.server.peer import PeerSettings
+    from omni_rt.server.webrtc import IcePolicy
 
     return PeerSettings(
         model=Path(settings.model).name,
         voice=settings.voice,
         ice_servers=tuple(settings.ice_servers),
+        # a node known by a loopback address (a one-machine cluster) offers media on loopback alone, as
+        # omni-rt serve on loopback does; any other node offers every interface and the STUN/TURN servers
+        ice_policy=IcePolicy.for_bind(host) if is_loopback(host) else None,
         idle=settings.idle,  # type: ignore[arg-type]
         max_audio_frames=settings.audio_frames,
     )

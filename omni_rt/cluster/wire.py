@@ -28,10 +28,13 @@ def http_response(status: HTTPStatus, body: bytes, content_type: str) -> Respons
 
 
 def replica_host() -> str:
-    """This node's address as the rest of the cluster (and WebRTC clients) reach it."""
+    """This node's address as the rest of the cluster (and WebRTC clients) reach it: `OMNI_RT_NODE_HOST`
+    when set (e.g. 127.0.0.1 for a one-machine cluster that must stay on loopback), else Ray's node IP."""
+    import os
+
     import ray
 
-    return ray.util.get_node_ip_address()
+    return os.environ.get("OMNI_RT_NODE_HOST") or ray.util.get_node_ip_address()
 
 
 def merged_metrics(replicas: Mapping[str, str], *registries: CollectorRegistry) -> bytes:

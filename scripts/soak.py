@@ -195,7 +195,11 @@ class Conversation:
 
     def _count(self, action: str, done: dict | None) -> None:
         if done is not None:
-            self.report.statuses[f"{action}:{done['response']['status']}"] += 1
+            response = done["response"]
+            status = response["status"]
+            if status == "incomplete":  # e.g. a reply that used all its tokens: say why
+                status += f":{(response.get('status_details') or {}).get('reason', '?')}"
+            self.report.statuses[f"{action}:{status}"] += 1
 
     async def _expect(
         self, ws, types: str | tuple[str, ...], what: str, keep_going: bool = False

@@ -39,14 +39,15 @@ def pair(vocab: int, suppress, history: bool):
     return plain, fused
 
 
-@pytest.mark.parametrize("vocab, suppress, history", [(300, [290, 291, 299], True), (2048, None, False)])
+# small vocabularies: Triton's interpreter sorts a 2048-wide row in minutes (the kernel takes up to 4096)
+@pytest.mark.parametrize("vocab, suppress, history", [(200, [190, 191, 199], True), (100, None, False)])
 def test_fused_sampler_makes_the_plain_draws(vocab, suppress, history):
     plain, fused = pair(vocab, suppress, history)
     assert fused._fused is not None and plain._fused is None
     n = len(SETTINGS)
     slots = torch.arange(n)
     g = torch.Generator().manual_seed(1)
-    for step in range(6):
+    for step in range(2):
         logits = (torch.randn(n, vocab, generator=g) * 3).to(torch.bfloat16)  # as a bf16 lm_head gives
         keys = torch.full((n,), 40 + step) + slots
         want, got = plain(logits, slots, keys), fused(logits, slots, keys)

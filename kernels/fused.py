@@ -20,6 +20,7 @@ about a bf16 ulp, as SDPA's own backends agree with each other.
 | "router"    | `layers.SparseMoe.route`                 | ~7 -> 1 (2 with fuse_gate=False)                     |
 | "snake"     | `code2wav.SnakeBeta.forward`             | ~9 -> 1                                              |
 | "decode_attention" | sets `layers.Attention.attn_fn`   | 2 cache gathers + masked SDPA: 3-5 -> 1              |
+| "code_frame" | sets `talker.CodePredictor.frame_fn`   | a code-predictor frame: ~1,270 -> ~420 (code_frame.py) |
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ from collections.abc import Collection
 
 import torch
 from omni_rt.kernels._common import FUSED_ATTR, require_triton
+from omni_rt.kernels.code_frame import install_code_frame
 from omni_rt.kernels.decode_attention import install_decode_attention
 from omni_rt.kernels.norm_rope import install_attention, install_rmsnorm
 from omni_rt.kernels.router import install_router
 from omni_rt.kernels.snake import install_snake
 
-KERNELS = ("rmsnorm", "attention", "router", "snake", "decode_attention")
+KERNELS = ("rmsnorm", "attention", "router", "snake", "decode_attention", "code_frame")
 _PATCHED = ("forward", "route")  # instance attributes the hooks add (removed to undo)
-_SEAMS = ("qkv_fn", "attn_fn")  # override points the model declares (reset to None to undo)
+_SEAMS = ("qkv_fn", "attn_fn", "frame_fn")  # override points the model declares (reset to None to undo)
 
 
 def install_all(
@@ -75,6 +77,8 @@ def install_all(
             done[name] = install_router(model, fuse_gate=fuse_gate, max_rows=row_max)
         elif name == "decode_attention":
             done[name] = install_decode_attention(model, max_rows)
+        elif name == "code_frame":
+            done[name] = install_code_frame(model)
         else:
             done[name] = install_snake(model)
     return done

@@ -30,7 +30,7 @@ from omni_rt.model import layers
 PACKED_ATTR = "_omni_packed"  # marks what install_packed set, so uninstall_packed removes only that
 
 
-def _pack(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
+def pack_linears(module: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
     """One [sum N_i, H] weight holding the named Linear layers' weights; theirs become row slices of it.
     Kept on the module (a plain attribute, not in the state dict); a second install reuses it."""
     linears = [getattr(module, n) for n in names]
@@ -78,13 +78,13 @@ def install_packed(model: nn.Module) -> dict[str, int]:
     done = {"attention": 0, "mlp": 0}
     for m in model.modules():
         if isinstance(m, layers.Attention):
-            packed = _pack(m, ("q_proj", "k_proj", "v_proj"))
+            packed = pack_linears(m, ("q_proj", "k_proj", "v_proj"))
             m.proj_fn = _proj_fn(
                 packed, [m.q_proj.weight.shape[0], m.k_proj.weight.shape[0], m.v_proj.weight.shape[0]]
             )
             done["attention"] += 1
         elif isinstance(m, layers.MLP):
-            packed = _pack(m, ("gate_proj", "up_proj"))
+            packed = pack_linears(m, ("gate_proj", "up_proj"))
             m.forward = _mlp_forward(m, packed)
             done["mlp"] += 1
     return done

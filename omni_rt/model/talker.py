@@ -101,6 +101,9 @@ class CodePredictor(nn.Module):
         )
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)  # plain RoPE: positions 0..15
         self.cache: KVCache | None = None
+        # set from outside to run the whole frame in fused kernels (kernels/code_frame.py), same contract
+        # as `predict`: (predictor, talker_hidden, code0_embed, sample) -> codes [B, 15]
+        self.frame_fn: Callable[..., torch.Tensor] | None = None
 
     def setup_cache(self, max_batch: int, device: torch.device | str | None = None, dtype=None) -> KVCache:
         """Allocate the predictor's static cache: [layers, max_batch, kv_heads, 16, head_dim]."""
@@ -161,6 +164,8 @@ class CodePredictor(nn.Module):
                 f"talker_hidden and code0_embed must both be [B, {width}], got {tuple(talker_hidden.shape)} "
                 f"and {tuple(code0_embed.shape)}"
             )
+        if self.frame_fn is not None:
+            return self.frame_fn(self, talker_hidden, code0_embed, sample)
         b = talker_hidden.shape[0]
         cache = self._cache_for(b, talker_hidden)
         slots = torch.arange(b, device=talker_hidden.device)  # [B]

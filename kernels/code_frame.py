@@ -1,0 +1,370 @@
+"""The code predictor's frame in few launches, for `CodePredictor.frame_fn`.
+
+Why: a frame is 15 sequential steps through a 5-layer dense decoder, and at batch 1 every step is a
+chain of GEMVs over ~10 MB of weights. With the other fused kernels a step still made ~85 launches (norms,
+the rotary tables and mask rebuilt per step, transposes, residual adds, SiLU, the code embedding), so a
+frame was ~1,270 launches and 5.3 ms on an H200 against a 0.58 ms bandwidth floor (docs/performance.md).
+Here a step is 5 launches per layer, plus the head and the sampler:
+
+  1. `_linear` NORM            input RMSNorm fused into the packed q/k/v GEMV
+  2. `_attention`              q/k RMSNorm, RoPE, k/v written to the cache, attention over rows 0..position
+  3. `_linear` RESIDUAL        o_proj GEMV + the residual add
+  4. `_linear` NORM, SWIGLU    post-attention RMSNorm + the packed gate/up GEMV + silu(gate) * up
+  5. `_linear` RESIDUAL        down_proj GEMV + the residual add
+  head: `_linear` NORM         the final norm + this group's lm_head; then the caller's `sample`
+
+The next code's embedding is never materialised: the next step's kernels 1 and 3 read its row from the
+embedding table (GATHER). The RoPE table holds the predictor's 16 positions, made once.
+
+Numbers: every intermediate is rounded where the plain path rounds (`_triton.round_to`), so in bf16 the
+results equal the plain path's up to the order of the GEMV sums (cuBLAS picks its own) and of the
+softmax: an ulp here and there, as between cuBLAS kernels; in fp32 to ~1e-6. Greedy codes equal the plain
+path's unless two logits are within such an ulp.
+
+    from omni_rt.kernels.code_frame import install_code_frame
+    install_code_frame(model)   # sets frame_fn on every CodePredictor; None restores the plain frame
+"""
+
+from __future__ import annotations
+
+import torch
+from omni_rt.kernels._common import FLOATS, mark, next_pow2, precise, require_triton, rnd
+from omni_rt.kernels.packed import pack_linears
+
+
+try:  # the kernels need Triton; the plain frame does not
+    import triton
+    import triton.language as tl
+    from omni_rt.kernels._triton import exp_f32, round_to, rsqrt_f32
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+
+EPI_NONE, EPI_RESIDUAL, EPI_SWIGLU = 0, 1, 2
+
+if triton is not None:
+
+    @triton.jit
+    def _mac(acc, x, w, DOT: tl.constexpr, F32_DOT: tl.constexpr):
+        """acc [BM, BN] += x [BM, BK] . w [BN, BK]^T (x holds values exact in w's dtype)."""
+        if DOT:
+            if F32_DOT:
+                acc += tl.dot(x, tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(x.to(w.dtype), tl.trans(w))
+        else:  # a few rows: broadcast and reduce (tl.dot's smallest tile is 16 rows)
+            acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        return acc
+
+    @triton.jit
+    def _linear(
+        x_ptr,  # [rows, K] (X_GATHER: an embedding table, rows picked by idx)
+        idx_ptr,  # [M] int64 (X_GATHER / R_GATHER)
+        w_ptr,  # [N (+ up_off), K] weight, unit stride along K
+        g_ptr,  # [K] RMSNorm weight (NORM)
+        r_ptr,  # [rows, N] residual (EPI_RESIDUAL; R_GATHER: the table x_ptr's rows)
+        y_ptr,  # [M, N] out
+        M,
+        N,
+        K,
+        stride_x,
+        stride_w,
+        stride_r,
+        stride_y,
+        up_off,  # EPI_SWIGLU: the up rows start here in w
+        eps,
+        inv_k,  # 1/K in fp32: PyTorch's CUDA mean multiplies the sum by this factor
+        NORM: tl.constexpr,
+        X_GATHER: tl.constexpr,
+        R_GATHER: tl.constexpr,
+        EPI: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        DOT: tl.constexpr,
+        F32_DOT: tl.constexpr,
+        RND: tl.constexpr,  # the activation dtype: where the plain path rounds
+        PRECISE: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        mm = rm < M
+        rm64 = rm.to(tl.int64)
+        if X_GATHER or R_GATHER:
+            gathered = tl.load(idx_ptr + rm, mask=mm, other=0).to(tl.int64)
+        else:
+            gathered = rm64
+        xrow = gathered if X_GATHER else rm64
+        rn = pid_n * BN + tl.arange(0, BN)
+        nm = rn < N
+        rk = tl.arange(0, BK)
+        x_rows = x_ptr + xrow[:, None] * stride_x  # [BM, 1]
+        if NORM:
+            ss = tl.zeros([BM], tl.float32)
+            for k0 in range(0, K, BK):
+                km = (k0 + rk) < K
+                xv = tl.load(x_rows + k0 + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+                xv = xv.to(tl.float32)
+                ss += tl.sum(xv * xv, axis=1)
+            rstd = rsqrt_f32(ss * inv_k + eps, PRECISE)
+        acc = tl.zeros([BM, BN], tl.float32)
+        acc_up = tl.zeros([BM, BN], tl.float32)
+        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w  # [BN, 1]
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            km = kk < K
+            xv = tl.load(x_rows + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(tl.float32)
+            if NORM:  # RMSNorm as layers.RMSNorm: x * rstd rounded, then weight * that rounded
+                gv = tl.load(g_ptr + kk, mask=km, other=0.0).to(tl.float32)
+                xv = round_to(gv[None, :] * round_to(xv * rstd[:, None], RND), RND)
+            wmask = nm[:, None] & km[None, :]
+            wv = tl.load(w_rows + kk[None, :], mask=wmask, other=0.0)
+            acc = _mac(acc, xv, wv, DOT, F32_DOT)
+            if EPI == 2:
+                uv = tl.load(w_rows + up_off * stride_w + kk[None, :], mask=wmask, other=0.0)
+                acc_up = _mac(acc_up, xv, uv, DOT, F32_DOT)
+        y = round_to(acc, RND)  # the GEMM's output, in the activation dtype
+        out_mask = mm[:, None] & nm[None, :]
+        if EPI == 1:
+            rrow = gathered if R_GATHER else rm64
+            rv = tl.load(r_ptr + rrow[:, None] * stride_r + rn[None, :], mask=out_mask, other=0.0)
+            y = round_to(rv.to(tl.float32) + y, RND)
+        if EPI == 2:  # F.silu(gate) * up, each op rounded as PyTorch's bf16 kernels do
+            up = round_to(acc_up, RND)
+            s = round_to(tl.div_rn(y, 1.0 + exp_f32(-y, PRECISE)), RND)
+            y = round_to(s * up, RND)
+        tl.store(y_ptr + rm64[:, None] * stride_y + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def _norm_rope(lo, hi, w_ptr, c_lo, c_hi, s_lo, s_hi, half, eps, inv_d, HAS_NORM: tl.constexpr,
+                   RND: tl.constexpr, PRECISE: tl.constexpr, D: tl.constexpr):  # fmt: skip
+        """One head's halves (fp32, exact in the activation dtype) -> RMSNorm'd and rotated halves."""
+        if HAS_NORM:
+            var = (tl.sum(lo * lo, axis=0) + tl.sum(hi * hi, axis=0)) * inv_d
+            r = rsqrt_f32(var + eps, PRECISE)
+            w_lo = tl.load(w_ptr + half).to(tl.float32)
+            w_hi = tl.load(w_ptr + D // 2 + half).to(tl.float32)
+            lo = round_to(w_lo * round_to(lo * r, RND), RND)
+            hi = round_to(w_hi * round_to(hi * r, RND), RND)
+        # x * cos + rotate_half(x) * sin, rotate_half(x) = [-hi, lo]
+        out_lo = round_to(round_to(lo * c_lo, RND) + round_to(-hi * s_lo, RND), RND)
+        out_hi = round_to(round_to(hi * c_hi, RND) + round_to(lo * s_hi, RND), RND)
+        return out_lo, out_hi
+
+    @triton.jit
+    def _attention(
+        qkv_ptr,  # [B*T, (HQ + 2 KV) * D] the packed projection's rows (b * T + t)
+        qw_ptr,  # [D] q_norm weight
+        kw_ptr,  # [D] k_norm weight
+        cos_ptr,  # [P, D] the positions' table
+        sin_ptr,
+        kc_ptr,  # [S, KV, L, D] this layer's k cache; batch row b uses slot b
+        vc_ptr,
+        o_ptr,  # [B*T, HQ*D] out
+        p0,  # the first new position
+        eps,
+        inv_d,
+        scale,
+        stride_qkv,
+        stride_o,
+        stride_cs,
+        stride_ch,
+        stride_cl,
+        T: tl.constexpr,
+        HQ: tl.constexpr,
+        KV: tl.constexpr,
+        REP: tl.constexpr,
+        D: tl.constexpr,
+        BL: tl.constexpr,  # cache rows read, a power of two >= p0 + T
+        HAS_NORM: tl.constexpr,
+        RND: tl.constexpr,
+        RND_C: tl.constexpr,
+        PRECISE: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        half = tl.arange(0, D // 2)
+        kc = kc_ptr + b * stride_cs + g * stride_ch
+        vc = vc_ptr + b * stride_cs + g * stride_ch
+        for t in tl.static_range(T):  # the new rows of k and v: normed, rotated, into the cache
+            row = qkv_ptr + (b * T + t) * stride_qkv
+            pos = p0 + t
+            c_lo = tl.load(cos_ptr + pos * D + half).to(tl.float32)
+            c_hi = tl.load(cos_ptr + pos * D + D // 2 + half).to(tl.float32)
+            s_lo = tl.load(sin_ptr + pos * D + half).to(tl.float32)
+            s_hi = tl.load(sin_ptr + pos * D + D // 2 + half).to(tl.float32)
+            k_off = (HQ + g) * D
+            k_lo = tl.load(row + k_off + half).to(tl.float32)
+            k_hi = tl.load(row + k_off + D // 2 + half).to(tl.float32)
+            k_lo, k_hi = _norm_rope(k_lo, k_hi, kw_ptr, c_lo, c_hi, s_lo, s_hi, half, eps, inv_d, HAS_NORM,
+                                    RND, PRECISE, D)  # fmt: skip
+            tl.store(kc + pos * stride_cl + half, round_to(k_lo, RND_C).to(kc_ptr.dtype.element_ty))
+            tl.store(kc + pos * stride_cl + D // 2 + half, round_to(k_hi, RND_C).to(kc_ptr.dtype.element_ty))
+            v_off = (HQ + KV + g) * D
+            v_lo = tl.load(row + v_off + half)
+            v_hi = tl.load(row + v_off + D // 2 + half)
+            tl.store(vc + pos * stride_cl + half, v_lo.to(vc_ptr.dtype.element_ty))
+            tl.store(vc + pos * stride_cl + D // 2 + half, v_hi.to(vc_ptr.dtype.element_ty))
+        tl.debug_barrier()  # the rows just stored are read back below by other threads of this program
+        rows = tl.arange(0, BL)
+        for t in tl.static_range(T):
+            row = qkv_ptr + (b * T + t) * stride_qkv
+            pos = p0 + t
+            seen = rows <= pos  # causal: a query sees the rows up to its own position
+            cm = seen[:, None]
+            k_lo = tl.load(kc + rows[:, None] * stride_cl + half[None, :], mask=cm, other=0.0).to(tl.float32)
+            k_hi = tl.load(kc + rows[:, None] * stride_cl + D // 2 + half[None, :], mask=cm, other=0.0)
+            v_lo = tl.load(vc + rows[:, None] * stride_cl + half[None, :], mask=cm, other=0.0).to(tl.float32)
+            v_hi = tl.load(vc + rows[:, None] * stride_cl + D // 2 + half[None, :], mask=cm, other=0.0)
+            k_hi = k_hi.to(tl.float32)
+            v_hi = v_hi.to(tl.float32)
+            c_lo = tl.load(cos_ptr + pos * D + half).to(tl.float32)
+            c_hi = tl.load(cos_ptr + pos * D + D // 2 + half).to(tl.float32)
+            s_lo = tl.load(sin_ptr + pos * D + half).to(tl.float32)
+            s_hi = tl.load(sin_ptr + pos * D + D // 2 + half).to(tl.float32)
+            for r in tl.static_range(REP):  # the query heads that share kv head g (GQA: h // REP == g)
+                h = g * REP + r
+                q_lo = tl.load(row + h * D + half).to(tl.float32)
+                q_hi = tl.load(row + h * D + D // 2 + half).to(tl.float32)
+                q_lo, q_hi = _norm_rope(q_lo, q_hi, qw_ptr, c_lo, c_hi, s_lo, s_hi, half, eps, inv_d,
+                                        HAS_NORM, RND, PRECISE, D)  # fmt: skip
+                score = tl.sum(k_lo * q_lo[None, :], axis=1) + tl.sum(k_hi * q_hi[None, :], axis=1)
+                score = tl.where(seen, score * scale, float("-inf"))
+                p = exp_f32(score - tl.max(score, axis=0), PRECISE)
+                # as flash attention: P rounded to the value dtype for P.V, the sum of P kept in fp32
+                l_sum = tl.sum(p, axis=0)
+                p_v = round_to(p, RND_C)
+                o_lo = tl.div_rn(tl.sum(p_v[:, None] * v_lo, axis=0), l_sum)
+                o_hi = tl.div_rn(tl.sum(p_v[:, None] * v_hi, axis=0), l_sum)
+                out = o_ptr + (b * T + t) * stride_o + h * D
+                tl.store(out + half, round_to(o_lo, RND).to(o_ptr.dtype.element_ty))
+                tl.store(out + D // 2 + half, round_to(o_hi, RND).to(o_ptr.dtype.element_ty))
+
+
+# Block shapes. A GEMV at batch 1 reads each weight once, so what matters is enough programs in flight
+# to pull the bandwidth (N / BN of them) and a K tile wide enough per load; rows beyond SMALL_M take
+# tl.dot's 16-row tiles. Measured on an H200 by scripts/gpu_code_frame.py (docs/performance.md).
+SMALL_M = 4
+GEMV_BLOCKS = {"BN": 16, "BK": 256, "num_warps": 4}
+DOT_BLOCKS = {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4}
+
+
+class CodeFrame:
+    """A `CodePredictor`'s frame in few launches: its weights packed once, the RoPE table, the launches.
+
+    Called as `CodePredictor.frame_fn(predictor, talker_hidden, code0_embed, sample)`; same contract as
+    `CodePredictor.predict` (static shapes, no host sync: a whole frame can be captured in one graph).
+    """
+
+    def __init__(self, cp) -> None:
+        require_triton()
+        cfg = cp.cfg
+        head = cp.lm_head[0].weight
+        if head.dtype not in FLOATS:
+            raise ValueError(f"the fused code frame supports float32, bfloat16 and float16, not {head.dtype}")
+        if cfg.head_dim % 2 or cfg.head_dim & (cfg.head_dim - 1):
+            raise ValueError(f"the fused code frame needs a power-of-two head_dim, got {cfg.head_dim}")
+        self.cfg = cfg
+        self.layers = []
+        for layer in cp.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(
+                (
+                    layer.input_layernorm.weight,
+                    pack_linears(attn, ("q_proj", "k_proj", "v_proj")),
+                    attn.q_norm.weight if attn.use_qk_norm else None,
+                    attn.k_norm.weight if attn.use_qk_norm else None,
+                    attn.o_proj.weight,
+                    layer.post_attention_layernorm.weight,
+                    pack_linears(mlp, ("gate_proj", "up_proj")),
+                    mlp.down_proj.weight,
+                )
+            )
+        self.final_norm = cp.model.norm.weight
+        self.heads = [h.weight for h in cp.lm_head]
+        self.embeds = [e.weight for e in cp.model.codec_embedding]
+        positions = torch.arange(cp.num_code_groups, device=head.device)[None]
+        cos, sin = cp.rotary(positions, head.dtype)  # [1, P, D], as the plain frame computes them
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+        self.rnd = rnd(head.dtype)
+        self.eps = cfg.rms_norm_eps
+        self.use_qk_norm = cfg.use_qk_norm
+
+    def _linear(self, x, w, m, *, norm=None, idx=None, gather_x=False, residual=None, gather_r=False,
+                swiglu=False, stride_x=None):  # fmt: skip
+        k = w.shape[1]
+        n = w.shape[0] // 2 if swiglu else w.shape[0]
+        y = torch.empty(m, n, dtype=w.dtype, device=w.device)
+        small = m <= SMALL_M
+        if small:
+            bm, bn, bk, warps = next_pow2(m), GEMV_BLOCKS["BN"], GEMV_BLOCKS["BK"], GEMV_BLOCKS["num_warps"]
+        else:
+            bm, bn, bk, warps = (DOT_BLOCKS[key] for key in ("BM", "BN", "BK", "num_warps"))
+        bk = min(bk, next_pow2(k))
+        grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
+        epi = EPI_SWIGLU if swiglu else EPI_RESIDUAL if residual is not None else EPI_NONE
+        _linear[grid](
+            x, idx if idx is not None else y, w, norm if norm is not None else w,
+            residual if residual is not None else y, y,
+            m, n, k, x.stride(0) if stride_x is None else stride_x, w.stride(0),
+            residual.stride(0) if residual is not None else 0, y.stride(0), n if swiglu else 0,
+            self.eps, 1.0 / k,
+            NORM=norm is not None, X_GATHER=gather_x, R_GATHER=gather_r, EPI=epi,
+            BM=bm, BN=bn, BK=bk, DOT=not small, F32_DOT=w.dtype == torch.float32 or not precise(),
+            RND=self.rnd, PRECISE=precise(), num_warps=warps,
+        )  # fmt: skip
+        return y
+
+    def _attention(self, qkv, q_w, k_w, cache, layer: int, b: int, t: int, p0: int) -> torch.Tensor:
+        cfg = self.cfg
+        hq, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        out = torch.empty(b * t, hq * d, dtype=qkv.dtype, device=qkv.device)
+        kc, vc = cache.k[layer], cache.v[layer]  # [S, KV, L, D]
+        _attention[(b, kv)](
+            qkv, q_w if q_w is not None else qkv, k_w if k_w is not None else qkv, self.cos, self.sin,
+            kc, vc, out, p0, self.eps, 1.0 / d, d**-0.5,
+            qkv.stride(0), out.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
+            T=t, HQ=hq, KV=kv, REP=hq // kv, D=d, BL=next_pow2(p0 + t), HAS_NORM=q_w is not None,
+            RND=self.rnd, RND_C=rnd(kc.dtype), PRECISE=precise(), num_warps=4,
+        )  # fmt: skip
+        return out
+
+    def __call__(self, cp, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, sample) -> torch.Tensor:
+        b, width = talker_hidden.shape
+        cache = cp._cache_for(b, talker_hidden)
+        x = torch.stack((talker_hidden, code0_embed), dim=1).view(2 * b, width)  # rows b * 2 + t
+        codes: list[torch.Tensor] = []
+        idx = None  # set: the step's input rows are this code's rows of an embedding table
+        n = cp.num_code_groups - 1
+        for i in range(n):
+            t, p0 = (2, 0) if i == 0 else (1, i + 1)  # step 0 is the 2-position prefill (see predict)
+            m = b * t
+            h = x
+            for layer, (ln1, qkv_w, q_w, k_w, o_w, ln2, gate_up, down) in enumerate(self.layers):
+                gather = idx is not None and layer == 0
+                qkv = self._linear(h, qkv_w, m, norm=ln1, idx=idx, gather_x=gather)
+                attn = self._attention(qkv, q_w, k_w, cache, layer, b, t, p0)
+                mid = self._linear(attn, o_w, m, idx=idx, residual=h, gather_r=gather)
+                act = self._linear(mid, gate_up, m, norm=ln2, swiglu=True)
+                h = self._linear(act, down, m, residual=mid)
+            # the last position of each row: rows b * t + t - 1, every t-th row from row t - 1
+            logits = self._linear(h[t - 1 :], self.heads[i], b, norm=self.final_norm, stride_x=t * h.stride(0))
+            code = sample(logits)  # [B]
+            codes.append(code)
+            if i + 1 < n:
+                x, idx = self.embeds[i], code  # code i+1 enters step i+1 through codec_embedding[i]
+        return torch.stack(codes, dim=1)  # [B, 15]
+
+
+def install_code_frame(model: torch.nn.Module) -> int:
+    """Set `frame_fn` on every `CodePredictor` in `model` (dense, Triton-runnable); returns the count."""
+    from omni_rt.model.talker import CodePredictor
+
+    require_triton()
+    changed = 0
+    for m in model.modules():
+        if isinstance(m, CodePredictor):
+            m.frame_fn = mark(CodeFrame(m), "code_frame")
+            changed += 1
+    return changed
+

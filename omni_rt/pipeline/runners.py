@@ -42,71 +42,16 @@ from omni_rt.model.speech_input import build_speech_input
 from omni_rt.model.talker import talker_prompt_last, talker_prompt_prefix, talker_step_input
 from omni_rt.pipeline.graphs import GraphPool, capture
 from omni_rt.pipeline.request import Request
-
-
-def kv_bucket(n: int, max_len: int, smallest: int = 256) -> int:
-    """Cache rows a step attends over: the next power of two >= n (at least `smallest`), capped at the
-    cache length. Few distinct values, so few graphs, and short caches are cheap to attend over."""
-    b = smallest
-    while b < n:
-        b *= 2
-    return min(b, max_len)
-
-
-def kv_buckets(max_len: int) -> list[int]:
-    """Every value `kv_bucket` takes for a cache of `max_len` rows (one graph each)."""
-    lens = [kv_bucket(1, max_len)]
-    while lens[-1] < max_len:
-        lens.append(kv_bucket(lens[-1] + 1, max_len))
-    return lens
-
-
-def prefill_bucket(t: int, buckets: tuple[int, ...], max_len: int) -> int | None:
-    """Padded length of a t-token prefill: the smallest bucket >= t, capped at the cache length; None
-    above the largest bucket (that prefill runs eagerly, unpadded)."""
-    for b in buckets:
-        if b >= t:
-            return min(b, max_len)
-    return None
-
-
-def prefill_lengths(buckets: tuple[int, ...], max_len: int) -> list[int]:
-    """Every value `prefill_bucket` takes for a cache of `max_len` rows."""
-    return sorted({min(b, max_len) for b in buckets})
-
-
-def prefill_shapes(buckets: tuple[int, ...], max_len: int) -> list[tuple[int, int]]:
-    """(padded T, kv_len) of every prefill graph: a prefill of T tokens from position p attends over
-    kv_bucket(p + T) >= kv_bucket(T) rows, so one graph per such pair."""
-    return [
-        (t, kv_len)
-        for t in prefill_lengths(buckets, max_len)
-        for kv_len in kv_buckets(max_len)
-        if kv_len >= kv_bucket(t, max_len)
-    ]
-
-
-def prefill_plan(graphs: dict, batch: int, t: int, start: int, buckets: tuple[int, ...], max_len: int):
-    """(T, kv_len, graph) for a prefill of `batch` rows of at most `t` new tokens from position at most
-    `start`: the captured graph (key (batch, T, kv_len)) of the bucket T >= t when one fits, else
-    (t, kv_bucket(start + t), None) to run eagerly. Padded positions must stay inside the cache: clamped
-    to its last row instead, they could overwrite a real token's row in the same call."""
-    padded = prefill_bucket(t, buckets, max_len) if graphs else None
-    if padded is not None and start + padded <= max_len:
-        kv_len = kv_bucket(start + padded, max_len)
-        graph = graphs.get((batch, padded, kv_len))
-        if graph is not None:
-            return padded, kv_len, graph
-    return t, kv_bucket(start + t, max_len), None
-
-
-def right_pad(x: torch.Tensor, t: int) -> torch.Tensor:
-    """x [B, n, H] with zero rows appended to [B, t, H] (x itself when n == t)."""
-    if x.shape[1] == t:
-        return x
-    out = x.new_zeros(x.shape[0], t, x.shape[2])
-    out[:, : x.shape[1]] = x
-    return out
+from omni_rt.pipeline.shapes import (
+    batch_bucket,
+    batch_buckets,
+    kv_bucket,
+    kv_buckets,
+    pad_rows,
+    prefill_plan,
+    prefill_shapes,
+    right_pad,
+)
 
 
 def to_device(data, device: torch.device) -> torch.Tensor:
@@ -255,7 +200,7 @@ class ThinkerRunner:
     def _capture_all(self) -> None:
         pool = GraphPool()
         s = self.settings
-        batches = [1] if s.deterministic else range(1, s.max_sessions + 1)
+        batches = [1] if s.deterministic else batch_buckets(s.max_sessions)
         max_len = self.cache.max_len
         for b in batches:
             for kv_len in kv_buckets(max_len):
@@ -283,8 +228,13 @@ class ThinkerRunner:
                 self._prefill_graphs[(b, t, kv_len)] = _capture(self._prefill_fn(kv_len), static, pool)
 
     def _decode_step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int):
-        step = self._graphs.get((ids.shape[0], kv_len)) or self._decode_fn(kv_len)
-        return step(ids, positions, slots)  # [B]
+        n = ids.shape[0]
+        b = batch_bucket(n, self.settings.max_sessions)
+        step = self._graphs.get((b, kv_len))
+        if step is None:
+            return self._decode_fn(kv_len)(ids, positions, slots)  # [B]
+        # rows of padding: the scratch slot at position 0 (its cache row and history are never read)
+        return step(pad_rows(ids, b, 0), pad_rows(positions, b, 0), pad_rows(slots, b, self.scratch))[:n]
 
     @stage_call
     def prefill(self, reqs: list[Request]) -> list[int]:
@@ -431,7 +381,7 @@ class TalkerRunner:
     @torch.no_grad()
     def _capture_all(self) -> None:
         pool = GraphPool()
-        batches = [1] if self.settings.deterministic else range(1, self.settings.max_sessions + 1)
+        batches = [1] if self.settings.deterministic else batch_buckets(self.settings.max_sessions)
         groups = self.cfg.num_code_groups
         for b in batches:
             for kv_len in kv_buckets(self.cache.max_len):
@@ -550,9 +500,14 @@ class TalkerRunner:
         return codes[0]
 
     def _frame(self, hidden: torch.Tensor, code0: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor):
-        """One code-predictor frame of a batch [B, 16]: the captured graph of that batch size, or eager."""
-        frame = self._frame_graphs.get(hidden.shape[0]) or self._frame_fn
-        return frame(hidden, code0, slots, keys)
+        """One code-predictor frame of a batch [B, 16]: the captured graph of its batch bucket, or eager."""
+        n = hidden.shape[0]
+        b = batch_bucket(n, self.settings.max_sessions)
+        frame = self._frame_graphs.get(b)
+        if frame is None:
+            return self._frame_fn(hidden, code0, slots, keys)
+        pad = (pad_rows(hidden, b, 0), pad_rows(code0, b, 0), pad_rows(slots, b, self.scratch), pad_rows(keys, b, 0))
+        return frame(*pad)[:n]
 
     def _position(self, req: Request) -> int:
         """The Talker position its last step wrote (the last prompt position before the first step)."""
@@ -573,6 +528,20 @@ class TalkerRunner:
         ]
         return torch.cat(frames).tolist()
 
+    def _step(self, codes, text, positions, slots, kv_len: int):
+        """One Talker step of a batch: the captured graph of its batch bucket, or eager."""
+        n = codes.shape[0]
+        b = batch_bucket(n, self.settings.max_sessions)
+        step = self._graphs.get((b, kv_len))
+        if step is None:
+            return self._step_fn(kv_len)(codes, text, positions, slots)
+        tts_pad = self.cfg.ids.tts_pad
+        code0, hidden = step(
+            pad_rows(codes, b, 0), pad_rows(text, b, tts_pad), pad_rows(positions, b, 0),
+            pad_rows(slots, b, self.scratch),
+        )  # fmt: skip
+        return code0[:n], hidden[:n]
+
     @stage_call
     def step(self, reqs: list[Request], frames: list[list[int]], text_ids: list[int]) -> list[int]:
         codes = to_device(frames, self.device)  # [B, 16]
@@ -586,8 +555,7 @@ class TalkerRunner:
         kv_len = kv_bucket(max(pos) + 1, self.cache.max_len)
         choices = []
         for rows in _rows(len(reqs), self.settings.deterministic):
-            step = self._graphs.get((rows.stop - rows.start, kv_len)) or self._step_fn(kv_len)
-            code0, hidden = step(codes[rows], text[rows], positions[rows], slots[rows])  # [b], [b, Ht]
+            code0, hidden = self._step(codes[rows], text[rows], positions[rows], slots[rows], kv_len)
             for i, r in enumerate(reqs[rows]):
                 # a copy: a graph's output buffer is overwritten by its next replay
                 self._hidden[r.slot] = hidden[i].clone()

@@ -1,0 +1,103 @@
+"""The static shapes CUDA graphs are captured for, and how a call is fitted to one.
+
+A graph replays fixed shapes, so every dimension a step varies in is bucketed: the cache rows it attends
+over (`kv_bucket`), a prefill's padded length (`prefill_bucket`) and the number of rows in a batch
+(`batch_bucket`). Few distinct values keep capture time and graph memory small; the padding a bucket adds
+is cheap next to what a graph saves (one launch instead of hundreds).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def batch_buckets(max_rows: int) -> list[int]:
+    """The batch sizes graphed for up to `max_rows` rows: the powers of two below it, and itself.
+
+    One graph per size 1..max_rows cost 32 captures per kv bucket per stage at 32 sessions (the load
+    protocol's 32-conversation level spent its whole call capturing, docs/performance.md); a batch of
+    17 rows now runs the 32-row graph with 15 rows of padding."""
+    sizes = []
+    b = 1
+    while b < max_rows:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_rows]
+
+
+def batch_bucket(n: int, max_rows: int) -> int:
+    """The graphed batch size a call of `n` rows runs at (`n` itself above `max_rows`: eager)."""
+    return next((b for b in batch_buckets(max_rows) if b >= n), n)
+
+
+def pad_rows(x: torch.Tensor, rows: int, fill) -> torch.Tensor:
+    """x [n, ...] with `rows - n` rows of `fill` appended (x itself when n == rows)."""
+    n = x.shape[0]
+    if n == rows:
+        return x
+    return torch.cat((x, x.new_full((rows - n, *x.shape[1:]), fill)))
+
+
+def kv_bucket(n: int, max_len: int, smallest: int = 256) -> int:
+    """Cache rows a step attends over: the next power of two >= n (at least `smallest`), capped at the
+    cache length. Few distinct values, so few graphs, and short caches are cheap to attend over."""
+    b = smallest
+    while b < n:
+        b *= 2
+    return min(b, max_len)
+
+
+def kv_buckets(max_len: int) -> list[int]:
+    """Every value `kv_bucket` takes for a cache of `max_len` rows (one graph each)."""
+    lens = [kv_bucket(1, max_len)]
+    while lens[-1] < max_len:
+        lens.append(kv_bucket(lens[-1] + 1, max_len))
+    return lens
+
+
+def prefill_bucket(t: int, buckets: tuple[int, ...], max_len: int) -> int | None:
+    """Padded length of a t-token prefill: the smallest bucket >= t, capped at the cache length; None
+    above the largest bucket (that prefill runs eagerly, unpadded)."""
+    for b in buckets:
+        if b >= t:
+            return min(b, max_len)
+    return None
+
+
+def prefill_lengths(buckets: tuple[int, ...], max_len: int) -> list[int]:
+    """Every value `prefill_bucket` takes for a cache of `max_len` rows."""
+    return sorted({min(b, max_len) for b in buckets})
+
+
+def prefill_shapes(buckets: tuple[int, ...], max_len: int) -> list[tuple[int, int]]:
+    """(padded T, kv_len) of every prefill graph: a prefill of T tokens from position p attends over
+    kv_bucket(p + T) >= kv_bucket(T) rows, so one graph per such pair."""
+    return [
+        (t, kv_len)
+        for t in prefill_lengths(buckets, max_len)
+        for kv_len in kv_buckets(max_len)
+        if kv_len >= kv_bucket(t, max_len)
+    ]
+
+
+def prefill_plan(graphs: dict, batch: int, t: int, start: int, buckets: tuple[int, ...], max_len: int):
+    """(T, kv_len, graph) for a prefill of `batch` rows of at most `t` new tokens from position at most
+    `start`: the captured graph (key (batch, T, kv_len)) of the bucket T >= t when one fits, else
+    (t, kv_bucket(start + t), None) to run eagerly. Padded positions must stay inside the cache: clamped
+    to its last row instead, they could overwrite a real token's row in the same call."""
+    padded = prefill_bucket(t, buckets, max_len) if graphs else None
+    if padded is not None and start + padded <= max_len:
+        kv_len = kv_bucket(start + padded, max_len)
+        graph = graphs.get((batch, padded, kv_len))
+        if graph is not None:
+            return padded, kv_len, graph
+    return t, kv_bucket(start + t, max_len), None
+
+
+def right_pad(x: torch.Tensor, t: int) -> torch.Tensor:
+    """x [B, n, H] with zero rows appended to [B, t, H] (x itself when n == t)."""
+    if x.shape[1] == t:
+        return x
+    out = x.new_zeros(x.shape[0], t, x.shape[2])
+    out[:, : x.shape[1]] = x
+    return out

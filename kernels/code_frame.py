@@ -161,7 +161,7 @@ if triton is not None:
         kc_ptr,  # [S, KV, L, D] this layer's k cache; batch row b uses slot b
         vc_ptr,
         o_ptr,  # [B*T, HQ*D] out
-        p0,  # the first new position
+        p0,  # the first new position: rows [0, p0) are in the cache already
         eps,
         inv_d,
         scale,
@@ -170,82 +170,114 @@ if triton is not None:
         stride_cs,
         stride_ch,
         stride_cl,
-        T: tl.constexpr,
+        T: tl.constexpr,  # new positions, 1 or 2
         HQ: tl.constexpr,
         KV: tl.constexpr,
         REP: tl.constexpr,
         D: tl.constexpr,
-        BL: tl.constexpr,  # cache rows read, a power of two >= p0 + T
+        BL: tl.constexpr,  # a power of two >= p0 (the cached rows read)
         HAS_NORM: tl.constexpr,
         RND: tl.constexpr,
         RND_C: tl.constexpr,
         PRECISE: tl.constexpr,
     ):
+        """One program per (batch row, query head). The new rows of k and v stay in registers: the
+        cached rows are read from memory, the new ones are not read back (no barrier, one round of
+        loads); the first query head of each kv group writes them to the cache for later steps."""
         b = tl.program_id(0).to(tl.int64)
-        g = tl.program_id(1)
+        h = tl.program_id(1)
+        g = h // REP
         half = tl.arange(0, D // 2)
         kc = kc_ptr + b * stride_cs + g * stride_ch
         vc = vc_ptr + b * stride_cs + g * stride_ch
-        for t in tl.static_range(T):  # the new rows of k and v: normed, rotated, into the cache
-            row = qkv_ptr + (b * T + t) * stride_qkv
-            pos = p0 + t
-            c_lo = tl.load(cos_ptr + pos * D + half).to(tl.float32)
-            c_hi = tl.load(cos_ptr + pos * D + D // 2 + half).to(tl.float32)
-            s_lo = tl.load(sin_ptr + pos * D + half).to(tl.float32)
-            s_hi = tl.load(sin_ptr + pos * D + D // 2 + half).to(tl.float32)
-            k_off = (HQ + g) * D
-            k_lo = tl.load(row + k_off + half).to(tl.float32)
-            k_hi = tl.load(row + k_off + D // 2 + half).to(tl.float32)
-            k_lo, k_hi = _norm_rope(k_lo, k_hi, kw_ptr, c_lo, c_hi, s_lo, s_hi, half, eps, inv_d, HAS_NORM,
-                                    RND, PRECISE, D)  # fmt: skip
-            tl.store(kc + pos * stride_cl + half, round_to(k_lo, RND_C).to(kc_ptr.dtype.element_ty))
-            tl.store(kc + pos * stride_cl + D // 2 + half, round_to(k_hi, RND_C).to(kc_ptr.dtype.element_ty))
-            v_off = (HQ + KV + g) * D
-            v_lo = tl.load(row + v_off + half)
-            v_hi = tl.load(row + v_off + D // 2 + half)
-            tl.store(vc + pos * stride_cl + half, v_lo.to(vc_ptr.dtype.element_ty))
-            tl.store(vc + pos * stride_cl + D // 2 + half, v_hi.to(vc_ptr.dtype.element_ty))
-        tl.debug_barrier()  # the rows just stored are read back below by other threads of this program
         rows = tl.arange(0, BL)
-        for t in tl.static_range(T):
+        cached = rows < p0
+        cm = cached[:, None]
+        k_lo_c = tl.load(kc + rows[:, None] * stride_cl + half[None, :], mask=cm, other=0.0).to(tl.float32)
+        k_hi_c = tl.load(kc + rows[:, None] * stride_cl + D // 2 + half[None, :], mask=cm, other=0.0)
+        v_lo_c = tl.load(vc + rows[:, None] * stride_cl + half[None, :], mask=cm, other=0.0).to(tl.float32)
+        v_hi_c = tl.load(vc + rows[:, None] * stride_cl + D // 2 + half[None, :], mask=cm, other=0.0)
+        k_hi_c = k_hi_c.to(tl.float32)
+        v_hi_c = v_hi_c.to(tl.float32)
+        # the new rows: k normed and rotated, both rounded to the cache's dtype as the plain path reads them
+        row0 = qkv_ptr + (b * T) * stride_qkv
+        c_lo0 = tl.load(cos_ptr + p0 * D + half).to(tl.float32)
+        c_hi0 = tl.load(cos_ptr + p0 * D + D // 2 + half).to(tl.float32)
+        s_lo0 = tl.load(sin_ptr + p0 * D + half).to(tl.float32)
+        s_hi0 = tl.load(sin_ptr + p0 * D + D // 2 + half).to(tl.float32)
+        k_lo0 = tl.load(row0 + (HQ + g) * D + half).to(tl.float32)
+        k_hi0 = tl.load(row0 + (HQ + g) * D + D // 2 + half).to(tl.float32)
+        k_lo0, k_hi0 = _norm_rope(k_lo0, k_hi0, kw_ptr, c_lo0, c_hi0, s_lo0, s_hi0, half, eps, inv_d,
+                                  HAS_NORM, RND, PRECISE, D)  # fmt: skip
+        k_lo0, k_hi0 = round_to(k_lo0, RND_C), round_to(k_hi0, RND_C)
+        v_lo0 = round_to(tl.load(row0 + (HQ + KV + g) * D + half).to(tl.float32), RND_C)
+        v_hi0 = round_to(tl.load(row0 + (HQ + KV + g) * D + D // 2 + half).to(tl.float32), RND_C)
+        if T == 2:
+            row1 = row0 + stride_qkv
+            c_lo1 = tl.load(cos_ptr + (p0 + 1) * D + half).to(tl.float32)
+            c_hi1 = tl.load(cos_ptr + (p0 + 1) * D + D // 2 + half).to(tl.float32)
+            s_lo1 = tl.load(sin_ptr + (p0 + 1) * D + half).to(tl.float32)
+            s_hi1 = tl.load(sin_ptr + (p0 + 1) * D + D // 2 + half).to(tl.float32)
+            k_lo1 = tl.load(row1 + (HQ + g) * D + half).to(tl.float32)
+            k_hi1 = tl.load(row1 + (HQ + g) * D + D // 2 + half).to(tl.float32)
+            k_lo1, k_hi1 = _norm_rope(k_lo1, k_hi1, kw_ptr, c_lo1, c_hi1, s_lo1, s_hi1, half, eps, inv_d,
+                                      HAS_NORM, RND, PRECISE, D)  # fmt: skip
+            k_lo1, k_hi1 = round_to(k_lo1, RND_C), round_to(k_hi1, RND_C)
+            v_lo1 = round_to(tl.load(row1 + (HQ + KV + g) * D + half).to(tl.float32), RND_C)
+            v_hi1 = round_to(tl.load(row1 + (HQ + KV + g) * D + D // 2 + half).to(tl.float32), RND_C)
+        if h % REP == 0:  # one writer per kv head
+            dt = kc_ptr.dtype.element_ty
+            tl.store(kc + p0 * stride_cl + half, k_lo0.to(dt))
+            tl.store(kc + p0 * stride_cl + D // 2 + half, k_hi0.to(dt))
+            tl.store(vc + p0 * stride_cl + half, v_lo0.to(dt))
+            tl.store(vc + p0 * stride_cl + D // 2 + half, v_hi0.to(dt))
+            if T == 2:
+                tl.store(kc + (p0 + 1) * stride_cl + half, k_lo1.to(dt))
+                tl.store(kc + (p0 + 1) * stride_cl + D // 2 + half, k_hi1.to(dt))
+                tl.store(vc + (p0 + 1) * stride_cl + half, v_lo1.to(dt))
+                tl.store(vc + (p0 + 1) * stride_cl + D // 2 + half, v_hi1.to(dt))
+        for t in tl.static_range(T):  # query t sees the cached rows, new row 0, and new row 1 if t == 1
             row = qkv_ptr + (b * T + t) * stride_qkv
-            pos = p0 + t
-            seen = rows <= pos  # causal: a query sees the rows up to its own position
-            cm = seen[:, None]
-            k_lo = tl.load(kc + rows[:, None] * stride_cl + half[None, :], mask=cm, other=0.0).to(tl.float32)
-            k_hi = tl.load(kc + rows[:, None] * stride_cl + D // 2 + half[None, :], mask=cm, other=0.0)
-            v_lo = tl.load(vc + rows[:, None] * stride_cl + half[None, :], mask=cm, other=0.0).to(tl.float32)
-            v_hi = tl.load(vc + rows[:, None] * stride_cl + D // 2 + half[None, :], mask=cm, other=0.0)
-            k_hi = k_hi.to(tl.float32)
-            v_hi = v_hi.to(tl.float32)
-            c_lo = tl.load(cos_ptr + pos * D + half).to(tl.float32)
-            c_hi = tl.load(cos_ptr + pos * D + D // 2 + half).to(tl.float32)
-            s_lo = tl.load(sin_ptr + pos * D + half).to(tl.float32)
-            s_hi = tl.load(sin_ptr + pos * D + D // 2 + half).to(tl.float32)
-            for r in tl.static_range(REP):  # the query heads that share kv head g (GQA: h // REP == g)
-                h = g * REP + r
-                q_lo = tl.load(row + h * D + half).to(tl.float32)
-                q_hi = tl.load(row + h * D + D // 2 + half).to(tl.float32)
-                q_lo, q_hi = _norm_rope(q_lo, q_hi, qw_ptr, c_lo, c_hi, s_lo, s_hi, half, eps, inv_d,
-                                        HAS_NORM, RND, PRECISE, D)  # fmt: skip
-                score = tl.sum(k_lo * q_lo[None, :], axis=1) + tl.sum(k_hi * q_hi[None, :], axis=1)
-                score = tl.where(seen, score * scale, float("-inf"))
-                p = exp_f32(score - tl.max(score, axis=0), PRECISE)
-                # as flash attention: P rounded to the value dtype for P.V, the sum of P kept in fp32
-                l_sum = tl.sum(p, axis=0)
-                p_v = round_to(p, RND_C)
-                o_lo = tl.div_rn(tl.sum(p_v[:, None] * v_lo, axis=0), l_sum)
-                o_hi = tl.div_rn(tl.sum(p_v[:, None] * v_hi, axis=0), l_sum)
-                out = o_ptr + (b * T + t) * stride_o + h * D
-                tl.store(out + half, round_to(o_lo, RND).to(o_ptr.dtype.element_ty))
-                tl.store(out + D // 2 + half, round_to(o_hi, RND).to(o_ptr.dtype.element_ty))
+            if t == 0:
+                c_lo, c_hi, s_lo, s_hi = c_lo0, c_hi0, s_lo0, s_hi0
+            else:
+                c_lo, c_hi, s_lo, s_hi = c_lo1, c_hi1, s_lo1, s_hi1
+            q_lo = tl.load(row + h * D + half).to(tl.float32)
+            q_hi = tl.load(row + h * D + D // 2 + half).to(tl.float32)
+            q_lo, q_hi = _norm_rope(q_lo, q_hi, qw_ptr, c_lo, c_hi, s_lo, s_hi, half, eps, inv_d, HAS_NORM,
+                                    RND, PRECISE, D)  # fmt: skip
+            score = tl.sum(k_lo_c * q_lo[None, :], axis=1) + tl.sum(k_hi_c * q_hi[None, :], axis=1)
+            score = tl.where(cached, score * scale, float("-inf"))
+            s0 = (tl.sum(k_lo0 * q_lo, axis=0) + tl.sum(k_hi0 * q_hi, axis=0)) * scale
+            m = tl.maximum(tl.max(score, axis=0), s0)
+            if t == 1:
+                s1 = (tl.sum(k_lo1 * q_lo, axis=0) + tl.sum(k_hi1 * q_hi, axis=0)) * scale
+                m = tl.maximum(m, s1)
+            p = exp_f32(score - m, PRECISE)
+            e0 = exp_f32(s0 - m, PRECISE)
+            # as flash attention: P rounded to the value dtype for P.V, the sum of P kept in fp32
+            l_sum = tl.sum(p, axis=0) + e0
+            p_v = round_to(p, RND_C)
+            e0_v = round_to(e0, RND_C)
+            o_lo = tl.sum(p_v[:, None] * v_lo_c, axis=0) + e0_v * v_lo0
+            o_hi = tl.sum(p_v[:, None] * v_hi_c, axis=0) + e0_v * v_hi0
+            if t == 1:
+                e1 = exp_f32(s1 - m, PRECISE)
+                l_sum += e1
+                e1_v = round_to(e1, RND_C)
+                o_lo += e1_v * v_lo1
+                o_hi += e1_v * v_hi1
+            out = o_ptr + (b * T + t) * stride_o + h * D
+            tl.store(out + half, round_to(tl.div_rn(o_lo, l_sum), RND).to(o_ptr.dtype.element_ty))
+            tl.store(out + D // 2 + half, round_to(tl.div_rn(o_hi, l_sum), RND).to(o_ptr.dtype.element_ty))
 
 
 # Block shapes. A GEMV at batch 1 reads each weight once, so what matters is enough programs in flight
-# to pull the bandwidth (N / BN of them) and a K tile wide enough per load; rows beyond SMALL_M take
+# to pull the bandwidth (N / BN of them) and few K iterations (each one a dependent round of loads: BK
+# 256 -> 512 took the frame from 4.85 to 3.28 ms on an H200); rows beyond SMALL_M take
 # tl.dot's 16-row tiles. Measured on an H200 by scripts/gpu_code_frame.py (docs/performance.md).
 SMALL_M = 4
-GEMV_BLOCKS = {"BN": 16, "BK": 256, "num_warps": 4}
+GEMV_BLOCKS = {"BN": 8, "BK": 1024, "num_warps": 8}
 DOT_BLOCKS = {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4}
 
 
@@ -320,11 +352,11 @@ class CodeFrame:
         hq, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         out = torch.empty(b * t, hq * d, dtype=qkv.dtype, device=qkv.device)
         kc, vc = cache.k[layer], cache.v[layer]  # [S, KV, L, D]
-        _attention[(b, kv)](
+        _attention[(b, hq)](
             qkv, q_w if q_w is not None else qkv, k_w if k_w is not None else qkv, self.cos, self.sin,
             kc, vc, out, p0, self.eps, 1.0 / d, d**-0.5,
             qkv.stride(0), out.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
-            T=t, HQ=hq, KV=kv, REP=hq // kv, D=d, BL=next_pow2(p0 + t), HAS_NORM=q_w is not None,
+            T=t, HQ=hq, KV=kv, REP=hq // kv, D=d, BL=max(next_pow2(p0), 2), HAS_NORM=q_w is not None,
             RND=self.rnd, RND_C=rnd(kc.dtype), PRECISE=precise(), num_warps=4,
         )  # fmt: skip
         return out

@@ -50,10 +50,16 @@ if triton is not None:
         return h ^ (h >> 16)
 
     @triton.jit
+    def _order_key(x):
+        """fp32 -> int32 with the same order (negative floats' magnitude bits flipped), as int64."""
+        b = x.to(tl.int32, bitcast=True)
+        return (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.int64)
+
+    @triton.jit
     def _sample(
         logits_ptr,  # [B, V] any float dtype
         slots_ptr,  # [B] int64
-        keys_ptr,  # [B] int64
+        keys_ptr,  # [B] int64; each row's key is keys[row] + key_off
         temp_ptr,  # [S] float32
         topk_ptr,  # [S] int64
         topp_ptr,  # [S] float32
@@ -65,6 +71,7 @@ if triton is not None:
         out_ptr,  # [B] int64
         V,
         stride_l,
+        key_off,
         STAGE: tl.constexpr,
         HAS_SEEN: tl.constexpr,
         HAS_SUPP: tl.constexpr,
@@ -73,7 +80,7 @@ if triton is not None:
     ):
         row = tl.program_id(0).to(tl.int64)
         slot = tl.load(slots_ptr + row)
-        key = tl.load(keys_ptr + row)
+        step_key = tl.load(keys_ptr + row) + key_off
         v = tl.arange(0, BLOCK_V)
         vm = v < V
         x = tl.load(logits_ptr + row * stride_l + v, mask=vm, other=float("-inf")).to(tl.float32)
@@ -89,22 +96,36 @@ if triton is not None:
         do_sample = tl.load(dos_ptr + slot) != 0
         t = tl.where(do_sample, tl.load(temp_ptr + slot), 1.0)
         w = tl.div_rn(x, t)
+        # Thresholds by bisection over the scores' order-preserving int32 keys, not by sorting: two
+        # bitonic sorts of a 2048-wide row were ~70 us per call on an H200, 1.1 ms of a sampled
+        # code-predictor frame (docs/performance.md); 32 masked reductions each find the same threshold.
         # top-k: scores below the k-th largest go (k = 0: off; k >= V keeps all)
         k = tl.load(topk_ptr + slot)
-        desc = tl.sort(w, descending=True)
-        kk = tl.minimum(k, V) - 1
-        kth = tl.sum(tl.where(v == kk, desc, 0.0), axis=0)
-        kth = tl.where(k > 0, kth, float("-inf"))
-        w = tl.where(w < kth, float("-inf"), w)
-        # top-p, transformers' rule on the ascending order: drop while the cumulative mass <= 1 - p
+        if do_sample & (k > 0) & (k < V):
+            key = _order_key(w)
+            lo = tl.full((), -(2**31), tl.int64)  # count(key >= lo) >= k holds; find the largest such
+            hi = tl.full((), 2**31 - 1, tl.int64)
+            for _ in range(32):
+                mid = (lo + hi + 1) >> 1
+                enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= k
+                lo = tl.where(enough, mid, lo)
+                hi = tl.where(enough, hi, mid - 1)
+            w = tl.where(key < lo, float("-inf"), w)
+        # top-p, transformers' rule on the ascending order (drop while the cumulative mass <= 1 - p):
+        # keep the scores whose mass at or below them exceeds 1 - p, ties together; the top always stays
         p = tl.load(topp_ptr + slot)
-        asc = tl.sort(w)  # padding and filtered scores (-inf) first
-        ex = exp_f32(asc - tl.max(asc, axis=0), PRECISE)
-        cum = tl.cumsum(tl.div_rn(ex, tl.sum(ex, axis=0)), axis=0)
-        drop = (cum <= 1 - p) & (v < BLOCK_V - 1)  # the top score always stays
-        thr = tl.min(tl.where(drop, float("inf"), asc), axis=0)
-        thr = tl.where(p < 1.0, thr, float("-inf"))  # p = 1: transformers skips the warper
-        w = tl.where(w < thr, float("-inf"), w)
+        if do_sample & (p < 1.0):
+            ex = exp_f32(w - tl.max(w, axis=0), PRECISE)
+            prob = tl.div_rn(ex, tl.sum(ex, axis=0))
+            key = _order_key(w)
+            lo = tl.full((), -(2**31), tl.int64)  # find the smallest key whose mass at or below > 1 - p
+            hi = tl.max(key, axis=0).to(tl.int64)
+            for _ in range(32):
+                mid = (lo + hi) >> 1
+                over = tl.sum(tl.where(key <= mid, prob, 0.0), axis=0) > 1 - p
+                hi = tl.where(over, mid, hi)
+                lo = tl.where(over, lo, mid + 1)
+            w = tl.where(key < hi, float("-inf"), w)
 
         # the keyed race: argmax(w - log E), E = -log U, U from (seed, stage, key, vocab id)
         seed = tl.load(seed_ptr + slot)
@@ -112,8 +133,8 @@ if triton is not None:
         h = _mix32((seed & m32) ^ _c(0x9E3779B9))
         h = _mix32(h ^ ((seed >> 32) & m32))
         h = _mix32(h ^ ((_c(0x632BE5AB) * (STAGE + 1)) & m32))
-        h = _mix32(h ^ (key & m32))
-        h = _mix32(h ^ ((key >> 32) & m32))
+        h = _mix32(h ^ (step_key & m32))
+        h = _mix32(h ^ ((step_key >> 32) & m32))
         u = _mix32(h ^ ((v.to(tl.int64) * _c(0x9E3779B9)) & m32))
         u = _mix32(u ^ _c(0x85EBCA77))
         uf = ((u >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
@@ -137,6 +158,7 @@ def fused_choose(
     slots: torch.Tensor,  # [B] int64
     keys: torch.Tensor,  # [B] int64
     sampler,  # omni_rt.model.sampling.StageSampler: its per-slot tables
+    key_offset: int = 0,  # added to every key (a frame's code group), so no launch adds it
 ) -> torch.Tensor:
     """`StageSampler.__call__` in one launch: ids [B], observed in the slots' histories."""
     require_triton()
@@ -154,7 +176,7 @@ def fused_choose(
         sampler.temperature, sampler.top_k, sampler.top_p, sampler.repetition_penalty,
         sampler.do_sample, sampler.seed,
         seen if seen is not None else out, supp if supp is not None else out, out,
-        vocab, logits.stride(0),
+        vocab, logits.stride(0), key_offset,
         STAGE=sampler.stage, HAS_SEEN=seen is not None, HAS_SUPP=supp is not None,
         BLOCK_V=block, PRECISE=precise(), num_warps=4 if block <= 2048 else 8,
     )  # fmt: skip

@@ -166,8 +166,8 @@ def main(argv=None) -> int:
         inputs = (torch.randn(1, width, device=dev).to(dtype), torch.randn(1, width, device=dev).to(dtype),
                   torch.arange(1, device=dev), torch.arange(1, device=dev))  # fmt: skip
         saved = dict(code_frame.GEMV_BLOCKS)
-        for bn, bk, warps in ((8, 256, 4), (16, 256, 4), (16, 512, 4), (32, 256, 4), (16, 128, 4), (8, 512, 8),
-                              (32, 128, 4), (16, 256, 2)):  # fmt: skip
+        for bn, bk, warps in ((8, 1024, 8), (4, 1024, 4), (8, 2048, 8), (4, 2048, 8), (16, 1024, 8), (8, 4096, 8),
+                              (8, 512, 8), (2, 1024, 4)):  # fmt: skip
             code_frame.GEMV_BLOCKS.update(BN=bn, BK=bk, num_warps=warps)
             replay, _ = graph_of(frame_fn("greedy"), inputs, dev)
             ms = time_ms(replay, dev, args.reps)

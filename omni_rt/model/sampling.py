@@ -324,10 +324,15 @@ class StageSampler:
             self.repetition_penalty[slots], self.do_sample[slots],
         )  # fmt: skip
 
-    def __call__(self, logits: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """logits [B, V] of slots [B] at step keys [B] -> ids [B], observed in the slots' histories."""
+    def __call__(
+        self, logits: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, key_offset: int = 0
+    ) -> torch.Tensor:
+        """logits [B, V] of slots [B] at step keys [B] (+ key_offset) -> ids [B], observed in the slots'
+        histories."""
         if self._fused is not None:
-            return self._fused(logits, slots, keys, self)
+            return self._fused(logits, slots, keys, self, key_offset)
+        if key_offset:
+            keys = keys + key_offset
         seen = None if self.seen is None else self.seen[slots]
         supp = None if self.suppress is None else self.suppress[slots]
         ids = choose(logits, self.rows(slots), self.seed[slots], self.stage, keys, seen, supp)
@@ -342,7 +347,7 @@ def frame_sampler(sampler: StageSampler, slots: torch.Tensor, talker_keys: torch
     in its 15 keys' offsets and reads the Talker keys from its static input."""
     group = itertools.count()
     base = talker_keys * CODE_KEY_STRIDE
-    return lambda logits: sampler(logits, slots, base + next(group))
+    return lambda logits: sampler(logits, slots, base, key_offset=next(group))
 
 
 def residual_code_sampling(s: StageSampling) -> StageSampling:

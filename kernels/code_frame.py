@@ -277,7 +277,7 @@ if triton is not None:
 # 256 -> 512 took the frame from 4.85 to 3.28 ms on an H200); rows beyond SMALL_M take
 # tl.dot's 16-row tiles. Measured on an H200 by scripts/gpu_code_frame.py (docs/performance.md).
 SMALL_M = 4
-GEMV_BLOCKS = {"BN": 8, "BK": 1024, "num_warps": 8}
+GEMV_BLOCKS = {"BM": 4, "BN": 4, "BK": 1024, "num_warps": 4}
 DOT_BLOCKS = {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4}
 
 
@@ -329,7 +329,8 @@ class CodeFrame:
         y = torch.empty(m, n, dtype=w.dtype, device=w.device)
         small = m <= SMALL_M
         if small:
-            bm, bn, bk, warps = next_pow2(m), GEMV_BLOCKS["BN"], GEMV_BLOCKS["BK"], GEMV_BLOCKS["num_warps"]
+            bm = min(next_pow2(m), GEMV_BLOCKS["BM"])  # more rows: more programs, the weights from L2
+            bn, bk, warps = GEMV_BLOCKS["BN"], GEMV_BLOCKS["BK"], GEMV_BLOCKS["num_warps"]
         else:
             bm, bn, bk, warps = (DOT_BLOCKS[key] for key in ("BM", "BN", "BK", "num_warps"))
         bk = min(bk, next_pow2(k))

@@ -160,20 +160,59 @@ def main(argv=None) -> int:
         res["checks"][f"code_frame {mode}: codes equal to fused layers (fraction)"] = float((got == ref).float().mean())
         res["checks"][f"code_frame {mode}: first code equal (fraction)"] = float((got[:, 0] == ref[:, 0]).float().mean())
         res["checks"][f"code_frame {mode}: replay repeats"] = repeat
-    # block shapes of the batch-1 GEMV
+    # block shapes: the batch-1 GEMV, then batch 8 (the few-rows path over more rows, or tl.dot tiles)
     if dev.type == "cuda":
         set_variant(cp, "code_frame")
-        inputs = (torch.randn(1, width, device=dev).to(dtype), torch.randn(1, width, device=dev).to(dtype),
-                  torch.arange(1, device=dev), torch.arange(1, device=dev))  # fmt: skip
-        saved = dict(code_frame.GEMV_BLOCKS)
-        for bn, bk, warps in ((8, 1024, 8), (4, 1024, 4), (8, 2048, 8), (4, 2048, 8), (16, 1024, 8), (8, 4096, 8),
-                              (8, 512, 8), (2, 1024, 4)):  # fmt: skip
-            code_frame.GEMV_BLOCKS.update(BN=bn, BK=bk, num_warps=warps)
-            replay, _ = graph_of(frame_fn("greedy"), inputs, dev)
+        saved = (dict(code_frame.GEMV_BLOCKS), dict(code_frame.DOT_BLOCKS), code_frame.SMALL_M)
+
+        def sweep(b, label, settings):
+            inputs = (torch.randn(b, width, device=dev).to(dtype), torch.randn(b, width, device=dev).to(dtype),
+                      torch.arange(b, device=dev), torch.arange(b, device=dev))  # fmt: skip
+            for gemv, dot, small_m in settings:
+                code_frame.GEMV_BLOCKS.update(gemv)
+                code_frame.DOT_BLOCKS.update(dot)
+                code_frame.SMALL_M = small_m
+                replay, _ = graph_of(frame_fn("greedy"), inputs, dev)
+                ms = time_ms(replay, dev, args.reps)
+                res["sweep"].append(dict(batch=b, gemv=dict(code_frame.GEMV_BLOCKS), dot=dict(code_frame.DOT_BLOCKS),
+                                         small_m=small_m, ms=ms))  # fmt: skip
+                print(f"sweep batch {b} {label} gemv={gemv} dot={dot} small_m={small_m}: {ms:.3f} ms", flush=True)
+                code_frame.GEMV_BLOCKS.update(saved[0])
+                code_frame.DOT_BLOCKS.update(saved[1])
+                code_frame.SMALL_M = saved[2]
+
+        g1 = [dict(BN=4, BK=1024, num_warps=4), dict(BN=4, BK=1024, num_warps=2), dict(BN=2, BK=1024, num_warps=2),
+              dict(BN=4, BK=2048, num_warps=4), dict(BN=4, BK=4096, num_warps=8), dict(BN=1, BK=1024, num_warps=2)]  # fmt: skip
+        sweep(1, "gemv", [(g, {}, 4) for g in g1])
+        d8 = [dict(BM=16, BN=16, BK=256, num_warps=4), dict(BM=16, BN=32, BK=256, num_warps=4),
+              dict(BM=16, BN=16, BK=512, num_warps=4), dict(BM=16, BN=32, BK=512, num_warps=8),
+              dict(BM=16, BN=64, BK=256, num_warps=8)]  # fmt: skip
+        few = [dict(BM=4, BN=4, BK=1024, num_warps=4), dict(BM=8, BN=4, BK=512, num_warps=4),
+               dict(BM=2, BN=4, BK=1024, num_warps=4)]  # fmt: skip
+        sweep(8, "dot", [({}, d, 4) for d in d8])
+        sweep(8, "few-rows", [(g, {}, 16) for g in few])
+        # one kernel of each kind alone, 50 launches in a graph: microseconds per launch (batch 1)
+        cf = cp.frame_fn
+        x = torch.randn(1, width, device=dev).to(dtype)
+        ln1, qkv_w, q_w, k_w, o_w, ln2, gate_up, down = cf.layers[0]
+        qkv = cf._linear(x, qkv_w, 1, norm=ln1)
+        attn = cf._attention(qkv, q_w, k_w, cp.cache, 0, 1, 1, 8)
+        act = cf._linear(x, gate_up, 1, norm=ln2, swiglu=True)
+        kinds = {
+            "norm + qkv GEMV (4096x1024)": lambda: cf._linear(x, qkv_w, 1, norm=ln1),
+            "attention (position 8)": lambda: cf._attention(qkv, q_w, k_w, cp.cache, 0, 1, 1, 8),
+            "o_proj + residual (1024x2048)": lambda: cf._linear(attn, o_w, 1, residual=x),
+            "norm + gate_up + SwiGLU (6144x1024)": lambda: cf._linear(x, gate_up, 1, norm=ln2, swiglu=True),
+            "down + residual (1024x3072)": lambda: cf._linear(act, down, 1, residual=x),
+            "norm + head (2048x1024)": lambda: cf._linear(x, cf.heads[0], 1, norm=cf.final_norm),
+            "greedy argmax": lambda: greedy(qkv[:, :2048]),
+        }
+        res["kernels_us"] = {}
+        for name, fn in kinds.items():
+            replay, _ = graph_of(lambda fn=fn: [fn() for _ in range(50)], (), dev)
             ms = time_ms(replay, dev, args.reps)
-            res["sweep"].append(dict(BN=bn, BK=bk, num_warps=warps, ms=ms))
-            print(f"sweep BN={bn} BK={bk} warps={warps}: {ms:.3f} ms", flush=True)
-        code_frame.GEMV_BLOCKS.update(saved)
+            res["kernels_us"][name] = ms * 1e3 / 50
+            print(f"kernel {name}: {ms * 1e3 / 50:.2f} us per launch", flush=True)
     res["total_s"] = time.perf_counter() - t0
     print(f"\nfloor at batch 1: {floor_ms:.3f} ms")
     print(f"{'variant':14} {'batch':>5} {'mode':8} {'ms':>8}")

@@ -39,6 +39,11 @@ try:  # the kernels need Triton; the plain frame does not
 except ImportError:  # pragma: no cover - depends on the machine
     triton = None
 
+try:  # programmatic dependent launch (Hopper and later; Triton >= 3.3)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - depends on the Triton version
+    gdc_launch_dependents = gdc_wait = None
+
 EPI_NONE, EPI_RESIDUAL, EPI_SWIGLU = 0, 1, 2
 
 if triton is not None:
@@ -84,45 +89,67 @@ if triton is not None:
         F32_DOT: tl.constexpr,
         RND: tl.constexpr,  # the activation dtype: where the plain path rounds
         PRECISE: tl.constexpr,
+        SINGLE: tl.constexpr,  # K <= BK: one tile
+        PDL: tl.constexpr,  # launched as a programmatic dependent launch (see USE_PDL)
     ):
+        if PDL:  # let the next kernel's programs start and fetch their weights while this one runs
+            gdc_launch_dependents()
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)
         mm = rm < M
         rm64 = rm.to(tl.int64)
+        rn = pid_n * BN + tl.arange(0, BN)
+        nm = rn < N
+        rk = tl.arange(0, BK)
+        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w  # [BN, 1]
+        acc = tl.zeros([BM, BN], tl.float32)
+        acc_up = tl.zeros([BM, BN], tl.float32)
+        if SINGLE:  # K fits one tile: the weights (never written) are fetched before the inputs are ready
+            wmask = nm[:, None] & (rk < K)[None, :]
+            w0 = tl.load(w_rows + rk[None, :], mask=wmask, other=0.0)
+            if EPI == 2:
+                u0 = tl.load(w_rows + up_off * stride_w + rk[None, :], mask=wmask, other=0.0)
+            if NORM:
+                g0 = tl.load(g_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+        if PDL:  # everything below reads what earlier kernels wrote
+            gdc_wait()
         if X_GATHER or R_GATHER:
             gathered = tl.load(idx_ptr + rm, mask=mm, other=0).to(tl.int64)
         else:
             gathered = rm64
         xrow = gathered if X_GATHER else rm64
-        rn = pid_n * BN + tl.arange(0, BN)
-        nm = rn < N
-        rk = tl.arange(0, BK)
         x_rows = x_ptr + xrow[:, None] * stride_x  # [BM, 1]
-        if NORM:
-            ss = tl.zeros([BM], tl.float32)
-            for k0 in range(0, K, BK):
-                km = (k0 + rk) < K
-                xv = tl.load(x_rows + k0 + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-                xv = xv.to(tl.float32)
-                ss += tl.sum(xv * xv, axis=1)
-            rstd = rsqrt_f32(ss * inv_k + eps, PRECISE)
-        acc = tl.zeros([BM, BN], tl.float32)
-        acc_up = tl.zeros([BM, BN], tl.float32)
-        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w  # [BN, 1]
-        for k0 in range(0, K, BK):
-            kk = k0 + rk
-            km = kk < K
-            xv = tl.load(x_rows + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(tl.float32)
+        if SINGLE:
+            xv = tl.load(x_rows + rk[None, :], mask=mm[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
             if NORM:  # RMSNorm as layers.RMSNorm: x * rstd rounded, then weight * that rounded
-                gv = tl.load(g_ptr + kk, mask=km, other=0.0).to(tl.float32)
-                xv = round_to(gv[None, :] * round_to(xv * rstd[:, None], RND), RND)
-            wmask = nm[:, None] & km[None, :]
-            wv = tl.load(w_rows + kk[None, :], mask=wmask, other=0.0)
-            acc = _mac(acc, xv, wv, DOT, F32_DOT)
+                rstd = rsqrt_f32(tl.sum(xv * xv, axis=1) * inv_k + eps, PRECISE)
+                xv = round_to(g0[None, :] * round_to(xv * rstd[:, None], RND), RND)
+            acc = _mac(acc, xv, w0, DOT, F32_DOT)
             if EPI == 2:
-                uv = tl.load(w_rows + up_off * stride_w + kk[None, :], mask=wmask, other=0.0)
-                acc_up = _mac(acc_up, xv, uv, DOT, F32_DOT)
+                acc_up = _mac(acc_up, xv, u0, DOT, F32_DOT)
+        else:
+            if NORM:
+                ss = tl.zeros([BM], tl.float32)
+                for k0 in range(0, K, BK):
+                    km = (k0 + rk) < K
+                    xv = tl.load(x_rows + k0 + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+                    xv = xv.to(tl.float32)
+                    ss += tl.sum(xv * xv, axis=1)
+                rstd = rsqrt_f32(ss * inv_k + eps, PRECISE)
+            for k0 in range(0, K, BK):
+                kk = k0 + rk
+                km = kk < K
+                xv = tl.load(x_rows + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(tl.float32)
+                if NORM:
+                    gv = tl.load(g_ptr + kk, mask=km, other=0.0).to(tl.float32)
+                    xv = round_to(gv[None, :] * round_to(xv * rstd[:, None], RND), RND)
+                wmask = nm[:, None] & km[None, :]
+                wv = tl.load(w_rows + kk[None, :], mask=wmask, other=0.0)
+                acc = _mac(acc, xv, wv, DOT, F32_DOT)
+                if EPI == 2:
+                    uv = tl.load(w_rows + up_off * stride_w + kk[None, :], mask=wmask, other=0.0)
+                    acc_up = _mac(acc_up, xv, uv, DOT, F32_DOT)
         y = round_to(acc, RND)  # the GEMM's output, in the activation dtype
         out_mask = mm[:, None] & nm[None, :]
         if EPI == 1:
@@ -180,10 +207,14 @@ if triton is not None:
         RND: tl.constexpr,
         RND_C: tl.constexpr,
         PRECISE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """One program per (batch row, query head). The new rows of k and v stay in registers: the
         cached rows are read from memory, the new ones are not read back (no barrier, one round of
         loads); the first query head of each kv group writes them to the cache for later steps."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()  # the cache and the projections are earlier kernels' writes
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         g = h // REP
@@ -277,8 +308,20 @@ if triton is not None:
 # 256 -> 512 took the frame from 4.85 to 3.28 ms on an H200); rows beyond SMALL_M take
 # tl.dot's 16-row tiles. Measured on an H200 by scripts/gpu_code_frame.py (docs/performance.md).
 SMALL_M = 4
-GEMV_BLOCKS = {"BM": 4, "BN": 4, "BK": 1024, "num_warps": 4}
-DOT_BLOCKS = {"BM": 16, "BN": 64, "BK": 64, "num_warps": 4}
+GEMV_BLOCKS = {"BM": 4, "BN": 4, "BK": 2048, "num_warps": 4}
+DOT_BLOCKS = {"BM": 16, "BN": 32, "BK": 256, "num_warps": 4}
+
+
+USE_PDL = True  # each kernel a programmatic dependent launch of the one before, where the card allows
+
+
+def pdl_runs(device: torch.device) -> bool:
+    """Programmatic dependent launch: a kernel's programs start while the one before finishes, so its
+    launch and its weight loads overlap that kernel's tail (compiled code on sm_90+ only)."""
+    return (
+        USE_PDL and gdc_wait is not None and precise() and device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )  # fmt: skip
 
 
 class CodeFrame:
@@ -321,6 +364,8 @@ class CodeFrame:
         self.rnd = rnd(head.dtype)
         self.eps = cfg.rms_norm_eps
         self.use_qk_norm = cfg.use_qk_norm
+        self.pdl = pdl_runs(head.device)
+        self.launch = {"launch_pdl": True} if self.pdl else {}
 
     def _linear(self, x, w, m, *, norm=None, idx=None, gather_x=False, residual=None, gather_r=False,
                 swiglu=False, stride_x=None):  # fmt: skip
@@ -344,7 +389,7 @@ class CodeFrame:
             self.eps, 1.0 / k,
             NORM=norm is not None, X_GATHER=gather_x, R_GATHER=gather_r, EPI=epi,
             BM=bm, BN=bn, BK=bk, DOT=not small, F32_DOT=w.dtype == torch.float32 or not precise(),
-            RND=self.rnd, PRECISE=precise(), num_warps=warps,
+            RND=self.rnd, PRECISE=precise(), SINGLE=k <= bk, PDL=self.pdl, num_warps=warps, **self.launch,
         )  # fmt: skip
         return y
 
@@ -358,7 +403,7 @@ class CodeFrame:
             kc, vc, out, p0, self.eps, 1.0 / d, d**-0.5,
             qkv.stride(0), out.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
             T=t, HQ=hq, KV=kv, REP=hq // kv, D=d, BL=max(next_pow2(p0), 2), HAS_NORM=q_w is not None,
-            RND=self.rnd, RND_C=rnd(kc.dtype), PRECISE=precise(), num_warps=4,
+            RND=self.rnd, RND_C=rnd(kc.dtype), PRECISE=precise(), PDL=self.pdl, num_warps=4, **self.launch,
         )  # fmt: skip
         return out
 

@@ -89,7 +89,8 @@ def set_variant(cp: CodePredictor, variant: str) -> None:
         return
     packed_kernels.install_packed(host)
     fused.install_all(host, [k for k in fused.KERNELS if k != "code_frame"])
-    if variant == "code_frame":
+    if variant.startswith("code_frame"):
+        code_frame.USE_PDL = variant == "code_frame"
         fused.install_all(host, ["code_frame"])
 
 
@@ -101,6 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--out", default="gpu_code_frame.json")
+    ap.add_argument("--quick", action="store_true", help="two batch-1 shapes, no batch-8 sweep")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -130,7 +132,7 @@ def main(argv=None) -> int:
         return frame
 
     outputs = {}
-    for variant in ("plain", "fused layers", "code_frame"):
+    for variant in ("plain", "fused layers", "code_frame no PDL", "code_frame"):
         set_variant(cp, variant)
         for b in batches:
             inputs = (
@@ -160,9 +162,10 @@ def main(argv=None) -> int:
         res["checks"][f"code_frame {mode}: codes equal to fused layers (fraction)"] = float((got == ref).float().mean())
         res["checks"][f"code_frame {mode}: first code equal (fraction)"] = float((got[:, 0] == ref[:, 0]).float().mean())
         res["checks"][f"code_frame {mode}: replay repeats"] = repeat
+        res["checks"][f"code_frame {mode}: PDL == no PDL"] = bool(torch.equal(got, outputs[("code_frame no PDL", mode)][0]))
     # block shapes: the batch-1 GEMV, then batch 8 (the few-rows path over more rows, or tl.dot tiles)
     if dev.type == "cuda":
-        set_variant(cp, "code_frame")
+        set_variant(cp, "code_frame")  # with PDL where it runs
         saved = (dict(code_frame.GEMV_BLOCKS), dict(code_frame.DOT_BLOCKS), code_frame.SMALL_M)
 
         def sweep(b, label, settings):
@@ -183,14 +186,15 @@ def main(argv=None) -> int:
 
         g1 = [dict(BN=4, BK=1024, num_warps=4), dict(BN=4, BK=1024, num_warps=2), dict(BN=2, BK=1024, num_warps=2),
               dict(BN=4, BK=2048, num_warps=4), dict(BN=4, BK=4096, num_warps=8), dict(BN=1, BK=1024, num_warps=2)]  # fmt: skip
-        sweep(1, "gemv", [(g, {}, 4) for g in g1])
+        sweep(1, "gemv", [(g, {}, 4) for g in g1[:1] + g1[3:4]] if args.quick else [(g, {}, 4) for g in g1])
         d8 = [dict(BM=16, BN=16, BK=256, num_warps=4), dict(BM=16, BN=32, BK=256, num_warps=4),
               dict(BM=16, BN=16, BK=512, num_warps=4), dict(BM=16, BN=32, BK=512, num_warps=8),
               dict(BM=16, BN=64, BK=256, num_warps=8)]  # fmt: skip
         few = [dict(BM=4, BN=4, BK=1024, num_warps=4), dict(BM=8, BN=4, BK=512, num_warps=4),
                dict(BM=2, BN=4, BK=1024, num_warps=4)]  # fmt: skip
-        sweep(8, "dot", [({}, d, 4) for d in d8])
-        sweep(8, "few-rows", [(g, {}, 16) for g in few])
+        if not args.quick:
+            sweep(8, "dot", [({}, d, 4) for d in d8])
+            sweep(8, "few-rows", [(g, {}, 16) for g in few])
         # one kernel of each kind alone, 50 launches in a graph: microseconds per launch (batch 1)
         cf = cp.frame_fn
         x = torch.randn(1, width, device=dev).to(dtype)

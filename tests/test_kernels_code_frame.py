@@ -96,3 +96,17 @@ def test_install_sets_and_uninstall_clears_the_seam():
     assert fused.install_all(host, {"code_frame"}) == {"code_frame": 1}
     assert cp.frame_fn is not None
     assert fused.uninstall_all(host) == 1 and cp.frame_fn is None
+
+
+def test_few_rows_path_over_several_row_and_k_blocks(monkeypatch):
+    from omni_rt.kernels import code_frame
+
+    monkeypatch.setitem(code_frame.GEMV_BLOCKS, "BM", 2)  # 3 rows (6 at step 0): several programs per column
+    monkeypatch.setitem(code_frame.GEMV_BLOCKS, "BK", 32)  # K of 64 and 128 in several tiles
+    monkeypatch.setattr(code_frame, "SMALL_M", 8)
+    cp = predictor(torch.float32)
+    hidden, code0 = inputs(3, cp.cfg.hidden_size, torch.float32)
+    want, k_want, _ = run(cp, False, hidden, code0)
+    got, k_got, _ = run(cp, True, hidden, code0)
+    assert got.tolist() == want.tolist()
+    torch.testing.assert_close(k_got, k_want, rtol=1e-5, atol=1e-5)

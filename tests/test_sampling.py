@@ -271,6 +271,21 @@ def test_top_k_first_needs_a_top_k_on_every_sampled_row():
     )
 
 
+def test_the_hash_is_the_same_in_numpy_and_torch():
+    """The CPU hashes in Python ints and numpy (`uniform_noise_at`), a device in torch: the same integer
+    arithmetic, the same bits (int64 products past 2**63 wrap, Python's do not: only the low 32 bits are
+    kept), so draws do not depend on where they are made."""
+    seed = torch.tensor([5, 2**62 + 12345, 0])
+    keys = torch.tensor([3, 2**40 + 7, 123456])
+    ids = torch.randint(0, 152064, (3, 50), generator=torch.Generator().manual_seed(0))
+    rows = S._row_hash(seed, 1, keys)
+    assert rows.tolist() == [S._row_hash(a, 1, b) for a, b in zip(seed.tolist(), keys.tolist(), strict=True)]
+    got = S._hash_bits(rows.numpy(), ids.numpy())
+    assert torch.equal(torch.from_numpy(got), S._hash_bits(rows, ids))
+    u = ((S._hash_bits(rows, ids) >> 9).float() + 0.5) * (1.0 / (1 << 23))  # torch end to end
+    assert torch.equal(S.uniform_noise_at(seed, 1, keys, ids), u)
+
+
 def test_noise_at_ids_is_the_vocabulary_noise_there():
     seed, keys = torch.tensor([5, 9]), torch.tensor([3, 4])
     whole = S.uniform_noise(seed, 2, keys, 1000)  # [2, V]

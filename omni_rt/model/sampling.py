@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
+import numpy as np
 import torch
 
 from omni_rt.config import StageSampling
@@ -220,13 +221,14 @@ def _sampling_temperature(scores: torch.Tensor, rows: RowSettings) -> torch.Tens
 # Counter-based randomness on the device
 
 _M32 = 0xFFFFFFFF
+Ints = TypeVar("Ints", torch.Tensor, np.ndarray, int)  # int64 tensors; on the CPU, numpy int64 or Python ints
 
 
-def _mix32(h: torch.Tensor) -> torch.Tensor:
+def _mix32(h: Ints) -> Ints:
     """murmur3's 32-bit finaliser on uint32 values held in int64 (a bijection with full avalanche).
 
     Values stay below 2**32, so `>>` is a logical shift; a product may wrap int64, but its low 32 bits,
-    all that is kept, are exact (two's complement) on every device."""
+    all that is kept, are exact (two's complement) on every device, and in numpy (see `_hash_bits`)."""
     h = h ^ (h >> 16)
     h = (h * 0x85EBCA6B) & _M32
     h = h ^ (h >> 13)
@@ -234,7 +236,7 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def _row_hash(seed: torch.Tensor, stage: int, keys: torch.Tensor) -> torch.Tensor:
+def _row_hash(seed: Ints, stage: int, keys: Ints) -> Ints:
     """One 32-bit state per row [B] from (seed, stage, key), each 64-bit word folded in 32 bits at a time."""
     h = _mix32((seed & _M32) ^ 0x9E3779B9)
     h = _mix32(h ^ ((seed >> 32) & _M32))
@@ -247,9 +249,22 @@ def uniform_noise_at(seed: torch.Tensor, stage: int, keys: torch.Tensor, ids: to
     """U(0, 1) float32 at vocabulary ids [V] (every row) or [B, K] (per row), a pure function of
     (seed[B], stage, keys[B], vocab id). 23 bits: with 24, the top value (2**24 - 0.5) / 2**24 rounds
     to 1.0 in float32, and E = -log 1 = 0 would win every race."""
-    x = _mix32(_row_hash(seed, stage, keys)[:, None] ^ ((ids * 0x9E3779B9) & _M32))  # [B, V] or [B, K]
-    x = _mix32(x ^ 0x85EBCA77)  # a second round: neighbouring ids differ in a few input bits only
+    if seed.device.type == "cpu":
+        # The same integer arithmetic on Python ints (each row's state) and numpy arrays: some 60 integer
+        # ops per draw on a handful of values, each a fraction of a torch op's dispatch cost (a
+        # code-predictor frame draws 15 times).
+        rows = np.array([_row_hash(a, stage, b) for a, b in zip(seed.tolist(), keys.tolist(), strict=True)])
+        x = torch.from_numpy(_hash_bits(rows.astype(np.int64), ids.numpy()))
+    else:
+        x = _hash_bits(_row_hash(seed, stage, keys), ids)
     return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
+
+
+def _hash_bits(rows: Ints, ids: Ints) -> Ints:
+    """The 32 hashed bits of row states [B] (`_row_hash`) and vocab ids [V] or [B, K]: int64 [B, V] or
+    [B, K]."""
+    x = _mix32(rows[:, None] ^ ((ids * 0x9E3779B9) & _M32))
+    return _mix32(x ^ 0x85EBCA77)  # a second round: neighbouring ids differ in a few input bits only
 
 
 def uniform_noise(seed: torch.Tensor, stage: int, keys: torch.Tensor, vocab: int) -> torch.Tensor:

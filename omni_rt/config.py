@@ -116,6 +116,15 @@ class EngineSettings(_Settings):
         "and SnakeBeta (omni_rt.kernels.fused). None: on where the model runs on a CUDA device and Triton "
         "imports; True: on, an error where they cannot run; False: off (plain PyTorch)",
     )
+    cpu_stage_threads: int | None = Field(
+        1,
+        ge=1,
+        le=256,
+        description="torch intra-op threads of each stage thread when the model runs on the CPU. The three "
+        "stage threads run at once, so torch's default (a thread per core for each) oversubscribes the cores, "
+        "and a parallel op then waits for a helper thread that another stage's work has descheduled; None: "
+        "torch's default",
+    )
     deterministic: bool = Field(
         False,
         description="run every sequence's step on its own (batch-invariant results) instead of batching",
@@ -158,6 +167,7 @@ class EngineSettings(_Settings):
             moe_prefill_kernel=False,
             fused_kernels=False,
             packed_projections=False,
+            cpu_stage_threads=None,
         )
         return cls(**(base | overrides))
 

@@ -124,9 +124,11 @@ class Pipeline:
         settings: EngineSettings,
         ids: TokenIds,
         clock: Callable[[], float] = time.perf_counter,
+        thread_init: Callable[[], None] | None = None,
     ) -> None:
         self.thinker, self.talker, self.code2wav = thinker, talker, code2wav
         self.settings, self.ids, self.clock = settings, ids, clock
+        self.thread_init = thread_init  # run first in each stage thread (the engine's CPU thread count)
         self.thinker_inbox = Inbox("thinker")
         self.talker_inbox = Inbox("talker")
         self.code2wav_inbox = Inbox("code2wav")
@@ -147,9 +149,12 @@ class Pipeline:
             return
         self._stopping = False
         self._threads = [
-            threading.Thread(target=self._thinker_loop, name="omni-rt-thinker", daemon=True),
-            threading.Thread(target=self._talker_loop, name="omni-rt-talker", daemon=True),
-            threading.Thread(target=self._code2wav_loop, name="omni-rt-code2wav", daemon=True),
+            threading.Thread(target=self._run, args=(loop,), name=f"omni-rt-{name}", daemon=True)
+            for name, loop in (
+                ("thinker", self._thinker_loop),
+                ("talker", self._talker_loop),
+                ("code2wav", self._code2wav_loop),
+            )
         ]
         for t in self._threads:
             t.start()
@@ -176,6 +181,11 @@ class Pipeline:
             self._fail(req, EngineClosedError("the engine stopped"))
             for stage in list(req.holders):
                 self._release(req, stage)
+
+    def _run(self, loop: Callable[[], None]) -> None:
+        if self.thread_init is not None:
+            self.thread_init()
+        loop()
 
     def submit(self, req: Request) -> None:
         if not self.running or self._stopping:

@@ -68,6 +68,25 @@ class EngineSettings(_Settings):
         description="audio before text: the Thinker decodes no further than this many tokens ahead of what "
         "the Talker has spoken (32 tokens: ~2.5 s of speech queued); None: as fast as it can",
     )
+    urgent_text_lead: int | None = Field(
+        2,
+        ge=1,
+        description="audio before text while the audio is due: until a response's audio is `audio_ahead_s` "
+        "ahead of real-time playback, the Thinker stays at most this many tokens ahead of the Talker (instead "
+        "of max_text_lead), so that on a small CPU the Talker and Code2Wav get the cores; None: max_text_lead "
+        "throughout",
+    )
+    audio_ahead_s: float = Field(
+        1.0,
+        ge=0.0,
+        le=60.0,
+        description="audio ahead of real time that lets the Thinker lead by max_text_lead",
+    )
+    early_chunks: bool = Field(
+        True,
+        description="when the audio sent would run out before the planned Code2Wav chunk's frames arrive (at "
+        "the rate they have been arriving), decode the largest planned chunk size already pending",
+    )
     yield_until: Literal["frame0", "first_audio"] = Field(
         "first_audio",
         description="what the Thinker's yield (`yield_to_talker_ms`) waits for: the response's frame 0 leaving "
@@ -160,6 +179,8 @@ class EngineSettings(_Settings):
             yield_to_talker_ms=0.0,
             yield_until="frame0",
             max_text_lead=None,
+            urgent_text_lead=None,
+            early_chunks=False,
             cuda_graphs=False,
             prefill_graphs=False,
             prefill_launch_order=False,

@@ -48,8 +48,9 @@ def test_chunks_go_early_only_when_the_audio_would_run_dry_first():
     assert chunk_to_decode(3, 2, True, req(audio_s=1.0), slow, 10.5, s) == 3  # the remainder at the end
     # chunk 3 plans 8 frames; 3 pending, 5 more take 300 ms (+ 60 for the decode): 0.5 s ahead is enough
     assert chunk_to_decode(3, 3, False, req(audio_s=1.0), slow, 10.5, s) == 0
-    # 0.2 s ahead is not: decode the largest planned size pending now
-    assert chunk_to_decode(3, 3, False, req(audio_s=0.7), slow, 10.5, s) == 2
+    # 0.2 s ahead is not, nor for 4 frames (1 more + 1 interval = 120 ms) with 0.1 s: decode 2 now
+    assert chunk_to_decode(3, 3, False, req(audio_s=0.6), slow, 10.5, s) == 2
+    assert chunk_to_decode(3, 3, False, req(audio_s=0.7), slow, 10.5, s) == 0  # 0.2 s: wait for 4
     assert chunk_to_decode(1, 3, False, req(audio_s=0.1), slow, 10.5, s) == 1
     assert chunk_to_decode(3, 3, False, req(audio_s=0.7), None, 10.5, s) == 0  # no rate yet: wait
     assert chunk_to_decode(3, 3, False, req(), slow, 10.5, s) == 0  # nothing played yet: the plan

@@ -12,8 +12,8 @@ stage threads share the cores (and one interpreter lock), they keep the playback
   that is due. The Talker reads one token per frame, so any lead of 1 or more keeps it fed.
 - Chunks (`chunk_to_decode`): Code2Wav decodes its planned chunk sizes (1, 2, 4, ... frames: few sizes,
   so few graphs) once that many frames are pending; with `early_chunks`, when the audio sent would run
-  out before the planned chunk's frames arrive (at the rate this request's frames have been arriving),
-  it decodes now the largest planned size that is pending. Doubling chunks need frames made at twice
+  out before the planned chunk's frames arrive (at the rate this response's frames have been arriving),
+  it decodes a smaller planned size: the largest it can still wait for, or the largest pending now. Doubling chunks need frames made at twice
   real time to keep up; where they come slower, the chunks stay small instead of the track running dry.
 """
 
@@ -53,7 +53,11 @@ def chunk_to_decode(
     s: EngineSettings,
 ) -> int:  # fmt: skip
     """Frames to decode now from `pending` (0: wait for more). `chunk_index`: chunks decoded so far;
-    `frame_interval_s`: the mean time between this request's frames so far (None: fewer than two)."""
+    `frame_interval_s`: the mean time between this response's frames so far (None: fewer than two).
+
+    Early (`early_chunks`): wait for the largest planned size, up to this chunk's, whose missing frames
+    arrive (one interval more: the decode, and jitter) before the audio sent runs out; if none, decode the
+    largest planned size pending now. Small chunks cost more per frame, so they are used only as needed."""
     planned = s.chunk_size(chunk_index)
     if pending >= planned:
         return planned
@@ -62,7 +66,9 @@ def chunk_to_decode(
     if not s.early_chunks or pending == 0 or frame_interval_s is None:
         return 0
     ahead = audio_ahead_s(req, now)
-    # one interval more than the frames to wait for: the chunk's own decode, and jitter
-    if ahead is None or ahead > (planned - pending + 1) * frame_interval_s:
-        return 0  # the planned chunk is whole before the audio sent runs out
-    return max((n for n in s.chunk_sizes() if n <= pending), default=0)
+    if ahead is None:
+        return 0  # nothing plays yet: the first chunk is the plan
+    sizes = [n for n in s.chunk_sizes() if n <= planned]
+    if any(n > pending and ahead > (n - pending + 1) * frame_interval_s for n in sizes):
+        return 0
+    return max((n for n in sizes if n <= pending), default=0)

@@ -51,8 +51,7 @@ def test_chunks_go_early_only_when_the_audio_would_run_dry_first():
     # 0.2 s ahead is not, nor for 4 frames (1 more + 1 interval = 120 ms) with 0.1 s: decode 2 now
     assert chunk_to_decode(3, 3, False, req(audio_s=0.6), slow, 10.5, s) == 2
     assert chunk_to_decode(3, 3, False, req(audio_s=0.7), slow, 10.5, s) == 0  # 0.2 s: wait for 4
-    assert chunk_to_decode(1, 3, False, req(audio_s=0.55), slow, 10.5, s) == 1
-    assert chunk_to_decode(3, 3, False, req(audio_s=0.4), slow, 10.5, s) == 0  # dry already: the plan
+    assert chunk_to_decode(1, 3, False, req(audio_s=0.1), slow, 10.5, s) == 1
     assert chunk_to_decode(3, 3, False, req(audio_s=0.7), None, 10.5, s) == 0  # no rate yet: wait
     assert chunk_to_decode(3, 3, False, req(), slow, 10.5, s) == 0  # nothing played yet: the plan
     assert (

@@ -66,10 +66,8 @@ def chunk_to_decode(
     if not s.early_chunks or pending == 0 or frame_interval_s is None:
         return 0
     ahead = audio_ahead_s(req, now)
-    if ahead is None or ahead <= 0:
-        # nothing plays yet (the first chunk is the plan), or the track has already run dry: small chunks
-        # cost more per frame, and on a CPU that cannot keep up they would only make it fall further behind
-        return 0
+    if ahead is None:
+        return 0  # nothing plays yet: the first chunk is the plan
     sizes = [n for n in s.chunk_sizes() if n <= planned]
     if any(n > pending and ahead > (n - pending + 1) * frame_interval_s for n in sizes):
         return 0

@@ -83,9 +83,11 @@ class EngineSettings(_Settings):
         description="audio ahead of real time that lets the Thinker lead by max_text_lead",
     )
     early_chunks: bool = Field(
-        True,
+        False,
         description="when the audio sent would run out before the planned Code2Wav chunk's frames arrive (at "
-        "the rate they have been arriving), decode the largest planned chunk size already pending",
+        "the rate they have been arriving), decode a smaller planned chunk size (omni_rt.pipeline.pacing). Off "
+        "by default: chunks then follow the timing, so PCM is reproducible only to float rounding (1 LSB of "
+        "int16), and on a CPU that barely keeps up the smaller chunks' cost made the RTF worse (2026-12-01)",
     )
     yield_until: Literal["frame0", "first_audio"] = Field(
         "first_audio",
@@ -180,7 +182,6 @@ class EngineSettings(_Settings):
             yield_until="frame0",
             max_text_lead=None,
             urgent_text_lead=None,
-            early_chunks=False,
             cuda_graphs=False,
             prefill_graphs=False,
             prefill_launch_order=False,

@@ -42,7 +42,7 @@ def test_the_thinker_keeps_close_to_the_voice_until_the_audio_is_ahead():
 
 
 def test_chunks_go_early_only_when_the_audio_would_run_dry_first():
-    s = EngineSettings()  # planned 1, 2, 4, 8, 16, 16, ...
+    s = EngineSettings(early_chunks=True)  # planned 1, 2, 4, 8, 16, 16, ...
     slow = 0.06  # a frame every 60 ms
     assert chunk_to_decode(4, 2, False, req(audio_s=1.0), slow, 10.5, s) == 4  # planned and whole
     assert chunk_to_decode(3, 2, True, req(audio_s=1.0), slow, 10.5, s) == 3  # the remainder at the end

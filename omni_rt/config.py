@@ -143,8 +143,8 @@ class EngineSettings(_Settings):
         le=256,
         description="torch intra-op threads of each stage thread when the model runs on the CPU. The three "
         "stage threads run at once, so torch's default (a thread per core for each) oversubscribes the cores, "
-        "and a parallel op then waits for a helper thread that another stage's work has descheduled; None: "
-        "torch's default",
+        "and a parallel op then waits for a helper thread that another stage's work has descheduled (torch "
+        "also makes it the default of threads that have not run torch yet); None: torch's default",
     )
     deterministic: bool = Field(
         False,

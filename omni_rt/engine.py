@@ -282,8 +282,10 @@ class Engine:
             self._pipeline.start()
 
     def _stage_thread_init(self) -> Callable[[], None] | None:
-        """What each stage thread runs first: on the CPU, its own torch intra-op thread count
-        (`EngineSettings.cpu_stage_threads`; torch's count is per thread, so the app's stays as it was)."""
+        """What each stage thread runs first: on the CPU, its torch intra-op thread count
+        (`EngineSettings.cpu_stage_threads`). A thread that has already run torch keeps its own count, but
+        torch also takes it as the default of threads that have not yet: an app that wants another count
+        in a new thread sets it there."""
         n = self.settings.cpu_stage_threads
         if n is None or self.model is None or self.model.device.type != "cpu":
             return None

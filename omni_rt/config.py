@@ -68,6 +68,27 @@ class EngineSettings(_Settings):
         description="audio before text: the Thinker decodes no further than this many tokens ahead of what "
         "the Talker has spoken (32 tokens: ~2.5 s of speech queued); None: as fast as it can",
     )
+    urgent_text_lead: int | None = Field(
+        2,
+        ge=1,
+        description="audio before text while the audio is due: until a response's audio is `audio_ahead_s` "
+        "ahead of real-time playback, the Thinker stays at most this many tokens ahead of the Talker (instead "
+        "of max_text_lead), so that on a small CPU the Talker and Code2Wav get the cores; None: max_text_lead "
+        "throughout",
+    )
+    audio_ahead_s: float = Field(
+        1.0,
+        ge=0.0,
+        le=60.0,
+        description="audio ahead of real time that lets the Thinker lead by max_text_lead",
+    )
+    early_chunks: bool = Field(
+        False,
+        description="when the audio sent would run out before the planned Code2Wav chunk's frames arrive (at "
+        "the rate they have been arriving), decode a smaller planned chunk size (omni_rt.pipeline.pacing). Off "
+        "by default: chunks then follow the timing, so PCM is reproducible only to float rounding (1 LSB of "
+        "int16), and on a CPU that barely keeps up the smaller chunks' cost made the RTF worse (2026-12-01)",
+    )
     yield_until: Literal["frame0", "first_audio"] = Field(
         "first_audio",
         description="what the Thinker's yield (`yield_to_talker_ms`) waits for: the response's frame 0 leaving "
@@ -116,6 +137,15 @@ class EngineSettings(_Settings):
         "and SnakeBeta (omni_rt.kernels.fused). None: on where the model runs on a CUDA device and Triton "
         "imports; True: on, an error where they cannot run; False: off (plain PyTorch)",
     )
+    cpu_stage_threads: int | None = Field(
+        1,
+        ge=1,
+        le=256,
+        description="torch intra-op threads of each stage thread when the model runs on the CPU. The three "
+        "stage threads run at once, so torch's default (a thread per core for each) oversubscribes the cores, "
+        "and a parallel op then waits for a helper thread that another stage's work has descheduled (torch "
+        "also makes it the default of threads that have not run torch yet); None: torch's default",
+    )
     deterministic: bool = Field(
         False,
         description="run every sequence's step on its own (batch-invariant results) instead of batching",
@@ -151,6 +181,7 @@ class EngineSettings(_Settings):
             yield_to_talker_ms=0.0,
             yield_until="frame0",
             max_text_lead=None,
+            urgent_text_lead=None,
             cuda_graphs=False,
             prefill_graphs=False,
             prefill_launch_order=False,
@@ -158,6 +189,7 @@ class EngineSettings(_Settings):
             moe_prefill_kernel=False,
             fused_kernels=False,
             packed_projections=False,
+            cpu_stage_threads=None,
         )
         return cls(**(base | overrides))
 

@@ -276,8 +276,22 @@ class Engine:
                 return
             # building runners allocates the caches: off the event loop
             thinker, talker, code2wav = await asyncio.to_thread(self._stages, self.settings)
-            self._pipeline = Pipeline(thinker, talker, code2wav, self.settings, self.cfg.ids)
+            self._pipeline = Pipeline(
+                thinker, talker, code2wav, self.settings, self.cfg.ids, thread_init=self._stage_thread_init()
+            )
             self._pipeline.start()
+
+    def _stage_thread_init(self) -> Callable[[], None] | None:
+        """What each stage thread runs first: on the CPU, its torch intra-op thread count
+        (`EngineSettings.cpu_stage_threads`). A thread that has already run torch keeps its own count, but
+        torch also takes it as the default of threads that have not yet: an app that wants another count
+        in a new thread sets it there."""
+        n = self.settings.cpu_stage_threads
+        if n is None or self.model is None or self.model.device.type != "cpu":
+            return None
+        import torch
+
+        return lambda: torch.set_num_threads(n)
 
     async def stop(self) -> None:
         """Stop the stage threads (in-flight responses end failed) and drop the caches."""

@@ -439,33 +439,42 @@ def audibility(levels: list[list[float]], threshold: float = 0.01) -> tuple[floa
 
 
 @pytest.mark.xfail(
-    reason="issue 13, defect 6 is open: on a 2-core CPU the tiny preset runs at RTF ~1.3 (a Thinker token "
-    "~40 ms, half of it two sorts over the 152k vocabulary; a Talker step + code-predictor frame ~70 ms; "
-    "measured 2026-12-01), so the track runs dry (44 % audible). Kept running so it says when it passes.",
+    reason="issue 13, defect 6 is still open: on this shared 2-core machine (neighbours' jobs at load 1-2.5) "
+    "the tiny pipeline now runs at RTF ~0.6-0.8 (was ~1.3) and replies were 84-85 % audible with a ~0.7 s gap "
+    "where the Code2Wav chunks double; with early_chunks=True 1 of 2 runs passed and the other was 89 % "
+    "audible (2026-12-01, docs/performance.md). Kept running so it says when it passes.",
     strict=False,
 )
 async def test_a_tiny_reply_plays_without_gaps(tiny):
     """The embedded default as `omni-rt serve` runs it (tiny, 8 s replies, 1024 text tokens), heard in
     Chromium: the track must never run dry (its random-weight audio is loud throughout, so any silence
-    inside the reply is an underrun)."""
+    inside the reply is an underrun). Random weights sometimes end a reply after a few words (about one
+    seed in eight: an early `<|im_end|>`); such a reply is checked too, and another turn is asked for
+    until one has the full length (at most three)."""
     from omni_rt.server import PeerSettings
     from omni_rt.server.app import TINY_REPLY_SECONDS
 
     peer = PeerSettings(max_audio_frames=round(TINY_REPLY_SECONDS / 0.08))
+    heard = []  # (seconds, share audible, longest gap ms) of each reply
     async with (
         tiny,
         Server(tiny, ServerSettings(port=0, peer=peer)) as server,
         open_page(server) as (page, errors),
     ):
-        await page.evaluate(LEVEL_PROBE)
-        await page.fill("#text", "Hello! Tell me about the sea.")
-        await page.press("#text", "Enter")
-        await page.wait_for_function(
-            "window.omni.events.includes('output_audio_buffer.stopped')", timeout=120_000
-        )
-        await asyncio.sleep(0.3)  # the last frames through the jitter buffer
-        levels = await page.evaluate("clearInterval(window.levelTimer), window.levels")
-        seconds, share, longest_gap = audibility(levels)
-        assert seconds > 0.9 * TINY_REPLY_SECONDS, seconds  # the whole reply was heard
-        assert share >= 0.95 and longest_gap <= 100, (share, longest_gap, seconds)
+        for turn in range(3):
+            await page.evaluate(LEVEL_PROBE)
+            await page.fill("#text", "Hello! Tell me about the sea." if turn == 0 else "Tell me more.")
+            await page.press("#text", "Enter")
+            await page.wait_for_function(
+                f"window.omni.events.filter(e => e === 'output_audio_buffer.stopped').length > {turn}",
+                timeout=120_000,
+            )
+            await asyncio.sleep(0.3)  # the last frames through the jitter buffer
+            levels = await page.evaluate("clearInterval(window.levelTimer), window.levels")
+            heard.append(audibility(levels))
+            seconds, share, longest_gap = heard[-1]
+            assert share >= 0.95 and longest_gap <= 100, heard
+            if seconds > 0.9 * TINY_REPLY_SECONDS:  # the whole reply was heard
+                break
+        assert heard[-1][0] > 0.9 * TINY_REPLY_SECONDS, heard
         assert errors == []

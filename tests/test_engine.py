@@ -108,6 +108,40 @@ async def test_greedy_stream_equals_offline(engine, tiny):
     assert done.usage.output_tokens == len(text) and done.usage.audio_frames == codes.shape[1]
 
 
+@pytest.mark.parametrize("threads", [1, None])
+async def test_each_cpu_stage_thread_runs_torch_with_its_own_thread_count(tiny, threads):
+    """`cpu_stage_threads`: the stage threads' torch thread count, set in each of them; None leaves them
+    what a new thread gets from torch."""
+    import threading
+
+    fresh: list[int] = []
+    probe = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+    probe.start()
+    probe.join()
+
+    seen: dict[str, int] = {}
+
+    class Counting(ThinkerRunner):
+        def decode(self, reqs):
+            seen[threading.current_thread().name] = torch.get_num_threads()
+            return super().decode(reqs)
+
+    def stages(settings):
+        return (
+            Counting(tiny.model, settings),
+            TalkerRunner(tiny.model, settings),
+            Code2WavRunner(tiny.model, settings),
+        )
+
+    main = torch.get_num_threads()
+    settings = omni_rt.EngineSettings(cpu_stage_threads=threads)
+    async with omni_rt.Engine(tiny.cfg, tiny.tokenizer, stages, settings, model=tiny.model) as e:
+        async with e.session() as s:
+            await collect(s, text="Hi", sampling=GREEDY, max_output_tokens=3, max_audio_frames=3)
+    assert seen == {"omni-rt-thinker": threads or fresh[0]}
+    assert torch.get_num_threads() == main  # a thread that has run torch keeps its count
+
+
 async def test_first_audio_arrives_before_the_last_text_delta(engine, tiny):
     async with engine:
         async with engine.session() as s:

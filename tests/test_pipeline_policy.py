@@ -283,7 +283,7 @@ def test_two_requests_at_once_get_what_they_get_alone():
         return (
             [m.token_id for m in sink.of(TextOut)],
             [m.token_id for m in sink.of(TranscriptOut)],
-            [float(x) for a in sink.of(AudioOut) for x in a.pcm[::97]],
+            np.concatenate([a.pcm for a in sink.of(AudioOut)])[::97].tolist(),  # chunking may differ
         )
 
     alone = []

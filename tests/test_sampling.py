@@ -191,9 +191,11 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("top_k_first", [True, False], ids=["top-k first", "whole vocabulary"])
 @pytest.mark.parametrize("case", CASES)
-def test_draws_follow_the_reference_distribution(case):
-    """20,000 keyed draws for fixed logits match softmax(transformers' processed logits) (p > 0.001)."""
+def test_draws_follow_the_reference_distribution(case, top_k_first):
+    """20,000 keyed draws for fixed logits match softmax(transformers' processed logits) (p > 0.001),
+    by both paths (a case without top-k takes the whole vocabulary either way)."""
     s, supp = CASES[case]
     vocab, n = 64, 20_000
     logits = rand_logits(b=1, v=vocab, seed=3, scale=1.5)  # [1, V]: a spread-out distribution
@@ -202,12 +204,93 @@ def test_draws_follow_the_reference_distribution(case):
     seen = S.history_from_ids(history, vocab).expand(n, vocab)
     mask = None if supp is None else S.suppress_mask(vocab, supp)
     draws = S.choose(
-        logits.expand(n, vocab), rows(s, n), torch.full((n,), 11), 0, torch.arange(n), seen, mask
+        logits.expand(n, vocab), rows(s, n), torch.full((n,), 11), 0, torch.arange(n), seen, mask, top_k_first
     )  # [n]: one draw per step key
     counts = torch.bincount(draws, minlength=vocab)
     assert chi_square_p(counts, want) > 0.001
     # the test can fail: the same draws against the unprocessed distribution are rejected
     assert chi_square_p(counts, torch.softmax(logits[0], dim=-1)) < 1e-6
+
+
+def random_rows(b: int, g: torch.Generator, top_p: bool) -> S.RowSettings:
+    """Mixed per-row settings: mostly sampled, top-k 1..79 (some above a small vocabulary), some top-p."""
+    return S.RowSettings.of(
+        [
+            StageSampling(
+                do_sample=bool(torch.rand(1, generator=g) < 0.8),
+                temperature=float(torch.rand(1, generator=g)) + 0.3,
+                top_k=int(torch.randint(1, 80, (1,), generator=g)),
+                top_p=float(torch.rand(1, generator=g)) * 0.5 + 0.5 if top_p else 1.0,
+                repetition_penalty=1.1,
+            )
+            for _ in range(b)
+        ]
+    )
+
+
+def test_top_k_first_draws_what_the_whole_vocabulary_draws():
+    """The CPU's top-k-first path makes the very choices of the whole-vocabulary path (the GPU's): the
+    same survivors, scores and keyed uniforms, over batches of mixed settings, penalties, suppression,
+    k above the vocabulary, and ties at the k-th score (kept, so more than k survive)."""
+    g = torch.Generator().manual_seed(0)
+    rows_seen = 0
+    for trial in range(200):
+        b, vocab = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(5, 3000, (1,), generator=g))
+        logits = torch.randn(b, vocab, generator=g) * (float(torch.rand(1, generator=g)) * 4 + 0.5)
+        r = random_rows(b, g, top_p=trial % 2 == 1)
+        if (
+            trial % 4 == 0
+        ):  # many equal scores around the k-th; top-p off (it drops equal scores by sort order)
+            logits = (logits * 2).round() / 2
+            r = r._replace(top_p=torch.ones(b))
+        seen = torch.rand(b, vocab, generator=g) < 0.1
+        supp = S.suppress_mask(vocab, list(range(0, vocab, 7)))
+        seed, keys = torch.randint(0, 2**40, (b,), generator=g), torch.randint(0, 1000, (b,), generator=g)
+        fast = S.choose_top_k_first(logits, r, seed, 1, keys, seen, supp)
+        assert fast is not None
+        assert torch.equal(fast, S.choose(logits, r, seed, 1, keys, seen, supp, top_k_first=False)), trial
+        rows_seen += b
+    assert rows_seen > 400
+
+
+def test_top_k_first_needs_a_top_k_on_every_sampled_row():
+    logits = rand_logits(b=3)
+    seed, keys = torch.tensor([1, 2, 3]), torch.tensor([0, 0, 0])
+    mixed = S.RowSettings.of([StageSampling(top_k=20), StageSampling(top_k=0), StageSampling(top_k=5)])
+    assert S.choose_top_k_first(logits, mixed, seed, 0, keys) is None  # top-k off: the whole vocabulary
+    # a greedy row without top-k does not need one: it takes the argmax
+    greedy = S.RowSettings.of(
+        [StageSampling(top_k=20), StageSampling(do_sample=False), StageSampling(top_k=5)]
+    )
+    got = S.choose_top_k_first(logits, greedy, seed, 0, keys)
+    assert got is not None and int(got[1]) == int(logits[1].argmax())
+    assert torch.equal(got, S.choose(logits, greedy, seed, 0, keys, top_k_first=False))
+    # choose falls back by itself
+    assert torch.equal(
+        S.choose(logits, mixed, seed, 0, keys), S.choose(logits, mixed, seed, 0, keys, top_k_first=False)
+    )
+
+
+def test_the_hash_is_the_same_in_numpy_and_torch():
+    """The CPU hashes in Python ints and numpy (`uniform_noise_at`), a device in torch: the same integer
+    arithmetic, the same bits (int64 products past 2**63 wrap, Python's do not: only the low 32 bits are
+    kept), so draws do not depend on where they are made."""
+    seed = torch.tensor([5, 2**62 + 12345, 0])
+    keys = torch.tensor([3, 2**40 + 7, 123456])
+    ids = torch.randint(0, 152064, (3, 50), generator=torch.Generator().manual_seed(0))
+    rows = S._row_hash(seed, 1, keys)
+    assert rows.tolist() == [S._row_hash(a, 1, b) for a, b in zip(seed.tolist(), keys.tolist(), strict=True)]
+    got = S._hash_bits(rows.numpy(), ids.numpy())
+    assert torch.equal(torch.from_numpy(got), S._hash_bits(rows, ids))
+    u = ((S._hash_bits(rows, ids) >> 9).float() + 0.5) * (1.0 / (1 << 23))  # torch end to end
+    assert torch.equal(S.uniform_noise_at(seed, 1, keys, ids), u)
+
+
+def test_noise_at_ids_is_the_vocabulary_noise_there():
+    seed, keys = torch.tensor([5, 9]), torch.tensor([3, 4])
+    whole = S.uniform_noise(seed, 2, keys, 1000)  # [2, V]
+    ids = torch.tensor([[0, 17, 999], [5, 6, 500]])
+    assert torch.equal(S.uniform_noise_at(seed, 2, keys, ids), whole.gather(1, ids))
 
 
 def test_stage_sampler_is_keyed_batch_invariant_and_observes():

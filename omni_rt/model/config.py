@@ -363,7 +363,13 @@ PRESETS = ("tiny", "qwen3-omni-30b-a3b")
 
 
 def _tiny() -> OmniConfig:
-    """Real vocabularies, special ids, 16 code groups and Code2Wav upsampling; small everything else."""
+    """Real vocabularies, special ids, 16 code groups and Code2Wav upsampling; small everything else.
+
+    Depths are the least that exercise every code path (a Thinker layer before the one the Talker reads,
+    one Talker and one code-predictor layer): on a CPU a step is dominated by per-op dispatch, not FLOPs,
+    and the code predictor runs its layers 15 times a frame, so each layer cut is a share of the budget
+    the embedded default must stay within to play in real time on 2 cores (docs/performance.md,
+    2026-12-01). Parity tests pin deeper shapes of their own (tests/hf_fixtures.py)."""
     real = OmniConfig.from_hf(json.loads(_preset_text("qwen3-omni-30b-a3b")))
     small = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     return replace(
@@ -371,7 +377,7 @@ def _tiny() -> OmniConfig:
         thinker=replace(
             real.thinker,
             **small,
-            num_hidden_layers=4,
+            num_hidden_layers=2,
             num_experts=8,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
@@ -381,7 +387,7 @@ def _tiny() -> OmniConfig:
         talker=replace(
             real.talker,
             **small,
-            num_hidden_layers=2,
+            num_hidden_layers=1,
             num_experts=8,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
@@ -389,7 +395,7 @@ def _tiny() -> OmniConfig:
             intermediate_size=64,
             mrope_section=(4, 2, 2),
         ),
-        code_predictor=replace(real.code_predictor, **small, num_hidden_layers=2, intermediate_size=128),
+        code_predictor=replace(real.code_predictor, **small, num_hidden_layers=1, intermediate_size=128),
         code2wav=replace(
             real.code2wav,
             hidden_size=64,
@@ -399,7 +405,7 @@ def _tiny() -> OmniConfig:
             intermediate_size=128,
             decoder_dim=64,
         ),
-        accept_hidden_layer=2,
+        accept_hidden_layer=1,
         audio_config=_small_audio_config(64),
     )
 

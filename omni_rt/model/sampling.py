@@ -16,12 +16,20 @@ sampling included, can be captured in one CUDA graph:
 The draw is the exponential race: argmax over v of log p_v - log E_v with E_v = -log U_v ~ Exp(1), an
 exact categorical draw from softmax(warped logits) (Gumbel-max); filtered ids are -inf and never win.
 
+On the CPU, a batch whose sampled rows all have a top-k runs the same processing on the top-k survivors
+only (`choose_top_k_first`): one `torch.topk` instead of two sorts of the vocabulary, and the hash for k
+ids instead of V. Over the Thinker's 152k vocabulary the two sorts were about half of a CPU decode step.
+Same survivors, same scores, same uniforms per (seed, stage, key, vocab id), so the same draws; the CPU
+has no graph to capture and no device to sync with, so the host may read the batch's largest k there.
+
     StageSampler(stage, slots, vocab, device, suppress=None, history=True)   per-slot device state
         .assign(slot, stage_sampling, seed, history_ids=None, suppress_extra=())   a new response
         (logits[B, V], slots[B], keys[B]) -> ids[B]                          choose (and observe)
     frame_sampler(sampler, slots, talker_keys) -> SampleFn                   the 15 codes of one frame
     process_logits(logits, rows, seen, suppress) -> (greedy scores, warped scores)
+    choose(logits, rows, seed, stage, keys, seen, suppress) -> ids[B]     the next ids (either path)
     uniform_noise(seed[B], stage, keys[B], vocab) -> u[B, V] in (0, 1)
+    uniform_noise_at(seed[B], stage, keys[B], ids[B, K]) -> u[B, K]     the same uniforms, at ids only
     codec_suppress_ids(vocab, eos, suppress_eos=False) -> ids the Talker never emits
 """
 
@@ -29,8 +37,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
+import numpy as np
 import torch
 
 from omni_rt.config import StageSampling
@@ -181,27 +190,45 @@ def process_logits(
 
     The repetition penalty and suppression apply to both; temperature, top-k and top-p to sampling only
     (greedy rows get temperature 1 so that their warped scores stay finite)."""
+    scores = greedy_scores(logits, rows, seen, suppress_ids)
+    warped = top_p_filter(top_k_filter(_sampling_temperature(scores, rows), rows.top_k), rows.top_p)
+    return scores, warped
+
+
+def greedy_scores(
+    logits: torch.Tensor,
+    rows: RowSettings,
+    seen: torch.Tensor | None = None,
+    suppress_ids: torch.Tensor | Sequence[int] | None = None,
+) -> torch.Tensor:
+    """The processors both modes apply: repetition penalty, then suppression; [B, V] float32."""
     scores = logits.float()
     if seen is not None:
         scores = apply_repetition_penalty(scores, seen, rows.repetition_penalty)
     if suppress_ids is not None:
         scores = suppress(scores, suppress_ids)
-    temperature = torch.where(rows.do_sample, rows.temperature, torch.ones_like(rows.temperature))
-    warped = top_p_filter(top_k_filter(apply_temperature(scores, temperature), rows.top_k), rows.top_p)
-    return scores, warped
+    return scores
+
+
+def _sampling_temperature(scores: torch.Tensor, rows: RowSettings) -> torch.Tensor:
+    # greedy rows get temperature 1, so that their warped scores stay finite
+    return apply_temperature(
+        scores, torch.where(rows.do_sample, rows.temperature, torch.ones_like(rows.temperature))
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Counter-based randomness on the device
 
 _M32 = 0xFFFFFFFF
+Ints = TypeVar("Ints", torch.Tensor, np.ndarray, int)  # int64 tensors; on the CPU, numpy int64 or Python ints
 
 
-def _mix32(h: torch.Tensor) -> torch.Tensor:
+def _mix32(h: Ints) -> Ints:
     """murmur3's 32-bit finaliser on uint32 values held in int64 (a bijection with full avalanche).
 
     Values stay below 2**32, so `>>` is a logical shift; a product may wrap int64, but its low 32 bits,
-    all that is kept, are exact (two's complement) on every device."""
+    all that is kept, are exact (two's complement) on every device, and in numpy (see `_hash_bits`)."""
     h = h ^ (h >> 16)
     h = (h * 0x85EBCA6B) & _M32
     h = h ^ (h >> 13)
@@ -209,7 +236,7 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def _row_hash(seed: torch.Tensor, stage: int, keys: torch.Tensor) -> torch.Tensor:
+def _row_hash(seed: Ints, stage: int, keys: Ints) -> Ints:
     """One 32-bit state per row [B] from (seed, stage, key), each 64-bit word folded in 32 bits at a time."""
     h = _mix32((seed & _M32) ^ 0x9E3779B9)
     h = _mix32(h ^ ((seed >> 32) & _M32))
@@ -218,19 +245,45 @@ def _row_hash(seed: torch.Tensor, stage: int, keys: torch.Tensor) -> torch.Tenso
     return _mix32(h ^ ((keys >> 32) & _M32))
 
 
-def uniform_noise(seed: torch.Tensor, stage: int, keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """U(0, 1) [B, V] float32, a pure function of (seed[B], stage, keys[B], vocab id). 23 bits: with 24,
-    the top value (2**24 - 0.5) / 2**24 rounds to 1.0 in float32, and E = -log 1 = 0 would win every race."""
-    v = torch.arange(vocab, device=seed.device, dtype=torch.int64)
-    x = _mix32(_row_hash(seed, stage, keys)[:, None] ^ ((v * 0x9E3779B9) & _M32))  # [B, V]
-    x = _mix32(x ^ 0x85EBCA77)  # a second round: neighbouring ids differ in a few input bits only
+def uniform_noise_at(seed: torch.Tensor, stage: int, keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """U(0, 1) float32 at vocabulary ids [V] (every row) or [B, K] (per row), a pure function of
+    (seed[B], stage, keys[B], vocab id). 23 bits: with 24, the top value (2**24 - 0.5) / 2**24 rounds
+    to 1.0 in float32, and E = -log 1 = 0 would win every race."""
+    if seed.device.type == "cpu":
+        # The same integer arithmetic on Python ints (each row's state) and numpy arrays: some 60 integer
+        # ops per draw on a handful of values, each a fraction of a torch op's dispatch cost (a
+        # code-predictor frame draws 15 times).
+        rows = np.array([_row_hash(a, stage, b) for a, b in zip(seed.tolist(), keys.tolist(), strict=True)])
+        x = torch.from_numpy(_hash_bits(rows.astype(np.int64), ids.numpy()))
+    else:
+        x = _hash_bits(_row_hash(seed, stage, keys), ids)
     return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
-def race(warped: torch.Tensor, seed: torch.Tensor, stage: int, keys: torch.Tensor) -> torch.Tensor:
-    """A draw ids [B] from softmax(warped [B, V]): argmax(warped - log E), E = -log U ~ Exp(1)."""
-    exp = -torch.log(uniform_noise(seed, stage, keys, warped.shape[-1]))  # [B, V]
-    return (warped - torch.log(exp)).argmax(dim=-1)
+def _hash_bits(rows: Ints, ids: Ints) -> Ints:
+    """The 32 hashed bits of row states [B] (`_row_hash`) and vocab ids [V] or [B, K]: int64 [B, V] or
+    [B, K]."""
+    x = _mix32(rows[:, None] ^ ((ids * 0x9E3779B9) & _M32))
+    return _mix32(x ^ 0x85EBCA77)  # a second round: neighbouring ids differ in a few input bits only
+
+
+def uniform_noise(seed: torch.Tensor, stage: int, keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0, 1) [B, V] float32 for every vocabulary id (see `uniform_noise_at`)."""
+    return uniform_noise_at(seed, stage, keys, torch.arange(vocab, device=seed.device, dtype=torch.int64))
+
+
+def race(
+    warped: torch.Tensor, seed: torch.Tensor, stage: int, keys: torch.Tensor, ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A draw from softmax(warped [B, V]): argmax(warped - log E), E = -log U ~ Exp(1); the index [B].
+
+    `ids` [B, K]: `warped` holds only those vocabulary ids' scores, and the noise is theirs."""
+    u = (
+        uniform_noise(seed, stage, keys, warped.shape[-1])
+        if ids is None
+        else uniform_noise_at(seed, stage, keys, ids)
+    )
+    return (warped - torch.log(-torch.log(u))).argmax(dim=-1)
 
 
 def choose(
@@ -241,12 +294,66 @@ def choose(
     keys: torch.Tensor,
     seen: torch.Tensor | None = None,
     suppress_ids: torch.Tensor | None = None,
+    top_k_first: bool | None = None,
 ) -> torch.Tensor:
-    """The next ids [B]: each row greedy or sampled by its own `do_sample`, keyed by (seed, stage, key)."""
+    """The next ids [B]: each row greedy or sampled by its own `do_sample`, keyed by (seed, stage, key).
+
+    `top_k_first`: warp and race over the top-k survivors only (`choose_top_k_first`) where every sampled
+    row has a top-k; None: on the CPU. False: the whole vocabulary, as on a GPU (static shapes)."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got {tuple(logits.shape)}")
+    if top_k_first is None:
+        top_k_first = logits.device.type == "cpu"
+    if top_k_first:
+        ids = choose_top_k_first(logits, rows, seed, stage, keys, seen, suppress_ids)
+        if ids is not None:
+            return ids
     scores, warped = process_logits(logits, rows, seen, suppress_ids)
     return torch.where(rows.do_sample, race(warped, seed, stage, keys), scores.argmax(dim=-1))
+
+
+def choose_top_k_first(
+    logits: torch.Tensor,
+    rows: RowSettings,
+    seed: torch.Tensor,
+    stage: int,
+    keys: torch.Tensor,
+    seen: torch.Tensor | None = None,
+    suppress_ids: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """`choose`'s ids [B], warping and racing only the ids that survive top-k; None if a sampled row has
+    no top-k (top-k off: every id may survive, so the whole vocabulary is the candidate set).
+
+    Why it is the same processing: top-k keeps the scores >= the k-th largest, ties included; those are
+    exactly the n >= k largest, which one `topk(n)` returns (in descending order), with their vocabulary
+    ids. Every other id is -inf after top-k and stays so: top-p and the race only ever see survivors. Top-p
+    sorts ascending, and -inf ids contribute 0 to its softmax and cumulative sum, so the survivors'
+    ascending sums are the vocabulary's (up to the order of the softmax's sum: an fp32 ulp). The race reads each survivor's own uniform (`uniform_noise_at`)
+    and takes its argmax in vocabulary order, so equal race values resolve to the lowest id, as argmax
+    over the vocabulary does. Host reads (k, n): the CPU only.
+    """
+    sampled = rows.do_sample
+    # greedy rows may have any k (their draw is not used): 1
+    k = torch.where(sampled, rows.top_k, torch.ones_like(rows.top_k))
+    if bool((k <= 0).any()):
+        return None
+    scores = greedy_scores(logits, rows, seen, suppress_ids)
+    greedy = scores.argmax(dim=-1)  # [B]
+    if not bool(sampled.any()):
+        return greedy
+    warped = _sampling_temperature(scores, rows)  # [B, V]
+    vocab = warped.shape[-1]
+    k = k.clamp(max=vocab).view(-1, 1)  # [B, 1]
+    top, ids = warped.topk(int(k.max()), dim=-1)  # [B, K] descending
+    kth = top.gather(1, k - 1)  # [B, 1]
+    n = int((warped >= kth).sum(dim=-1).max())  # survivors, ties at the k-th score included
+    if n > top.shape[1]:
+        top, ids = warped.topk(n, dim=-1)
+    top = top.masked_fill(top < kth, float("-inf"))  # [B, N]: the top-k filter's survivors
+    top = top_p_filter(top, rows.top_p)  # [B, N]: and top-p's
+    ids, order = ids.sort(dim=-1)  # vocabulary order, for argmax's tie rule
+    pick = race(top.gather(1, order), seed, stage, keys, ids)  # [B]
+    return torch.where(sampled, ids.gather(1, pick[:, None])[:, 0], greedy)
 
 
 # ---------------------------------------------------------------------------------------------------------

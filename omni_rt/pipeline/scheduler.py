@@ -11,9 +11,12 @@ a Condition (`Inbox`); nothing sleeps on a timer or polls.
                      code 0 → code predictor → frame 0 → one frame per next text token (batched)
                                                     ▼ "frame", "end"
     Code2Wav thread  chunks of 1, 2, 4, ... frames → exact streaming decode → PCM → session
+                     (its loop: `code2wav.py`)
 
-Back from the Talker to the Thinker: "progress" (a frame was spoken: a Thinker held `max_text_lead`
-tokens ahead may go on) and "spoken" (the audio has ended: so does the text).
+Back from the Talker to the Thinker: "progress" (a frame was spoken: a Thinker held at its text lead may
+go on) and "spoken" (the audio has ended: so does the text). Audio comes before text (`pacing.py`): the
+Thinker keeps within a few tokens of the voice while the audio is not yet well ahead of real time, and
+Code2Wav decodes a smaller chunk early rather than let the audio run dry.
 
 A request is held by all three stages; the last stage to let go of it posts `DoneOut` to the session,
 after everything else it sent. A failing stage fails only the requests of the failing call.
@@ -26,15 +29,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from omni_rt.config import EngineSettings
 from omni_rt.errors import EngineClosedError, OmniRtError, StageError
 from omni_rt.model.config import TokenIds
+from omni_rt.pipeline.code2wav import Code2WavLoop
 from omni_rt.pipeline.inbox import Inbox, InboxClosed
+from omni_rt.pipeline.pacing import may_decode_text
 from omni_rt.pipeline.request import (
-    AudioDoneOut,
-    AudioOut,
     DoneOut,
     ErrorOut,
     Message,
@@ -103,16 +104,6 @@ class _TalkerSeq:
     done: bool = False
 
 
-@dataclass(eq=False)
-class _AudioSeq:
-    req: Request
-    pending: list[list[int]] = field(default_factory=list)
-    next_frame: int = 0  # index of pending[0] in the response
-    chunk: int = 0  # chunks decoded so far
-    opened: bool = False
-    ended: bool = False
-
-
 class Pipeline:
     log_limit = 20000  # records kept in `steps` and in `yields`; past it, the older half is dropped
 
@@ -124,12 +115,15 @@ class Pipeline:
         settings: EngineSettings,
         ids: TokenIds,
         clock: Callable[[], float] = time.perf_counter,
+        thread_init: Callable[[], None] | None = None,
     ) -> None:
         self.thinker, self.talker, self.code2wav = thinker, talker, code2wav
         self.settings, self.ids, self.clock = settings, ids, clock
+        self.thread_init = thread_init  # run first in each stage thread (the engine's CPU thread count)
         self.thinker_inbox = Inbox("thinker")
         self.talker_inbox = Inbox("talker")
         self.code2wav_inbox = Inbox("code2wav")
+        self._audio = Code2WavLoop(self)
         self._frame0 = threading.Condition()  # the Talker notifies it when a frame 0 leaves
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -147,9 +141,12 @@ class Pipeline:
             return
         self._stopping = False
         self._threads = [
-            threading.Thread(target=self._thinker_loop, name="omni-rt-thinker", daemon=True),
-            threading.Thread(target=self._talker_loop, name="omni-rt-talker", daemon=True),
-            threading.Thread(target=self._code2wav_loop, name="omni-rt-code2wav", daemon=True),
+            threading.Thread(target=self._run, args=(loop,), name=f"omni-rt-{name}", daemon=True)
+            for name, loop in (
+                ("thinker", self._thinker_loop),
+                ("talker", self._talker_loop),
+                ("code2wav", self._audio.loop),
+            )
         ]
         for t in self._threads:
             t.start()
@@ -176,6 +173,11 @@ class Pipeline:
             self._fail(req, EngineClosedError("the engine stopped"))
             for stage in list(req.holders):
                 self._release(req, stage)
+
+    def _run(self, loop: Callable[[], None]) -> None:
+        if self.thread_init is not None:
+            self.thread_init()
+        loop()
 
     def submit(self, req: Request) -> None:
         if not self.running or self._stopping:
@@ -363,14 +365,13 @@ class Pipeline:
         return active, []
 
     def _may_decode(self, req: Request) -> bool:
-        """Audio before text: a request more than `max_text_lead` tokens ahead of the Talker waits (it
-        goes in `_text_waiting`, and the Talker's next frame for it wakes this thread). The benchmark's
-        fixed lengths (ignore_eos) and a stopped request (it is released, not decoded) never wait."""
-        lead = self.settings.max_text_lead
-        if lead is None or req.ignore_eos or req.stopped:
+        """Audio before text (`pacing.may_decode_text`): a request too far ahead of the Talker waits (it
+        goes in `_text_waiting`, and the Talker's next frame for it wakes this thread). A stopped request
+        never waits: it is released, not decoded."""
+        if req.stopped:
             return True
         with self._lock:
-            if len(req.tokens) - req.frames <= lead:
+            if may_decode_text(req, self.clock(), self.settings):
                 self._text_waiting.discard(req)
                 return True
             self._text_waiting.add(req)
@@ -580,7 +581,7 @@ class Pipeline:
     def _text_progress(self, req: Request) -> None:
         """A frame was spoken: wake the Thinker if it holds `req` at its text lead and may go on."""
         with self._lock:
-            if req not in self._text_waiting or len(req.tokens) - req.frames > self.settings.max_text_lead:
+            if req not in self._text_waiting or not may_decode_text(req, self.clock(), self.settings):
                 return
             self._text_waiting.discard(req)
         self.thinker_inbox.put(("progress", req))
@@ -599,89 +600,3 @@ class Pipeline:
         s.done = True
         seqs.pop(s.req, None)
         self._release(s.req, "talker")
-
-    # -- Code2Wav --------------------------------------------------------------------------------------
-
-    def _code2wav_loop(self) -> None:
-        seqs: dict[Request, _AudioSeq] = {}
-        try:
-            while True:
-                msgs = self.code2wav_inbox.take(block=True)  # all its work arrives as messages
-                try:
-                    self._code2wav_iteration(msgs, seqs)
-                except Exception as e:
-                    for a in list(seqs.values()):
-                        self._fail(a.req, self._stage_error("code2wav", "loop", e))
-                        self._code2wav_close(a, seqs)
-        except InboxClosed:
-            for a in list(seqs.values()):
-                self._fail(a.req, EngineClosedError("the engine stopped"))
-                self._code2wav_close(a, seqs)
-
-    def _code2wav_iteration(self, msgs: list[tuple], seqs: dict[Request, _AudioSeq]) -> None:
-        for m in msgs:
-            kind, req = m[0], m[1]
-            if "code2wav" not in req.holders:
-                continue
-            a = seqs.get(req)
-            if a is None:
-                a = seqs[req] = _AudioSeq(req)
-            if kind == "frame":
-                a.pending.append(m[2])
-            elif kind == "end":
-                a.ended = True
-        for a in list(seqs.values()):
-            if a.req.stopped:
-                self._code2wav_close(a, seqs)
-                continue
-            try:
-                self._decode_chunks(a)
-            except Exception as e:
-                self._fail(a.req, self._stage_error("code2wav", "decode", e))
-                self._code2wav_close(a, seqs)
-                continue
-            if a.req.stopped:  # while its chunk decoded: the chunk was dropped, and so is the end
-                self._code2wav_close(a, seqs)
-            elif a.ended and not a.pending:
-                self._post(a.req, AudioDoneOut())
-                self._code2wav_close(a, seqs)
-
-    def _decode_chunks(self, a: _AudioSeq) -> None:
-        """Decode every whole chunk pending (1, 2, 4, ... frames); at the end, the remainder too."""
-        while a.pending:
-            n = self.settings.chunk_size(a.chunk)
-            if len(a.pending) < n:
-                if not a.ended:
-                    return
-                n = len(a.pending)
-            frames, a.pending = a.pending[:n], a.pending[n:]
-            if not a.opened:
-                self.code2wav.open(a.req)
-                a.opened = True
-            t0 = self.clock()
-            pcm = self.code2wav.push(a.req, frames)
-            if a.ended and not a.pending:
-                tail = self.code2wav.flush(a.req)
-                if len(tail):
-                    pcm = np.concatenate([pcm, tail])
-            self._record("code2wav", "chunk", t0, [a.req])
-            if a.req.stopped:
-                return  # cancelled while decoding: drop the chunk
-            first = a.req.t_first_pcm is None
-            if first:
-                a.req.t_first_pcm = self.clock()
-            a.req.samples += len(pcm)
-            self._post(a.req, AudioOut(pcm, a.next_frame, n))
-            if first:
-                self._clear_frame0(a.req)  # wakes a Thinker yielding until the first audio (yield_until)
-            a.next_frame += n
-            a.chunk += 1
-
-    def _code2wav_close(self, a: _AudioSeq, seqs: dict[Request, _AudioSeq]) -> None:
-        seqs.pop(a.req, None)
-        if a.opened:
-            try:
-                self.code2wav.close(a.req)
-            except Exception as e:
-                self._fail(a.req, self._stage_error("code2wav", "close", e))
-        self._release(a.req, "code2wav")

@@ -1,0 +1,139 @@
+"""The Code2Wav thread of the scheduler: each response's frames in, exact streaming PCM out, in chunks.
+
+Plain Python, as the rest of the scheduler (`scheduler.py` wires this loop to its inbox and shares its
+helpers: posting to the session, failing and releasing a request, the step log). Chunks follow the
+planned sizes (1, 2, 4, ... frames, `EngineSettings.chunk_size`), or go early when the audio would run
+dry first (`pacing.chunk_to_decode`); at the end, the remainder. A request's end (`AudioDoneOut`) comes
+after its last PCM, and only if nothing stopped it meanwhile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from omni_rt.errors import EngineClosedError
+from omni_rt.pipeline.inbox import InboxClosed
+from omni_rt.pipeline.pacing import chunk_to_decode
+from omni_rt.pipeline.request import AudioDoneOut, AudioOut, Request
+
+if TYPE_CHECKING:
+    from omni_rt.pipeline.scheduler import Pipeline
+
+
+@dataclass(eq=False)
+class AudioSeq:
+    """One response's Code2Wav state."""
+
+    req: Request
+    pending: list[list[int]] = field(default_factory=list)
+    next_frame: int = 0  # index of pending[0] in the response
+    chunk: int = 0  # chunks decoded so far
+    opened: bool = False
+    ended: bool = False
+    t_first_frame: float | None = None  # arrival of frame 0 and of the latest frame (pipeline clock)
+    t_last_frame: float | None = None
+
+    def frame_interval(self) -> float | None:
+        """Mean seconds between this response's frames so far; None before its second frame."""
+        arrived = self.next_frame + len(self.pending)
+        if arrived < 2 or self.t_first_frame is None or self.t_last_frame is None:
+            return None
+        return (self.t_last_frame - self.t_first_frame) / (arrived - 1)
+
+
+class Code2WavLoop:
+    """The Code2Wav stage thread's loop (`loop`), over the pipeline's Code2Wav stage and inbox."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.p = pipeline
+
+    def loop(self) -> None:
+        seqs: dict[Request, AudioSeq] = {}
+        try:
+            while True:
+                msgs = self.p.code2wav_inbox.take(block=True)  # all its work arrives as messages
+                try:
+                    self._iteration(msgs, seqs)
+                except Exception as e:
+                    for a in list(seqs.values()):
+                        self.p._fail(a.req, self.p._stage_error("code2wav", "loop", e))
+                        self._close(a, seqs)
+        except InboxClosed:
+            for a in list(seqs.values()):
+                self.p._fail(a.req, EngineClosedError("the engine stopped"))
+                self._close(a, seqs)
+
+    def _iteration(self, msgs: list[tuple], seqs: dict[Request, AudioSeq]) -> None:
+        for m in msgs:
+            kind, req = m[0], m[1]
+            if "code2wav" not in req.holders:
+                continue
+            a = seqs.get(req)
+            if a is None:
+                a = seqs[req] = AudioSeq(req)
+            if kind == "frame":
+                a.pending.append(m[2])
+                a.t_last_frame = self.p.clock()
+                if a.t_first_frame is None:
+                    a.t_first_frame = a.t_last_frame
+            elif kind == "end":
+                a.ended = True
+        for a in list(seqs.values()):
+            if a.req.stopped:
+                self._close(a, seqs)
+                continue
+            try:
+                self._decode_chunks(a)
+            except Exception as e:
+                self.p._fail(a.req, self.p._stage_error("code2wav", "decode", e))
+                self._close(a, seqs)
+                continue
+            if a.req.stopped:  # while its chunk decoded: the chunk was dropped, and so is the end
+                self._close(a, seqs)
+            elif a.ended and not a.pending:
+                self.p._post(a.req, AudioDoneOut())
+                self._close(a, seqs)
+
+    def _decode_chunks(self, a: AudioSeq) -> None:
+        """Decode every whole chunk pending (1, 2, 4, ... frames), a smaller one early when the audio
+        would run dry first (`pacing.chunk_to_decode`); at the end, the remainder too."""
+        while a.pending:
+            n = chunk_to_decode(
+                len(a.pending), a.chunk, a.ended, a.req, a.frame_interval(), self.p.clock(), self.p.settings
+            )
+            if n == 0:
+                return
+            frames, a.pending = a.pending[:n], a.pending[n:]
+            if not a.opened:
+                self.p.code2wav.open(a.req)
+                a.opened = True
+            t0 = self.p.clock()
+            pcm = self.p.code2wav.push(a.req, frames)
+            if a.ended and not a.pending:
+                tail = self.p.code2wav.flush(a.req)
+                if len(tail):
+                    pcm = np.concatenate([pcm, tail])
+            self.p._record("code2wav", "chunk", t0, [a.req])
+            if a.req.stopped:
+                return  # cancelled while decoding: drop the chunk
+            first = a.req.t_first_pcm is None
+            if first:
+                a.req.t_first_pcm = self.p.clock()
+            a.req.samples += len(pcm)
+            self.p._post(a.req, AudioOut(pcm, a.next_frame, n))
+            if first:
+                self.p._clear_frame0(a.req)  # wakes a Thinker yielding until the first audio (yield_until)
+            a.next_frame += n
+            a.chunk += 1
+
+    def _close(self, a: AudioSeq, seqs: dict[Request, AudioSeq]) -> None:
+        seqs.pop(a.req, None)
+        if a.opened:
+            try:
+                self.p.code2wav.close(a.req)
+            except Exception as e:
+                self.p._fail(a.req, self.p._stage_error("code2wav", "close", e))
+        self.p._release(a.req, "code2wav")

@@ -1,0 +1,74 @@
+"""Audio before text: how far the Thinker may run ahead of the voice, and when Code2Wav decodes early.
+
+Plain Python on a request's counters and the pipeline clock: the scheduler asks, the policy tests fake
+the stages. A request's audio is "ahead" by the seconds of PCM sent beyond what real-time playback,
+started at its first PCM, has used (`audio_ahead_s`). On a GPU the audio is seconds ahead within a few
+hundred milliseconds and neither rule below changes anything after that; on a small CPU, where the three
+stage threads share the cores (and one interpreter lock), they keep the playback from running dry:
+
+- Text lead (`may_decode_text`): the Thinker decodes a request while it is at most `max_text_lead`
+  tokens ahead of the Talker's frames, and at most `urgent_text_lead` while the request's audio is less
+  than `audio_ahead_s` ahead (or has not started): text no one will hear for seconds waits for the audio
+  that is due. The Talker reads one token per frame, so any lead of 1 or more keeps it fed.
+- Chunks (`chunk_to_decode`): Code2Wav decodes its planned chunk sizes (1, 2, 4, ... frames: few sizes,
+  so few graphs) once that many frames are pending; with `early_chunks`, when the audio sent would run
+  out before the planned chunk's frames arrive (at the rate this response's frames have been arriving),
+  it decodes a smaller planned size: the largest it can still wait for, or the largest pending now. Doubling chunks need frames made at twice
+  real time to keep up; where they come slower, the chunks stay small instead of the track running dry.
+"""
+
+from __future__ import annotations
+
+from omni_rt.config import EngineSettings
+from omni_rt.pipeline.request import Request
+
+PCM_RATE = 24_000  # Code2Wav's output (AudioOut.pcm, Request.samples)
+
+
+def audio_ahead_s(req: Request, now: float) -> float | None:
+    """Seconds of `req`'s audio sent beyond what playback in real time from its first PCM has used;
+    None before its first PCM."""
+    if req.t_first_pcm is None:
+        return None
+    return req.samples / PCM_RATE - (now - req.t_first_pcm)
+
+
+def text_lead_limit(req: Request, now: float, s: EngineSettings) -> int | None:
+    """The most tokens the Thinker may be ahead of `req`'s frames before its next decode; None: no limit."""
+    lead = s.max_text_lead
+    if lead is None or s.urgent_text_lead is None or s.urgent_text_lead >= lead:
+        return lead
+    ahead = audio_ahead_s(req, now)
+    return s.urgent_text_lead if ahead is None or ahead < s.audio_ahead_s else lead
+
+
+def may_decode_text(req: Request, now: float, s: EngineSettings) -> bool:
+    """May the Thinker decode `req` now? The benchmark's fixed lengths (ignore_eos) never wait."""
+    limit = text_lead_limit(req, now, s)
+    return limit is None or req.ignore_eos or len(req.tokens) - req.frames <= limit
+
+
+def chunk_to_decode(
+    pending: int, chunk_index: int, ended: bool, req: Request, frame_interval_s: float | None, now: float,
+    s: EngineSettings,
+) -> int:  # fmt: skip
+    """Frames to decode now from `pending` (0: wait for more). `chunk_index`: chunks decoded so far;
+    `frame_interval_s`: the mean time between this response's frames so far (None: fewer than two).
+
+    Early (`early_chunks`): wait for the largest planned size, up to this chunk's, whose missing frames
+    arrive (one interval more: the decode, and jitter) before the audio sent runs out; if none, decode the
+    largest planned size pending now. Small chunks cost more per frame, so they are used only as needed."""
+    planned = s.chunk_size(chunk_index)
+    if pending >= planned:
+        return planned
+    if ended:
+        return pending  # the remainder at the end
+    if not s.early_chunks or pending == 0 or frame_interval_s is None:
+        return 0
+    ahead = audio_ahead_s(req, now)
+    if ahead is None:
+        return 0  # nothing plays yet: the first chunk is the plan
+    sizes = [n for n in s.chunk_sizes() if n <= planned]
+    if any(n > pending and ahead > (n - pending + 1) * frame_interval_s for n in sizes):
+        return 0
+    return max((n for n in sizes if n <= pending), default=0)

@@ -111,7 +111,7 @@ async def response_events(
                     output_tokens=len(req.tokens),
                     audio_frames=req.frames,
                 ),
-                metrics=_metrics(req, t0, t_text, t_audio, delivered / rate),
+                metrics=_metrics(req, t0, t_text, t_audio, delivered / rate, resp.held_ms),
                 error=None if error is None else error.error,
             )
             return
@@ -138,7 +138,9 @@ def _ms(t: float | None, t0: float) -> float | None:
     return None if t is None else (t - t0) * 1000.0
 
 
-def _metrics(req: Request, t0: float, t_text: float | None, t_audio: float | None, audio_s: float) -> Metrics:
+def _metrics(
+    req: Request, t0: float, t_text: float | None, t_audio: float | None, audio_s: float, held_ms=None
+) -> Metrics:
     """audio_s: seconds of audio handed to the caller (none of what a cancel dropped). total_ms runs to
     the caller reading response.done, like ttft and ttfa; rtf is the pipeline's: its generation ends
     when the last stage lets go of the response, however long the caller takes to read it."""
@@ -159,4 +161,5 @@ def _metrics(req: Request, t0: float, t_text: float | None, t_audio: float | Non
         text_tokens_per_s=tps,
         audio_seconds=audio_s,
         rtf=(t_gen - t0) / audio_s if audio_s > 0 else None,
+        held_ms=held_ms,
     )

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import inspect
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from omni_rt.events import (
     ResponseCreated,
     ResponseDone,
 )
+from omni_rt.live_speech import LiveSpeech, SpeechClip
 from omni_rt.pipeline.request import (
     DoneOut,
     ErrorOut,
@@ -51,6 +53,9 @@ from omni_rt.response_stream import response_events
 
 if TYPE_CHECKING:
     from omni_rt.engine import Engine
+    from omni_rt.speculation import Hold, Speculation
+
+log = logging.getLogger("omni_rt")
 
 STOP_TIMEOUT_S = 60.0  # the longest a stopping response may take before the pipeline counts as stuck
 _response_ids = itertools.count(1)
@@ -63,6 +68,11 @@ class _Response:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     cancel_requested: bool = False
     status: str | None = None
+    # a speculative response (omni_rt.speculation) until it is released: its messages wait unread and
+    # its turn is not committed (`deferred`: the status it ended with meanwhile)
+    held: bool = False
+    deferred: str | None = None
+    held_ms: float | None = None  # how long its output was held back, once released
 
 
 @dataclass(eq=False)
@@ -92,6 +102,7 @@ class Session:
         self._current: _Response | None = None
         self._last: _Response | None = None  # the previous response, until the pipeline lets go of it
         self._starting: set[_Starting] = set()  # responses created but not submitted yet
+        self._held: Hold | None = None  # a speculative response not yet released or dropped
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -106,6 +117,8 @@ class Session:
         """Cancel any running response and give the slot back to the engine."""
         if self._closed:
             return
+        if self._held is not None:  # a speculative reply nobody will hear
+            await self._held.speculation.drop()
         await self.cancel()
         self._closed = True
         self.engine._release_slot(self.slot)
@@ -149,6 +162,38 @@ class Session:
                         await r
                 yield ev
 
+    def speculate(
+        self,
+        text: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        audio: Any = None,
+        audio_sample_rate: int = 16000,
+        voice: str | None = None,
+        sampling: Sampling | None = None,
+        max_output_tokens: int | None = None,
+        max_audio_frames: int | None = None,
+    ) -> Speculation:
+        """Start a response now with its output held back: `release()` it (its events, as if it started
+        then) or `drop()` it (no event, no change to the conversation). See `omni_rt.speculation`."""
+        from omni_rt.speculation import Hold, Speculation
+
+        if self._held is not None:
+            raise InvalidRequestError("a speculative response is already held: release or drop it first")
+        hold = self._held = Hold(previous=self._last)
+        stream = self._respond(
+            text, input_ids, (audio, audio_sample_rate), voice, sampling, max_output_tokens,
+            max_audio_frames, False, hold,
+        )  # fmt: skip
+        hold.speculation = Speculation(self, stream, hold)
+        return hold.speculation
+
+    def live_speech(self) -> LiveSpeech | None:
+        """A turn to encode as it is spoken (`omni_rt.live_speech`): push its audio, then respond with
+        its `clip()`; None where the engine does not (no audio encoder, or `encode_while_speaking` off)."""
+        worker = self.engine.speech_worker
+        return None if worker is None else LiveSpeech(worker)
+
     async def run(self, text: str | None = None, **kwargs: Any) -> ResponseDone:
         """Drive one response to its end (events go to `on_event=`, if given); returns response.done."""
         done = None
@@ -158,7 +203,16 @@ class Session:
         return done
 
     async def _respond(
-        self, text, input_ids, audio, voice, sampling, max_output_tokens, max_audio_frames, ignore_eos
+        self,
+        text,
+        input_ids,
+        audio,
+        voice,
+        sampling,
+        max_output_tokens,
+        max_audio_frames,
+        ignore_eos,
+        hold: Hold | None = None,
     ) -> AsyncIterator[Event]:
         t0 = time.perf_counter()
         rid = f"resp_{next(_response_ids)}"
@@ -167,8 +221,8 @@ class Session:
         try:
             yield ResponseCreated(response_id=rid)
             try:
-                # features of a spoken turn: signal processing, off the event loop
-                audio = await asyncio.to_thread(_speech_features, *audio) if audio[0] is not None else None
+                # features (and encoder tokens, if it was encoded as it was spoken) of a spoken turn
+                audio, encoded = await _turn_audio(*audio)
                 # the last await before _build: a previous response that is still stopping can commit
                 # its turn only until here, so this turn builds on the conversation as it ends up
                 await self._settle_last()
@@ -176,7 +230,9 @@ class Session:
                     yield ResponseDone(response_id=rid, status="cancelled")
                     return
                 req, rate, cut = self._build(rid, t0, text, input_ids, audio, voice, sampling,
-                                             max_output_tokens, max_audio_frames, ignore_eos)  # fmt: skip
+                                             max_output_tokens, max_audio_frames, ignore_eos, hold)  # fmt: skip
+                if encoded is not None:  # this turn's clip is the last one; earlier ones have none
+                    req.audio_encoded = [None] * (len(req.audio_features) - 1) + [encoded]
                 if cut is not None:
                     yield ConversationTruncated(
                         response_id=rid, dropped_turns=cut.dropped_turns, dropped_tokens=cut.dropped_tokens,
@@ -192,19 +248,27 @@ class Session:
                 return
         finally:
             self._starting.discard(starting)
-        resp = _Response(req, asyncio.Queue())
+        resp = _Response(req, asyncio.Queue(), held=hold is not None and not hold.released.is_set())
+        if hold is not None:
+            hold.resp = resp
+            if hold.released_at is not None:  # released while its turn was still being encoded
+                resp.held_ms = (hold.released_at - t0) * 1000.0
         loop = asyncio.get_running_loop()
         bound = self.engine.settings.event_queue_size
 
         def on_message(msg: Message) -> None:  # on the loop thread, in the pipeline's order
             terminal = isinstance(msg, ErrorOut | DoneOut)
-            if not terminal and resp.queue.qsize() >= bound:
+            # held messages are bounded by the response's own limits: the caller cannot read them yet
+            if not terminal and not resp.held and resp.queue.qsize() >= bound:
                 self.engine._pipeline_cancel_with_error(
                     req, CapacityError(f"the caller did not read this response's events ({bound} queued)")
                 )
                 return
             if isinstance(msg, DoneOut):
-                self._commit(req, msg.status)
+                if resp.held:
+                    resp.deferred = msg.status  # committed if it is released, never if it is dropped
+                else:
+                    self._commit(req, msg.status)
                 resp.status = msg.status
                 resp.done.set()
             resp.queue.put_nowait(msg)
@@ -221,6 +285,8 @@ class Session:
             return
         self._current = self._last = resp
         try:
+            if hold is not None:
+                await hold.released.wait()
             async for ev in response_events(resp, rid, rate, t0, self.engine.tokenizer, self.ids):
                 yield ev
         finally:
@@ -276,9 +342,12 @@ class Session:
         max_output_tokens,
         max_audio_frames,
         ignore_eos,
+        hold=None,
     ) -> tuple[Request, int]:
         if self._closed:
             raise InvalidRequestError("this session is closed")
+        if self._held is not None and self._held is not hold:
+            raise InvalidRequestError("a speculative response is held: release or drop it first")
         if not self.engine.running:
             raise EngineClosedError("the engine is not running: use `async with engine:`")
         if self._current is not None and not self._current.done.is_set():
@@ -335,7 +404,10 @@ class Session:
         max_frames = self.settings.max_audio_frames if max_audio_frames is None else int(max_audio_frames)
         if max_tokens < 1 or max_frames < 1:
             raise InvalidRequestError("max_output_tokens and max_audio_frames must be >= 1")
-        cut = self._truncate(new, max_tokens, max_frames)
+        # a speculative response changes nothing until it is released: one that would drop turns is not made
+        cut = self._truncate(
+            new, max_tokens, max_frames, dry_run=hold is not None and not hold.released.is_set()
+        )
         prompt = self.conversation + close_turn(self.conversation, self.ids) + new
         s = self.engine.settings
         if len(prompt) >= s.max_context:
@@ -375,10 +447,33 @@ class Session:
         )
         return req, rate, cut
 
+    def _release_held(self, hold: Hold) -> None:
+        """A speculative response becomes the response to the turn: its output flows from here."""
+        hold.released.set()
+        hold.released_at = time.perf_counter()
+        self._held = None
+        resp = hold.resp
+        if resp is not None:
+            resp.held = False
+            resp.held_ms = (hold.released_at - resp.req.t0) * 1000.0
+            if resp.deferred is not None:  # it finished while held: its turn joins the conversation now
+                self._commit(resp.req, resp.deferred)
+
+    def _forget_held(self, hold: Hold) -> None:
+        """A dropped speculative response: the session is as it was before it (its turn never committed)."""
+        if self._held is hold:
+            self._held = None
+        if hold.resp is not None and self._last is hold.resp:
+            self._last = hold.previous
+        if hold.resp is not None and self._current is hold.resp:
+            self._current = None
+
     def _talker_prompt_len(self, prompt: list[int]) -> int:
         return count_user_tokens(prompt, self.ids.im_start, self.ids.user) + TALKER_PROMPT_EXTRA
 
-    def _truncate(self, new: list[int], max_tokens: int, max_frames: int) -> Truncation | None:
+    def _truncate(
+        self, new: list[int], max_tokens: int, max_frames: int, dry_run: bool = False
+    ) -> Truncation | None:
         """Drop the oldest turns when the conversation with `new` outgrows the input limits (room left
         for the reply in both stages' caches), as the session's `truncation` says. Applied at once: the
         dropped turns are gone whatever becomes of this response. None: nothing dropped."""
@@ -392,6 +487,8 @@ class Session:
 
         if ratio is None or not self.conversation or fits(self.conversation, 1.0):
             return None
+        if dry_run:
+            raise InvalidRequestError("this turn would drop earlier turns: it is not answered speculatively")
         # down to the retention ratio; failing that, as far as the turn itself needs
         cut = truncate(self.conversation, self.ids, lambda kept: fits(kept, ratio)) or truncate(
             self.conversation, self.ids, lambda kept: fits(kept, 1.0)
@@ -455,6 +552,21 @@ def _check_types(text, voice, sampling, max_output_tokens, max_audio_frames) -> 
     for name, v in (("max_output_tokens", max_output_tokens), ("max_audio_frames", max_audio_frames)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | np.integer)):
             raise InvalidRequestError(f"{name} must be an int, got {v!r}")
+
+
+async def _turn_audio(audio: Any, rate: int) -> tuple[Any, Any]:
+    """(log-mel features, encoder tokens or None) of a spoken turn, off the event loop: a `SpeechClip`'s
+    encoding as it was made while the user spoke, else features of the whole clip (the Thinker encodes
+    them). A clip whose stream failed is encoded whole, so nothing is lost."""
+    if audio is None:
+        return None, None
+    if isinstance(audio, SpeechClip):
+        try:
+            return await audio.encoding()
+        except Exception:
+            log.warning("live speech encoding failed; the turn is encoded whole", exc_info=True)
+            audio, rate = audio.audio, 16000
+    return await asyncio.to_thread(_speech_features, audio, rate), None
 
 
 def _speech_features(audio: Any, rate: int):

@@ -239,7 +239,8 @@ class Session:
                         kept_tokens=len(cut.kept), retention_ratio=retention_ratio(self.settings.truncation),
                     )  # fmt: skip
                 if starting.cancelled:  # cancel() came while this turn was being prepared: no reply, but
-                    self._commit(req, "cancelled")  # what the user said is the conversation all the same
+                    if hold is None or hold.released.is_set():  # (a held speculation changes nothing)
+                        self._commit(req, "cancelled")  # what the user said is the conversation all the same
                     yield ResponseDone(response_id=rid, status="cancelled")
                     return
             except OmniRtError as e:

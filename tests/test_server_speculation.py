@@ -17,9 +17,11 @@ pytest.importorskip("aiortc")
 pytest.importorskip("onnxruntime")
 
 import websockets  # noqa: E402
+from audio_clips import needs_espeak, speech  # noqa: E402
 from server_fakes import speech_like  # noqa: E402
 
 import omni_rt  # noqa: E402
+from omni_rt.audio.resample import resample  # noqa: E402
 from omni_rt.server import PeerSettings, Server, ServerSettings  # noqa: E402
 
 RATE = 24000
@@ -70,7 +72,7 @@ async def held_work(peer) -> None:
     raise AssertionError("no speculative reply was started at the pause")
 
 
-async def spoken(engine, pieces: list[np.ndarray], speculative: bool):
+async def spoken(engine, pieces: list[np.ndarray], speculative: bool, detection: dict | None = None):
     """Send `pieces` (24 kHz); with speculation on, wait after each but the last until a held reply
     has done work. Returns the wire events to the reply's response.done, the session's conversation
     and the peer's speculator."""
@@ -80,7 +82,7 @@ async def spoken(engine, pieces: list[np.ndarray], speculative: bool):
     async with engine, Server(engine, settings) as server:
         async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
             await recv(ws)
-            detection = {"type": "server_vad", "speculative_response": speculative}
+            detection = (detection or {"type": "server_vad"}) | {"speculative_response": speculative}
             await ws.send(json.dumps({"type": "session.update", "session": {"turn_detection": detection}}))
             events: list = []
             await until(ws, "session.updated", events)
@@ -141,3 +143,25 @@ async def test_a_released_speculative_reply_is_the_reply_started_at_the_end(engi
     metrics = on[-1]["response"]["metrics"]
     assert metrics["held_ms"] > 0 and metrics["voice_to_voice_ms"] > 0
     assert off[-1]["response"]["metrics"]["held_ms"] is None
+
+
+@needs_espeak
+async def test_semantic_vad_with_a_speculative_start_answers_as_without(engine):
+    # Smart Turn hears a finished question: the turn ends at the model's answer, after the reply was
+    # started at the pause (the same 160 ms, where the model is asked); whether the answer or the held
+    # reply comes first, what the wire says is what it says with speculation off.
+    voice = resample(speech("What is the capital of France?"), 16000, RATE)
+    pieces = [np.concatenate([silence(0.3), voice, silence(2.5)])]
+    semantic = {"type": "semantic_vad", "eagerness": "auto"}
+    off, off_conv, _ = await spoken(engine, pieces, speculative=False, detection=semantic)
+    on, on_conv, spec = await spoken(engine, pieces, speculative=True, detection=semantic)
+    # (where the turn ends on the audio timeline is when the model's answer came: the model hears the
+    # turn up to 160 ms after the voice either way)
+    (on_said, on_stop), (off_said, off_stop) = (split(said(x)) for x in (on, off))
+    assert on_said == off_said and len(on_stop) == len(off_stop) == 1
+    assert on_conv == off_conv and off_conv
+    assert spec.started == 1 and spec.released + spec.dropped == 1
+
+
+def split(d: dict) -> tuple[dict, list]:
+    return {k: v for k, v in d.items() if k != "stopped"}, d["stopped"]

@@ -117,7 +117,10 @@ async def _connect(port: int, detection: dict[str, Any] | None, max_tokens: int)
     if detection is not None:
         session["turn_detection"] = detection
     await ws.send(json.dumps({"type": "session.update", "session": session}))
-    await _recv_until(ws, "session.updated", {}, [])
+    while (ev := json.loads(await asyncio.wait_for(ws.recv(), 120)))["type"] != "session.updated":
+        if ev["type"] == "error":  # e.g. semantic_vad without its model file: say why, wait for nothing
+            await ws.close()
+            raise RuntimeError(f"the server refused the bench's session.update: {ev['error']}")
     return ws
 
 
@@ -184,7 +187,10 @@ def _median(samples: list[dict], key: str) -> float | None:
 
 
 async def _rows_on(engine: Any, args: argparse.Namespace, plan: list, audio: np.ndarray) -> list[dict]:
-    from omni_rt.server import PeerSettings, Server, ServerSettings
+    try:
+        from omni_rt.server import PeerSettings, Server, ServerSettings
+    except ImportError as exc:
+        raise SystemExit(f"--speech-turn runs the server: install the `server` extra ({exc})") from None
 
     peer = PeerSettings(max_output_tokens=args.text_tokens, max_audio_frames=args.frames)
     rows = []

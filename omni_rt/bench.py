@@ -338,7 +338,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _select_rows(args: argparse.Namespace, plan: list[tuple[str, dict[str, Any]]]) -> list:
     """The protocol rows this run asks for: all by default, none with --load alone."""
-    spec = args.rows if args.rows is not None else ("none" if args.load or args.speech_turn else "all")
+    alone = args.load or getattr(args, "speech_turn", False)  # another protocol asked for alone
+    spec = args.rows if args.rows is not None else ("none" if alone else "all")
     if spec == "all":
         return plan
     keep = {int(i) for i in spec.split(",") if i and i != "none"}

@@ -316,6 +316,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--load-sampling", choices=("default", "greedy"), default="default")
     ap.add_argument("--load-user-len", type=int, default=24, help="user-turn ids of the load prompt (57 ids)")
     ap.add_argument("--load-png", default="bench-load.png", help="where the load chart goes")
+    ap.add_argument(
+        "--speech-turn",
+        action="store_true",
+        help="the spoken-question rows, in real time (omni_rt.bench_speech)",
+    )
+    ap.add_argument("--speech-seconds", type=float, default=5.0, help="length of the spoken question")
+    ap.add_argument("--speech-requests", type=int, default=3, help="timed requests per speech row")
+    ap.add_argument("--speech-warmup", type=int, default=1, help="warm-up requests per speech row")
     ap.add_argument("--voice", default="ethan", help="speaker of every reply")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and sampling")
     ap.add_argument("--json", default="bench.json", help="where the rows go as JSON (default: bench.json)")
@@ -330,7 +338,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _select_rows(args: argparse.Namespace, plan: list[tuple[str, dict[str, Any]]]) -> list:
     """The protocol rows this run asks for: all by default, none with --load alone."""
-    spec = args.rows if args.rows is not None else ("none" if args.load else "all")
+    alone = args.load or getattr(args, "speech_turn", False)  # another protocol asked for alone
+    spec = args.rows if args.rows is not None else ("none" if alone else "all")
     if spec == "all":
         return plan
     keep = {int(i) for i in spec.split(",") if i and i != "none"}
@@ -486,6 +495,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         meta["load_engine"] = sizes
         load_rows = run_load(args, engine)
         first = first or engine
+
+    speech_rows: list[dict[str, Any]] = []
+    if args.speech_turn:
+        from omni_rt.bench_speech import format_speech_table, run_speech_rows
+
+        def speech_engine(overrides: dict[str, Any]) -> Any:
+            nonlocal first
+            sizes = {"max_sessions": 2, "max_context": 1024, "max_talker_context": 1024}
+            settings = _settings(sizes, full_plan[-1][1] | overrides)  # all on, but for `overrides`
+            engine = _load_engine(args, settings, first)
+            if first is not None:
+                apply_kernels(first.model, settings)
+            first = first or engine
+            return engine
+
+        speech_rows = run_speech_rows(args, speech_engine)
+        meta["speech"] = speech_rows
+        print(format_speech_table(speech_rows))
 
     want_ref = args.reference == "on" or (
         args.reference == "auto" and args.device.startswith("cuda") and (plan or args.rows == "none")

@@ -38,6 +38,11 @@ class EngineSettings(_Settings):
     event_queue_size: int = Field(4096, ge=16, description="events buffered per session before failing it")
 
     # pipeline optimisations (each one can be turned off)
+    encode_while_speaking: bool = Field(
+        True,
+        description="encode a spoken turn as it arrives (Session.live_speech), on a low-priority worker "
+        "thread, so its end leaves only the last encoder window and the prefill",
+    )
     talker_overlap_prefill: bool = Field(
         True, description="prefill the Talker's prompt prefix while the Thinker prefills"
     )

@@ -185,6 +185,7 @@ class Engine:
         self._pipeline: Pipeline | None = None
         self._lifecycle = asyncio.Lock()  # start and stop run one at a time, in the order called
         self._free_slots = list(range(self.settings.max_sessions))
+        self._speech_worker: Any = None  # made at the first live turn (omni_rt.live_speech)
 
     # -- loading ---------------------------------------------------------------------------------------
 
@@ -312,6 +313,19 @@ class Engine:
     def pipeline(self) -> Pipeline | None:
         """The running pipeline (its `steps` and `yields` logs are what the benchmark reads)."""
         return self._pipeline
+
+    @property
+    def speech_worker(self) -> Any:
+        """The thread that encodes live speech for every session (`omni_rt.live_speech`); None when the
+        model has no audio encoder or `encode_while_speaking` is off."""
+        encoder = getattr(getattr(self.model, "thinker", None), "audio_tower", None)
+        if encoder is None or not self.settings.encode_while_speaking:
+            return None
+        if self._speech_worker is None:
+            from omni_rt.live_speech import SpeechWorker
+
+            self._speech_worker = SpeechWorker(encoder)
+        return self._speech_worker
 
     # -- sessions --------------------------------------------------------------------------------------
 

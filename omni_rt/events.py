@@ -130,6 +130,9 @@ class Metrics(BaseModel):
     text_tokens_per_s: float | None = None  # decode tokens after the first over their time
     audio_seconds: float = 0.0
     rtf: float | None = None  # generation time / audio duration
+    # a speculative response (Session.speculate): how long its output was held back before release;
+    # the other times count from its speculative start
+    held_ms: float | None = None
 
 
 class ErrorInfo(BaseModel):

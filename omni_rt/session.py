@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import inspect
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,30 +39,24 @@ from omni_rt.events import (
     ConversationTruncated,
     ErrorEvent,
     Event,
-    Metrics,
     ResponseCreated,
     ResponseDone,
-    ResponseOutputAudioDelta,
-    ResponseOutputAudioDone,
-    ResponseOutputAudioTranscriptDelta,
-    ResponseOutputTextDelta,
-    Usage,
 )
+from omni_rt.live_speech import LiveSpeech, SpeechClip
 from omni_rt.pipeline.request import (
-    AudioDoneOut,
-    AudioOut,
     DoneOut,
     ErrorOut,
     Message,
     Request,
-    TextOut,
-    TranscriptOut,
 )
+from omni_rt.response_stream import response_events
 
 if TYPE_CHECKING:
     from omni_rt.engine import Engine
+    from omni_rt.speculation import Hold, Speculation
 
-NATIVE_RATE = 24000
+log = logging.getLogger("omni_rt")
+
 STOP_TIMEOUT_S = 60.0  # the longest a stopping response may take before the pipeline counts as stuck
 _response_ids = itertools.count(1)
 
@@ -73,6 +68,11 @@ class _Response:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     cancel_requested: bool = False
     status: str | None = None
+    # a speculative response (omni_rt.speculation) until it is released: its messages wait unread and
+    # its turn is not committed (`deferred`: the status it ended with meanwhile)
+    held: bool = False
+    deferred: str | None = None
+    held_ms: float | None = None  # how long its output was held back, once released
 
 
 @dataclass(eq=False)
@@ -102,6 +102,7 @@ class Session:
         self._current: _Response | None = None
         self._last: _Response | None = None  # the previous response, until the pipeline lets go of it
         self._starting: set[_Starting] = set()  # responses created but not submitted yet
+        self._held: Hold | None = None  # a speculative response not yet released or dropped
         self._closed = False
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -116,6 +117,8 @@ class Session:
         """Cancel any running response and give the slot back to the engine."""
         if self._closed:
             return
+        if self._held is not None:  # a speculative reply nobody will hear
+            await self._held.speculation.drop()
         await self.cancel()
         self._closed = True
         self.engine._release_slot(self.slot)
@@ -159,6 +162,38 @@ class Session:
                         await r
                 yield ev
 
+    def speculate(
+        self,
+        text: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        audio: Any = None,
+        audio_sample_rate: int = 16000,
+        voice: str | None = None,
+        sampling: Sampling | None = None,
+        max_output_tokens: int | None = None,
+        max_audio_frames: int | None = None,
+    ) -> Speculation:
+        """Start a response now with its output held back: `release()` it (its events, as if it started
+        then) or `drop()` it (no event, no change to the conversation). See `omni_rt.speculation`."""
+        from omni_rt.speculation import Hold, Speculation
+
+        if self._held is not None:
+            raise InvalidRequestError("a speculative response is already held: release or drop it first")
+        hold = self._held = Hold(previous=self._last)
+        stream = self._respond(
+            text, input_ids, (audio, audio_sample_rate), voice, sampling, max_output_tokens,
+            max_audio_frames, False, hold,
+        )  # fmt: skip
+        hold.speculation = Speculation(self, stream, hold)
+        return hold.speculation
+
+    def live_speech(self) -> LiveSpeech | None:
+        """A turn to encode as it is spoken (`omni_rt.live_speech`): push its audio, then respond with
+        its `clip()`; None where the engine does not (no audio encoder, or `encode_while_speaking` off)."""
+        worker = self.engine.speech_worker
+        return None if worker is None else LiveSpeech(worker)
+
     async def run(self, text: str | None = None, **kwargs: Any) -> ResponseDone:
         """Drive one response to its end (events go to `on_event=`, if given); returns response.done."""
         done = None
@@ -168,7 +203,16 @@ class Session:
         return done
 
     async def _respond(
-        self, text, input_ids, audio, voice, sampling, max_output_tokens, max_audio_frames, ignore_eos
+        self,
+        text,
+        input_ids,
+        audio,
+        voice,
+        sampling,
+        max_output_tokens,
+        max_audio_frames,
+        ignore_eos,
+        hold: Hold | None = None,
     ) -> AsyncIterator[Event]:
         t0 = time.perf_counter()
         rid = f"resp_{next(_response_ids)}"
@@ -177,8 +221,8 @@ class Session:
         try:
             yield ResponseCreated(response_id=rid)
             try:
-                # features of a spoken turn: signal processing, off the event loop
-                audio = await asyncio.to_thread(_speech_features, *audio) if audio[0] is not None else None
+                # features (and encoder tokens, if it was encoded as it was spoken) of a spoken turn
+                audio, encoded = await _turn_audio(*audio)
                 # the last await before _build: a previous response that is still stopping can commit
                 # its turn only until here, so this turn builds on the conversation as it ends up
                 await self._settle_last()
@@ -186,14 +230,17 @@ class Session:
                     yield ResponseDone(response_id=rid, status="cancelled")
                     return
                 req, rate, cut = self._build(rid, t0, text, input_ids, audio, voice, sampling,
-                                             max_output_tokens, max_audio_frames, ignore_eos)  # fmt: skip
+                                             max_output_tokens, max_audio_frames, ignore_eos, hold)  # fmt: skip
+                if encoded is not None:  # this turn's clip is the last one; earlier ones have none
+                    req.audio_encoded = [None] * (len(req.audio_features) - 1) + [encoded]
                 if cut is not None:
                     yield ConversationTruncated(
                         response_id=rid, dropped_turns=cut.dropped_turns, dropped_tokens=cut.dropped_tokens,
                         kept_tokens=len(cut.kept), retention_ratio=retention_ratio(self.settings.truncation),
                     )  # fmt: skip
                 if starting.cancelled:  # cancel() came while this turn was being prepared: no reply, but
-                    self._commit(req, "cancelled")  # what the user said is the conversation all the same
+                    if hold is None or hold.released.is_set():  # (a held speculation changes nothing)
+                        self._commit(req, "cancelled")  # what the user said is the conversation all the same
                     yield ResponseDone(response_id=rid, status="cancelled")
                     return
             except OmniRtError as e:
@@ -202,19 +249,27 @@ class Session:
                 return
         finally:
             self._starting.discard(starting)
-        resp = _Response(req, asyncio.Queue())
+        resp = _Response(req, asyncio.Queue(), held=hold is not None and not hold.released.is_set())
+        if hold is not None:
+            hold.resp = resp
+            if hold.released_at is not None:  # released while its turn was still being encoded
+                resp.held_ms = (hold.released_at - t0) * 1000.0
         loop = asyncio.get_running_loop()
         bound = self.engine.settings.event_queue_size
 
         def on_message(msg: Message) -> None:  # on the loop thread, in the pipeline's order
             terminal = isinstance(msg, ErrorOut | DoneOut)
-            if not terminal and resp.queue.qsize() >= bound:
+            # held messages are bounded by the response's own limits: the caller cannot read them yet
+            if not terminal and not resp.held and resp.queue.qsize() >= bound:
                 self.engine._pipeline_cancel_with_error(
                     req, CapacityError(f"the caller did not read this response's events ({bound} queued)")
                 )
                 return
             if isinstance(msg, DoneOut):
-                self._commit(req, msg.status)
+                if resp.held:
+                    resp.deferred = msg.status  # committed if it is released, never if it is dropped
+                else:
+                    self._commit(req, msg.status)
                 resp.status = msg.status
                 resp.done.set()
             resp.queue.put_nowait(msg)
@@ -231,7 +286,9 @@ class Session:
             return
         self._current = self._last = resp
         try:
-            async for ev in self._events(resp, rid, rate, t0):
+            if hold is not None:
+                await hold.released.wait()
+            async for ev in response_events(resp, rid, rate, t0, self.engine.tokenizer, self.ids):
                 yield ev
         finally:
             if not resp.done.is_set():  # the caller stopped reading: stop generating
@@ -286,9 +343,12 @@ class Session:
         max_output_tokens,
         max_audio_frames,
         ignore_eos,
+        hold=None,
     ) -> tuple[Request, int]:
         if self._closed:
             raise InvalidRequestError("this session is closed")
+        if self._held is not None and self._held is not hold:
+            raise InvalidRequestError("a speculative response is held: release or drop it first")
         if not self.engine.running:
             raise EngineClosedError("the engine is not running: use `async with engine:`")
         if self._current is not None and not self._current.done.is_set():
@@ -345,7 +405,10 @@ class Session:
         max_frames = self.settings.max_audio_frames if max_audio_frames is None else int(max_audio_frames)
         if max_tokens < 1 or max_frames < 1:
             raise InvalidRequestError("max_output_tokens and max_audio_frames must be >= 1")
-        cut = self._truncate(new, max_tokens, max_frames)
+        # a speculative response changes nothing until it is released: one that would drop turns is not made
+        cut = self._truncate(
+            new, max_tokens, max_frames, dry_run=hold is not None and not hold.released.is_set()
+        )
         prompt = self.conversation + close_turn(self.conversation, self.ids) + new
         s = self.engine.settings
         if len(prompt) >= s.max_context:
@@ -385,10 +448,33 @@ class Session:
         )
         return req, rate, cut
 
+    def _release_held(self, hold: Hold) -> None:
+        """A speculative response becomes the response to the turn: its output flows from here."""
+        hold.released.set()
+        hold.released_at = time.perf_counter()
+        self._held = None
+        resp = hold.resp
+        if resp is not None:
+            resp.held = False
+            resp.held_ms = (hold.released_at - resp.req.t0) * 1000.0
+            if resp.deferred is not None:  # it finished while held: its turn joins the conversation now
+                self._commit(resp.req, resp.deferred)
+
+    def _forget_held(self, hold: Hold) -> None:
+        """A dropped speculative response: the session is as it was before it (its turn never committed)."""
+        if self._held is hold:
+            self._held = None
+        if hold.resp is not None and self._last is hold.resp:
+            self._last = hold.previous
+        if hold.resp is not None and self._current is hold.resp:
+            self._current = None
+
     def _talker_prompt_len(self, prompt: list[int]) -> int:
         return count_user_tokens(prompt, self.ids.im_start, self.ids.user) + TALKER_PROMPT_EXTRA
 
-    def _truncate(self, new: list[int], max_tokens: int, max_frames: int) -> Truncation | None:
+    def _truncate(
+        self, new: list[int], max_tokens: int, max_frames: int, dry_run: bool = False
+    ) -> Truncation | None:
         """Drop the oldest turns when the conversation with `new` outgrows the input limits (room left
         for the reply in both stages' caches), as the session's `truncation` says. Applied at once: the
         dropped turns are gone whatever becomes of this response. None: nothing dropped."""
@@ -402,6 +488,8 @@ class Session:
 
         if ratio is None or not self.conversation or fits(self.conversation, 1.0):
             return None
+        if dry_run:
+            raise InvalidRequestError("this turn would drop earlier turns: it is not answered speculatively")
         # down to the retention ratio; failing that, as far as the turn itself needs
         cut = truncate(self.conversation, self.ids, lambda kept: fits(kept, ratio)) or truncate(
             self.conversation, self.ids, lambda kept: fits(kept, 1.0)
@@ -454,96 +542,6 @@ class Session:
         if req.prompt_ids.count(self.ids.audio_start) > len(self._clips):
             self._clips.append(req.audio_features[-1])
 
-    async def _events(self, resp: _Response, rid: str, rate: int, t0: float) -> AsyncIterator[Event]:
-        req = resp.req
-        tok = self.engine.tokenizer
-        text_dec = tok.incremental()
-        transcript_dec = tok.incremental()
-        resampler = None if rate == NATIVE_RATE else StreamingResampler(NATIVE_RATE, rate)
-        t_text = t_audio = None
-        delivered = 0  # samples handed out, at `rate`
-        error = None
-        while True:
-            msg = await resp.queue.get()
-            live = not resp.cancel_requested  # after a cancel, only the end goes out
-            if isinstance(msg, TextOut):
-                if not live or (msg.token_id == self.ids.im_end and not req.ignore_eos):
-                    continue
-                if t_text is None:
-                    t_text = time.perf_counter()
-                yield ResponseOutputTextDelta(
-                    response_id=rid, delta=text_dec.push(msg.token_id), token_ids=[msg.token_id]
-                )
-            elif isinstance(msg, TranscriptOut):
-                delta = transcript_dec.push(msg.token_id) if live else ""
-                if delta:
-                    yield ResponseOutputAudioTranscriptDelta(response_id=rid, delta=delta)
-            elif isinstance(msg, AudioOut):
-                if not live:
-                    continue
-                pcm = msg.pcm if resampler is None else resampler.push(msg.pcm)
-                if len(pcm) == 0:
-                    continue
-                if t_audio is None:
-                    t_audio = time.perf_counter()
-                delivered += len(pcm)
-                yield ResponseOutputAudioDelta(
-                    response_id=rid, pcm=_to_int16(pcm), sample_rate=rate, frame_index=msg.frame_index,
-                    num_frames=msg.num_frames,
-                )  # fmt: skip
-            elif isinstance(msg, AudioDoneOut):
-                if not live:
-                    continue
-                if resampler is not None:
-                    tail = resampler.flush()
-                    if len(tail):
-                        delivered += len(tail)
-                        yield ResponseOutputAudioDelta(
-                            response_id=rid, pcm=_to_int16(tail), sample_rate=rate, frame_index=req.frames,
-                            num_frames=0,
-                        )  # fmt: skip
-                # what was spoken is complete, and so is the text when the Thinker is done: a last
-                # character cut short (max_output_tokens) comes out before the audio's end
-                for ev in _flushed(rid, transcript_dec, text_dec if req.text_done else None):
-                    yield ev
-                yield ResponseOutputAudioDone(response_id=rid)
-            elif isinstance(msg, ErrorOut):
-                error = ErrorEvent.from_exception(msg.error, rid)
-                yield error
-            elif isinstance(msg, DoneOut):
-                if not resp.cancel_requested:  # whatever is still held back (no audio, or text after it)
-                    for ev in _flushed(rid, transcript_dec, text_dec):
-                        yield ev
-                status = msg.status
-                if resp.cancel_requested and status == "completed":
-                    status = "cancelled"  # finished before the cancel landed; the caller asked to stop
-                yield ResponseDone(
-                    response_id=rid,
-                    status=status,
-                    usage=Usage(
-                        input_tokens=len(req.new_prompt_ids),
-                        cached_tokens=req.thinker_start,
-                        output_tokens=len(req.tokens),
-                        audio_frames=req.frames,
-                    ),
-                    metrics=_metrics(req, t0, t_text, t_audio, delivered / rate),
-                    error=None if error is None else error.error,
-                )
-                return
-
-
-def _flushed(rid: str, transcript_dec: Any, text_dec: Any | None) -> list[Event]:
-    """The bytes the incremental decoders still hold back (a reply cut mid-character, decoded as U+FFFD),
-    as last deltas, so that a response's deltas add up to the decode of all its ids."""
-    out: list[Event] = []
-    tail = transcript_dec.flush()
-    if tail:
-        out.append(ResponseOutputAudioTranscriptDelta(response_id=rid, delta=tail))
-    tail = text_dec.flush() if text_dec is not None else ""
-    if tail:
-        out.append(ResponseOutputTextDelta(response_id=rid, delta=tail, token_ids=[]))
-    return out
-
 
 def _check_types(text, voice, sampling, max_output_tokens, max_audio_frames) -> None:
     """Argument types of `respond()` that nothing downstream checks before a stage runner reads them."""
@@ -555,6 +553,21 @@ def _check_types(text, voice, sampling, max_output_tokens, max_audio_frames) -> 
     for name, v in (("max_output_tokens", max_output_tokens), ("max_audio_frames", max_audio_frames)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | np.integer)):
             raise InvalidRequestError(f"{name} must be an int, got {v!r}")
+
+
+async def _turn_audio(audio: Any, rate: int) -> tuple[Any, Any]:
+    """(log-mel features, encoder tokens or None) of a spoken turn, off the event loop: a `SpeechClip`'s
+    encoding as it was made while the user spoke, else features of the whole clip (the Thinker encodes
+    them). A clip whose stream failed is encoded whole, so nothing is lost."""
+    if audio is None:
+        return None, None
+    if isinstance(audio, SpeechClip):
+        try:
+            return await audio.encoding()
+        except Exception:
+            log.warning("live speech encoding failed; the turn is encoded whole", exc_info=True)
+            audio, rate = audio.audio, 16000
+    return await asyncio.to_thread(_speech_features, audio, rate), None
 
 
 def _speech_features(audio: Any, rate: int):
@@ -582,38 +595,6 @@ def _audio_token_count(n_frames: int, n_window: int) -> int:
     from omni_rt.audio.features import audio_token_count
 
     return int(audio_token_count(n_frames, n_window))
-
-
-def _to_int16(pcm: np.ndarray) -> np.ndarray:
-    return (np.clip(pcm, -1.0, 1.0) * 32767.0).round().astype(np.int16)
-
-
-def _ms(t: float | None, t0: float) -> float | None:
-    return None if t is None else (t - t0) * 1000.0
-
-
-def _metrics(req: Request, t0: float, t_text: float | None, t_audio: float | None, audio_s: float) -> Metrics:
-    """audio_s: seconds of audio handed to the caller (none of what a cancel dropped). total_ms runs to
-    the caller reading response.done, like ttft and ttfa; rtf is the pipeline's: its generation ends
-    when the last stage lets go of the response, however long the caller takes to read it."""
-    t_end = time.perf_counter()
-    t_gen = t_end if req.t_done is None else req.t_done
-    n = len(req.tokens)
-    tps = None
-    if n > 1 and req.t_thinker_first is not None and req.t_thinker_last is not None:
-        span = req.t_thinker_last - req.t_thinker_first
-        tps = (n - 1) / span if span > 0 else None
-    return Metrics(
-        ttft_ms=_ms(t_text, t0),
-        ttfa_ms=_ms(t_audio, t0),
-        thinker_first_token_ms=_ms(req.t_thinker_first, t0),
-        talker_first_code_ms=_ms(req.t_talker_first_code, t0),
-        first_pcm_ms=_ms(req.t_first_pcm, t0),
-        total_ms=(t_end - t0) * 1000.0,
-        text_tokens_per_s=tps,
-        audio_seconds=audio_s,
-        rtf=(t_gen - t0) / audio_s if audio_s > 0 else None,
-    )
 
 
 def check_sample_rate(rate: int) -> int:

@@ -51,6 +51,9 @@ class FakeSession:
         self.pcm_samples: dict[str, int] = {}  # response id → samples yielded
         self.conversation: list[int] = []  # as the Session's: grows with each response
 
+    def live_speech(self):
+        return None  # the Session's encoding while speaking needs a model (tests/test_speculation.py)
+
     async def respond(
         self,
         text: str | None = None,

@@ -64,16 +64,32 @@ def test_a_finished_question_ends_the_turn_within_300_ms_of_its_last_word():
 
 @needs_espeak
 def test_a_400_ms_pause_mid_sentence_does_not_end_the_turn():
-    # One sentence with a pause inside its intonation (SSML break), as a speaker hesitates. Smart Turn on
-    # espeak-ng's flat voice is unsure at the cut (about 0.5), so this runs at eagerness "low" (0.7 to
-    # end), where a person who hesitates is given time; "high" (0.3) ends the turn at the same pause.
+    # One sentence with a pause inside its intonation (SSML break), as a speaker hesitates, at the
+    # default eagerness (auto = medium: 0.5 to end). Smart Turn hears "And then we went to" as unfinished
+    # (about 0.1), so the turn goes on through the pause and ends after the last word.
+    voice = speech('And then we went to <break time="400ms"/> the store to buy some bread.')
+    end = 600 + ms(voice)
+    clip = cat(silence(600), voice, silence(5000))
+    events, vad = run(clip, SemanticVadConfig())
+    assert SemanticVadConfig().eagerness == "auto"
+    assert [type(e) for e in events] == [SpeechStarted, SpeechStopped], (events, vad.asked)
+    assert len(vad.asked) == 2  # once at the pause (not finished), once after the last word
+    assert vad.asked[0][0] < end - 1000 and vad.asked[0][1] < EAGERNESS["auto"][0]
+    assert events[1].audio_end_ms > end
+
+
+@needs_espeak
+def test_where_the_model_is_unsure_of_a_pause_the_eagerness_decides():
+    # At "we went to the | store" Smart Turn v3.2 is unsure on espeak-ng's flat voice (about 0.57, just
+    # over medium's 0.5: at the default this pause would end the turn; measured 2 of 6 such sentences
+    # held at auto): "low" (0.7) gives the hesitating speaker time, "high" (0.3) answers at the pause.
     voice = speech('And then we went to the <break time="400ms"/> store to buy some bread.')
     end = 600 + ms(voice)
     clip = cat(silence(600), voice, silence(8500))
     events, vad = run(clip, SemanticVadConfig(eagerness="low"))
     assert [type(e) for e in events] == [SpeechStarted, SpeechStopped], (events, vad.asked)
-    assert len(vad.asked) == 2  # once at the pause (not finished), once after the last word
-    assert vad.asked[0][0] < end - 1000 and vad.asked[0][1] < EAGERNESS["low"][0]
+    assert len(vad.asked) == 2
+    assert vad.asked[0][0] < end - 1000 and EAGERNESS["high"][0] < vad.asked[0][1] < EAGERNESS["low"][0]
     assert events[1].audio_end_ms > end
 
     eager, eager_vad = run(clip, SemanticVadConfig(eagerness="high"))

@@ -349,6 +349,7 @@ async def test_session_reports_and_updates_turn_detection(served):
             "silence_duration_ms": 500,
             "create_response": True,
             "interrupt_response": True,
+            "speculative_response": True,
         },
     }
     update = {
@@ -369,6 +370,7 @@ async def test_session_reports_and_updates_turn_detection(served):
         "eagerness": "high",
         "create_response": True,
         "interrupt_response": True,
+        "speculative_response": True,
     }
     assert type(peer.input.segmenter.vad).__name__ == "SemanticVad"
     await ws.send(json.dumps({"type": "session.update", "session": {"turn_detection": None}}))

@@ -18,6 +18,7 @@ from server_fakes import Client, FakeEngine, MicTrack, loopback_ice, speech_like
 
 from omni_rt.audio.resample import resample  # noqa: E402
 from omni_rt.server import PeerSettings, Server, ServerSettings  # noqa: E402
+from omni_rt.server.live_turn import TAIL_MS
 from omni_rt.server.track import AudioOutputTrack  # noqa: E402
 
 RATE_IN = 24000  # input_audio_buffer.append
@@ -101,10 +102,11 @@ async def test_appended_speech_with_server_vad_gets_a_spoken_reply():
             assert "response.output_audio.delta" in t and events[-1]["response"]["status"] == "completed"
             reply_item = events[-1]["response"]["output"][0]["id"]
 
-            # The session got the turn's audio at 16 kHz: what was appended, resampled.
+            # The session got the turn's audio at 16 kHz: what was appended, resampled, up to TAIL_MS
+            # after the voice (server_vad's window: 500 ms, in whole 32 ms frames), not the whole window.
             ((turn, rate),) = engine.audio_requests
             assert rate == 16000 and engine.requests == [None]
-            assert len(turn) == stopped["audio_end_ms"] * 16
+            assert len(turn) == (stopped["audio_end_ms"] - 16 * 32 + TAIL_MS) * 16
             expected = resample(audio, RATE_IN, 16000)[: len(turn)]
             assert np.abs(turn - expected).max() < 0.01
 
@@ -329,7 +331,9 @@ async def test_microphone_turn_over_webrtc_gets_a_spoken_reply():
         # 300 ms prefix + 800 ms of speech + 500 ms of silence, heard through Opus
         assert stopped["audio_end_ms"] - started["audio_start_ms"] == pytest.approx(1600, abs=100)
         ((turn, rate),) = engine.audio_requests
-        assert rate == 16000 and len(turn) == (stopped["audio_end_ms"] - started["audio_start_ms"]) * 16
+        # what the model hears: up to TAIL_MS after the voice, not the rest of the 512 ms window
+        heard = stopped["audio_end_ms"] - 16 * 32 + TAIL_MS - started["audio_start_ms"]
+        assert rate == 16000 and len(turn) == heard * 16
         assert np.sqrt(np.mean(turn**2)) > 0.05  # the speech itself, not silence
         await asyncio.sleep(0.2)
         assert peer.input_audio_frames > 50 and client.frames  # the reply came back on the track

@@ -196,6 +196,11 @@ class ServerVad:
         """Milliseconds of audio analysed (whole frames)."""
         return self._frames * FRAME_MS
 
+    @property
+    def speech_end_ms(self) -> int:
+        """During a turn: where its voice last was (the end of its last speech frame)."""
+        return self._speech_end_ms
+
     def push(self, audio: np.ndarray) -> list[SpeechStarted | SpeechStopped]:
         """Analyse `audio` (1-D float in [-1, 1], or int16) and return the events it completes, in order."""
         buf = np.concatenate((self._pending, pcm_float(audio)))
@@ -329,6 +334,24 @@ class TurnSegmenter:
                 out.append(self._take(ev.audio_end_ms, ev.speech_end_ms))
         self._trim()
         return out
+
+    @property
+    def turn_start_ms(self) -> int | None:
+        """Where the open turn's audio starts (None: no turn is open)."""
+        return self._turn_start_ms
+
+    def samples(self, lo: int, hi: int) -> np.ndarray:
+        """Samples [lo, hi) of everything pushed (indices from the start), from what is still buffered:
+        a caller following the open turn reads its newest audio without joining the whole turn."""
+        out, end = [], self._pushed
+        for c in reversed(self._chunks):
+            start = end - len(c)
+            if start < hi and end > lo:
+                out.append(c[max(lo - start, 0) : min(hi, end) - start])
+            if start <= lo:
+                break
+            end = start
+        return np.concatenate(out[::-1]) if out else np.zeros(0, np.float32)
 
     def poll(self) -> list[SpeechStopped | Turn]:
         """A turn the detector ended between pushes (see `ServerVad.poll`): its SpeechStopped and Turn."""

@@ -274,11 +274,15 @@ def build_speech_input(
     prompt_ids: Sequence[int] | torch.Tensor,
     features: Sequence[torch.Tensor],
     ids: TokenIds,
+    encoded: Sequence[torch.Tensor | None] | None = None,
 ) -> SpeechInput:
     """Encode the clips' log-mel features ([128, F_k] each, in prompt order) and build the Thinker's inputs.
 
     `thinker`: a `Thinker` (its `embed`); `encoder`: an `AudioEncoder`. The prompt must already hold
     `audio_token_count(F_k)` placeholders per clip (`speech_prompt`, `expand_audio_placeholders`).
+    `encoded`: each clip's encoder tokens if already computed (a turn encoded while it was spoken,
+    `SpeechStream`), else None; the encoder runs only when some clip has none, and then on all of them,
+    so a result never mixes the two ways of encoding.
     """
     p = _ids_list(prompt_ids)
     if len(features) == 0:
@@ -290,7 +294,11 @@ def build_speech_input(
     rope = mrope_positions(p, ids, lens, encoder.cfg.n_window)  # also checks the placeholder counts
     w = thinker.model.embed_tokens.weight
     enc_w = encoder.proj2.weight
-    audio = encoder(torch.cat([f.to(enc_w.device, enc_w.dtype) for f in features], dim=1), torch.tensor(lens))
+    if encoded is not None and len(encoded) == len(features) and all(e is not None for e in encoded):
+        audio = torch.cat([e.to(enc_w.device, enc_w.dtype) for e in encoded])  # [N_audio, output_dim]
+    else:
+        feats = torch.cat([f.to(enc_w.device, enc_w.dtype) for f in features], dim=1)
+        audio = encoder(feats, torch.tensor(lens))
     prompt = torch.tensor(p, device=w.device)  # [T]
     x = scatter_audio(thinker.embed(prompt), prompt, audio.to(w.device), ids)  # [T, H]
     return _speech_input(prompt, x, ids, rope)

@@ -19,6 +19,8 @@ What is final when:
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 from torch.nn import functional as F
@@ -37,6 +39,7 @@ class SpeechStream:
 
     def __init__(self, encoder: AudioEncoder) -> None:
         self.encoder = encoder
+        self._device = encoder.proj2.weight.device  # features are made on the CPU, encoded there
         self.win = 2 * encoder.cfg.n_window
         self.block_windows = encoder.cfg.n_window_infer // self.win
         self._pieces: list[np.ndarray] = []  # pushed audio not yet joined onto `_joined`
@@ -58,6 +61,15 @@ class SpeechStream:
             self._joined = np.concatenate((self._joined, *self._pieces))
             self._pieces.clear()
         return self._joined
+
+    def fork(self) -> SpeechStream:
+        """A copy that finishes on its own: the turn so far, encoded as if it ended here (a speculative
+        reply at a pause), while this one goes on if the user does. Shares the computed tensors, which
+        neither changes."""
+        other = copy.copy(self)
+        other._pieces, other._logs = list(self._pieces), list(self._logs)
+        other._windows, other._blocks = list(self._windows), list(self._blocks)
+        return other
 
     def push(self, audio: np.ndarray) -> None:
         a = np.asarray(audio)
@@ -101,7 +113,7 @@ class SpeechStream:
         feats = self._features(whole * self.win)
         for w in range(len(self._windows), whole):
             chunk = feats[:, w * self.win : (w + 1) * self.win]
-            self._windows.append((chunk, self.encoder.conv_tokens([chunk.T])))
+            self._windows.append((chunk, self.encoder.conv_tokens([chunk.T.to(self._device)])))
         block = self.encoder.block_tokens(self.win)
         while (len(self._blocks) + 1) * self.block_windows <= len(self._windows):
             b = len(self._blocks)
@@ -125,7 +137,7 @@ class SpeechStream:
             lo = (self._frames - back) * HOP_LENGTH - HALF
             if lo < 0:  # a turn this short is encoded whole
                 feats = log_mel(self._audio)
-                return feats, self.encoder.encode(feats)
+                return feats, self.encoder.encode(feats.to(self._device))
             if total > self._frames:
                 seg = F.pad(torch.from_numpy(self._audio[lo:])[None, None], (0, HALF), mode="reflect")[0, 0]
                 logs = raw_log_mel(seg[None])[0][:, back : back + total - self._frames]
@@ -153,11 +165,11 @@ class SpeechStream:
         # conv windows are independent: those still valid are reused, the rest (the last) encoded now
         cached = [t for _, t in self._windows[done_windows:]]
         start = len(self._windows) * win
-        chunks = [feats[:, s : min(s + win, total)].T for s in range(start, total, win)]
+        chunks = [feats[:, s : min(s + win, total)].T.to(self._device) for s in range(start, total, win)]
         longest = win if total >= win else total
         if chunks:
             cached.append(enc.conv_tokens(chunks, pad_to=longest))
-        rest = torch.cat(cached) if cached else feats.new_zeros(0, enc.cfg.d_model)
+        rest = torch.cat(cached) if cached else feats.new_zeros(0, enc.cfg.d_model, device=self._device)
         block = enc.block_tokens(longest)
         sizes = [block] * (rest.shape[0] // block) + (
             [rest.shape[0] % block] if rest.shape[0] % block else []

@@ -80,6 +80,8 @@ class Request:
     # runner encodes them). The Talker then reads the Thinker's hidden states at the audio positions,
     # so its prompt prefix waits for the Thinker's prefill instead of overlapping it.
     audio_features: list[Any] | None = None
+    # each clip's encoder tokens, when the session encoded the turn while it was spoken (else None)
+    audio_encoded: list[Any] | None = None
     thinker_hidden: Any = None  # [len(prompt_ids), H] set by the Thinker runner for the Talker runner
     # [n, H]: the Thinker's hidden states of prompt_ids[:n] that the Talker has not prefilled yet (an
     # earlier spoken turn whose reply was cut before the Talker's prefill): its audio positions are in

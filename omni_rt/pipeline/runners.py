@@ -310,7 +310,9 @@ class ThinkerRunner:
         the whole prompt for the Talker, which reads them at the audio positions; rows of earlier turns
         stay zero (the Talker has those positions in its cache already and does not feed them again)."""
         new = req.new_prompt_ids
-        x = build_speech_input(self.thinker, self._encoder(), new, req.audio_features, self.ids)
+        x = build_speech_input(
+            self.thinker, self._encoder(), new, req.audio_features, self.ids, encoded=req.audio_encoded
+        )
         first, logits, hidden = self._prefill_embeds([req], x.inputs_embeds)  # [1], [1, V], [1, T, H]
         full = hidden.new_zeros(len(req.prompt_ids), hidden.shape[-1])  # [P, H]
         if req.carried_hidden is not None:  # earlier turns the Talker has not prefilled yet

@@ -31,6 +31,7 @@ class Conversation:
         # Input since the last response, by item id: (role, text) turns, committed speech (16 kHz).
         self._text: dict[str, tuple[str, str]] = {}
         self._speech: dict[str, np.ndarray] = {}
+        self._clips: dict[str, Any] = {}  # a spoken item's encoding made while it was spoken, if any
 
     # -- adding ---------------------------------------------------------------------------------------
 
@@ -67,9 +68,11 @@ class Conversation:
         self._text[item_id] = (role, text)
         self._add(protocol.item_wire(item, item_id, text))
 
-    def add_speech(self, item_id: str, audio: np.ndarray) -> None:
-        """A committed spoken turn (16 kHz), a user item."""
+    def add_speech(self, item_id: str, audio: np.ndarray, clip: Any = None) -> None:
+        """A committed spoken turn (16 kHz), a user item; `clip`: its `SpeechClip` (live_turn.py)."""
         self._speech[item_id] = audio
+        if clip is not None:
+            self._clips[item_id] = clip
         self._add(wire.input_audio_item(item_id))
 
     def remember(self, items: list[dict[str, Any]]) -> None:
@@ -98,13 +101,21 @@ class Conversation:
         """(the text turns waiting, whether speech waits too)."""
         return list(self._text.values()), bool(self._speech)
 
-    def take(self) -> tuple[list[tuple[str, str]], np.ndarray | None]:
-        """What the next response reads: the text turns in order, the speech as one clip."""
+    def take(self) -> tuple[list[tuple[str, str]], Any]:
+        """What the next response reads: the text turns in order, the speech as one clip (the item's
+        encoding made while it was spoken when one item waits, else the samples of all of them)."""
         turns = list(self._text.values())
-        speech = np.concatenate(list(self._speech.values())) if self._speech else None
+        speech = self.speech_clip() or (np.concatenate(list(self._speech.values())) if self._speech else None)
         self._text.clear()
         self._speech.clear()
+        self._clips.clear()
         return turns, speech
+
+    def speech_clip(self) -> Any:
+        """The encoding of the one spoken item waiting, if it has one (None otherwise)."""
+        if len(self._speech) != 1:
+            return None
+        return self._clips.get(next(iter(self._speech)))
 
     # -- retrieve, delete -----------------------------------------------------------------------------
 
@@ -133,6 +144,7 @@ class Conversation:
             )
         self._text.pop(item_id, None)
         self._speech.pop(item_id, None)
+        self._clips.pop(item_id, None)
         del self._items[item_id]
         if self.last_item_id == item_id:
             self.last_item_id = next(reversed(self._items), None)

@@ -5,7 +5,9 @@ Microphone frames and `input_audio_buffer.append` audio go to one `InputAudioBuf
 16 kHz, server VAD), rate-limited together. All of it is synchronous on the event loop, so the
 microphone loop never waits on anything but the next frame. What a turn does to replies is the
 peer's: `on_speech_started` (barge-in) and `on_turn` (answer it), called only with server VAD's
-`interrupt_response` / `create_response` on.
+`interrupt_response` / `create_response` on. While a turn is spoken its audio goes to the session's
+encoder as it arrives, and a pause that may end it is offered for a speculative reply (`on_pause`),
+taken back when the voice resumes (`on_resume`): `live_turn.py`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from omni_rt import wire
 from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn
 from omni_rt.server import protocol
 from omni_rt.server.conversation import Conversation
+from omni_rt.server.live_turn import LiveTurn, model_audio
 from omni_rt.server.protocol import ProtocolError
 from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, InputRate, TurnDetection
 from omni_rt.server.turns import SpokenTurnClock, when_answered
@@ -39,12 +42,19 @@ class SpeechInput:
         on_speech_started: Callable[[], None],
         on_turn: Callable[[], None],
         on_committed: Callable[[str, Any], None] = lambda item_id, audio: None,
+        live_speech: Callable[[], Any] = lambda: None,
+        on_pause: Callable[[Callable[[], Any]], None] = lambda clip: None,
+        on_resume: Callable[[], None] = lambda: None,
     ) -> None:
         self.name = name
         self.max_turn_ms, self.max_pending_ms = max_turn_ms, max_pending_ms
         self._send, self._conversation = send, conversation
         self._on_speech_started, self._on_turn = on_speech_started, on_turn
         self._on_committed = on_committed  # (item id, 16 kHz audio) of every spoken item (transcription)
+        # the session's LiveSpeech for a new turn (None: no encoding while speaking); a pause that may
+        # end the turn, with a function that makes its clip; the voice going on after it
+        self._live_speech, self._on_pause, self._on_resume = live_speech, on_pause, on_resume
+        self._live: LiveTurn | None = None  # the open turn's encoding
         self.spoken_turn: SpokenTurnClock | None = None  # the last detected turn, for the next response
         self._watched_answer: Any = None  # semantic_vad's pending answer that _on_turn_answer awaits
         self.detection = detection
@@ -63,6 +73,7 @@ class SpeechInput:
         self.buffer = InputAudioBuffer(detection, self.max_turn_ms)
         self._item_id = None
         self._full_reported = False
+        self._drop_live()
 
     def append(self, event: protocol.InputAudioBufferAppend) -> None:
         self.frames += 1
@@ -106,7 +117,8 @@ class SpeechInput:
     def commit(self, event: protocol.InputAudioBufferCommit) -> None:
         try:
             # A manual commit adds the turn; response.create answers it.
-            self._commit(self.buffer.commit())
+            turn = self.buffer.commit()
+            self._commit(turn, turn.audio)
             self.spoken_turn = None  # the latest speech has no detected end: no figure from it
         except ProtocolError as exc:
             exc.event_id = event.event_id
@@ -115,6 +127,7 @@ class SpeechInput:
     def clear(self) -> None:
         self.buffer.clear()
         self._item_id = None
+        self._drop_live()
         self._send(wire.cleared())
 
     def _on_events(self, events: list[SpeechStarted | SpeechStopped | Turn]) -> None:
@@ -123,6 +136,7 @@ class SpeechInput:
             if isinstance(ev, SpeechStarted):
                 self._item_id = wire.new_id("item")
                 self._send(wire.speech_started(ev.audio_start_ms, self._item_id))
+                self._open_live(ev.audio_start_ms)
                 if detection is not None and detection.interrupt_response:
                     self._on_speech_started()
             elif isinstance(ev, SpeechStopped):
@@ -131,12 +145,14 @@ class SpeechInput:
             else:
                 self.spoken_turn = SpokenTurnClock.from_turn(ev, self.buffer.arrivals)
                 try:
-                    self._commit(ev)
+                    self._commit(ev, model_audio(ev))
                 except ProtocolError as exc:  # too much speech already waits (create_response off)
                     self._send(protocol.error(exc))
                     continue
                 if detection is not None and detection.create_response:
                     self._on_turn()
+        if self._live is not None and self.buffer.segmenter.in_speech:
+            self._follow_live()
         answer = self.buffer.pending  # semantic_vad asked its model: the turn may end when it answers
         if answer is not None and answer is not self._watched_answer:
             self._watched_answer = answer
@@ -151,9 +167,47 @@ class SpeechInput:
             log.exception("peer %s: speech input failed", self.name)
             self._failed = True
 
-    def _commit(self, turn: Turn) -> None:
-        """The turn's audio becomes a user item, waiting for the next response like user text."""
-        pending = self._conversation.speech_samples + len(turn.audio)
+    # -- the turn being spoken ----------------------------------------------------------------------------
+
+    def _open_live(self, start_ms: int) -> None:
+        self._drop_live()
+        live = self._live_speech()
+        self._live = None if live is None else LiveTurn(live, start_ms)
+
+    def _follow_live(self) -> None:
+        assert self._live is not None
+        try:
+            resumed, pause = self._live.follow(self.buffer.segmenter)
+        except Exception:  # the turn is then encoded whole at its end: nothing is lost
+            log.exception("peer %s: encoding while speaking failed", self.name)
+            self._drop_live()
+            return
+        if resumed:
+            self._on_resume()
+        if pause:
+            self._on_pause(self._live.pause_clip)
+
+    def _drop_live(self) -> None:
+        """The open turn is gone (cleared, committed, a new detector): so is any reply offered at its pause."""
+        if self._live is not None:
+            self._live = None
+            self._on_resume()
+
+    def _finish_live(self, audio: Any) -> Any:
+        live, self._live = self._live, None
+        if live is None:
+            return None
+        try:
+            return live.finish(audio)
+        except Exception:
+            log.exception("peer %s: encoding while speaking failed", self.name)
+            return None
+
+    def _commit(self, turn: Turn, audio: Any) -> None:
+        """The turn's audio (what the model hears of it) becomes a user item, waiting for the next
+        response like user text."""
+        clip = self._finish_live(audio)
+        pending = self._conversation.speech_samples + len(audio)
         if pending > self.max_pending_ms * SPEECH_RATE // 1000:
             self._item_id = None
             raise ProtocolError(
@@ -165,5 +219,5 @@ class SpeechInput:
         self._item_id = None
         self._full_reported = False
         self._send(wire.committed(item_id, self._conversation.last_item_id))
-        self._conversation.add_speech(item_id, turn.audio)
-        self._on_committed(item_id, turn.audio)
+        self._conversation.add_speech(item_id, audio, clip)
+        self._on_committed(item_id, audio)

@@ -23,8 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from omni_rt import wire
 from omni_rt.errors import OmniRtError
 from omni_rt.server import protocol, tools, webrtc
@@ -33,6 +31,7 @@ from omni_rt.server.listening import SpeechInput
 from omni_rt.server.media import Media
 from omni_rt.server.protocol import ProtocolError
 from omni_rt.server.responses import CancelReason, Response
+from omni_rt.server.speculative import Speculator
 from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, TurnDetection
 from omni_rt.server.track import FRAME_SAMPLES, AudioOutputTrack, Idle
 from omni_rt.server.track import SAMPLE_RATE as TRACK_RATE
@@ -110,6 +109,7 @@ class Peer:
 
         self.conversation = Conversation(self.send, settings.max_pending_text_chars)
         self.transcriber = InputTranscriber(engine, self.send, self._spawn)  # audio.input.transcription
+        self.speculator = Speculator(self.session_id, self._spawn)  # the reply ready when they stop
         self.speech = SpeechInput(
             self.session_id,
             settings.turn_detection,
@@ -120,6 +120,9 @@ class Peer:
             on_speech_started=lambda: self._interrupt("turn_detected"),
             on_turn=self._on_turn,
             on_committed=self.transcriber.add,
+            live_speech=lambda: self.session.live_speech() if self.session is not None else None,
+            on_pause=self._on_pause,
+            on_resume=self.speculator.drop,
         )
         self.media = Media(
             self.session_id,
@@ -459,6 +462,8 @@ class Peer:
         else:
             prompt = self._prompt(messages)
         self._respond_when_idle = False
+        limits = self._limits(self._max_tokens(fields.max_output_tokens), text, audio, prompt)
+        held = self.speculator.take(self.session, (text, audio, limits))  # or it is dropped
         if self.track is not None and self.track.response_id is not None:
             # The previous reply is still playing (playout is real time, generation faster): the
             # conversation has moved on, so its unplayed audio goes rather than delaying the new reply.
@@ -486,7 +491,40 @@ class Peer:
         self._items[response.item_id] = response
         while len(self._items) > KEPT_ITEMS:
             self._items.popitem(last=False)
-        response.task = self._spawn(self._run_response(response, text, audio, prompt), "response")
+        response.task = self._spawn(self._run_response(response, limits, held), "response")
+
+    def _limits(self, max_tokens: int, text: str | None, audio: Any, prompt: list[int] | None) -> dict:
+        """`Session.respond`'s arguments for a reply (a speculative one is given the same)."""
+        limits: dict[str, Any] = {
+            "text": text,
+            "max_output_tokens": max_tokens,
+            "max_audio_frames": self.settings.max_audio_frames,
+        }
+        if audio is not None:
+            limits |= {"audio": audio, "audio_sample_rate": SPEECH_RATE}
+        if prompt is not None:
+            limits["input_ids"] = prompt
+        return limits
+
+    def _on_pause(self, pause_clip: Any) -> None:
+        """A pause that may end the turn: start the reply its end would start (server/speculative.py),
+        when that reply is sure to be this turn's clip with the user text waiting, and nothing else."""
+        detection = self.speech.detection
+        if (
+            detection is None
+            or not (detection.speculative_response and detection.create_response)
+            or self._response is not None
+            or self.session is None
+            or self._closing
+        ):
+            return
+        turns, speech = self.conversation.waiting()
+        if speech or any(role != "user" for role, _ in turns):
+            return  # answered as one clip of all the speech waiting, or not as a user turn
+        text = "\n".join(t for _, t in turns) or None
+        clip = pause_clip()
+        limits = self._limits(self._max_tokens(), text, clip, None)
+        self.speculator.start(self.session, (text, clip, limits), **limits)
 
     def _tool_parser(self) -> tools.ToolCallParser | None:
         if not self.tools or self.tool_choice == "none":
@@ -595,20 +633,15 @@ class Peer:
 
     # -- responses --------------------------------------------------------------------------------------
 
-    async def _run_response(
-        self, response: Response, text: str | None, audio: np.ndarray | None, prompt: list[int] | None
-    ) -> None:
+    async def _run_response(self, response: Response, limits: dict[str, Any], held: Any = None) -> None:
+        """`held`: the speculative reply started for this turn at its pause, released now."""
         use_track = self.track is not None
         try:
-            limits: dict[str, Any] = {
-                "max_output_tokens": response.max_tokens,
-                "max_audio_frames": self.settings.max_audio_frames,
-            }
-            if audio is not None:
-                limits |= {"audio": audio, "audio_sample_rate": SPEECH_RATE}
-            if prompt is not None:
-                limits["input_ids"] = prompt
-            replies = self.session.respond(text, **limits)
+            if held is not None:
+                replies = held.release()
+            else:
+                await self.speculator.settled()  # a dropped one first lets go of the session
+                replies = self.session.respond(**limits)
             stopped = False
             async for ev in replies:
                 kind = ev.type
@@ -690,7 +723,10 @@ class Peer:
         self.media.drop_queued()
 
     async def _stop_response(self) -> None:
-        """On close: cancel the response in progress (which frees its GPU work) and wait for it."""
+        """On close: drop a held speculative reply and cancel the response in progress (which frees
+        their GPU work), and wait for them."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.speculator.close(), 5.0)
         response = self._response
         if response is None:
             return

@@ -95,6 +95,8 @@ class TurnDetectionFields(BaseModel):
     silence_duration_ms: int | None = Field(default=None, ge=20, le=10_000)
     create_response: bool | None = None
     interrupt_response: bool | None = None
+    # omni_rt's: start the reply at a pause that may end the turn, held back until it does (speculative.py)
+    speculative_response: bool | None = None
 
 
 class AudioFormat(BaseModel):

@@ -33,6 +33,9 @@ class TurnDetection:
     vad: VadConfig | SemanticVadConfig = field(default_factory=VadConfig)
     create_response: bool = True  # answer each turn when it ends
     interrupt_response: bool = True  # speech cancels the reply in progress (barge-in)
+    # omni_rt's extension: a reply starts at a pause that may end the turn, held back until it does
+    # (server/speculative.py); false: replies start when the turn has ended
+    speculative_response: bool = True
 
     @classmethod
     def from_wire(cls, fields: Any) -> TurnDetection:
@@ -50,6 +53,11 @@ class TurnDetection:
             interrupt_response=(
                 base.interrupt_response if fields.interrupt_response is None else fields.interrupt_response
             ),
+            speculative_response=(
+                base.speculative_response
+                if getattr(fields, "speculative_response", None) is None
+                else fields.speculative_response
+            ),
         )
 
     def to_wire(self) -> dict[str, Any]:
@@ -66,6 +74,7 @@ class TurnDetection:
             **detector,
             "create_response": self.create_response,
             "interrupt_response": self.interrupt_response,
+            "speculative_response": self.speculative_response,
         }
 
 

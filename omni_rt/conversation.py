@@ -38,6 +38,15 @@ def close_turn(conversation: list[int], ids: TokenIds) -> list[int]:
     return ([] if conversation[-1] == ids.im_end else [ids.im_end]) + [ids.newline]
 
 
+def spoken_clips(ids: Sequence[int], tok: TokenIds) -> int:
+    """How many spoken clips' placeholders `ids` hold: an `<|audio_start|>` followed by `<|audio_pad|>`.
+
+    Not a bare count of `<|audio_start|>`: a reply can contain that id as text (random weights sample
+    any id; the load protocol at 32 conversations met one), and counting it as a clip broke the
+    Session's clip bookkeeping (a TypeError in the reply's done callback, the session stuck)."""
+    return sum(1 for a, b in zip(ids, ids[1:]) if a == tok.audio_start and b == tok.audio)
+
+
 @dataclass(frozen=True)
 class Truncation:
     kept: list[int]  # the conversation after the drop: the system turn, then the newest turns
@@ -94,6 +103,6 @@ def truncate(
                 head=head,
                 dropped_turns=k,
                 dropped_tokens=len(dropped),
-                dropped_clips=dropped.count(ids.audio_start),
+                dropped_clips=spoken_clips(dropped, ids),
             )
     return None

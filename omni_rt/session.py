@@ -31,6 +31,7 @@ from omni_rt.conversation import (
     count_user_tokens,
     input_limit,
     retention_ratio,
+    spoken_clips,
     system_head,
     truncate,
 )
@@ -426,7 +427,7 @@ class Session:
         # (or re-prefilled after a truncation), then this turn's
         thinker_start = min(self._thinker_cached, len(prompt) - 1)
         clips = (self._clips + ([] if audio is None else [audio]))[
-            prompt[:thinker_start].count(self.ids.audio_start) :
+            spoken_clips(prompt[:thinker_start], self.ids) :
         ]
         # the Talker's cache must hold its prompt plus one position per frame after the first
         max_frames = min(max_frames, s.max_talker_context - talker_prompt + 1)
@@ -539,7 +540,7 @@ class Session:
 
     def _keep_clips(self, req: Request) -> None:
         """This turn's clip, if it was spoken, joins the clips of the conversation."""
-        if req.prompt_ids.count(self.ids.audio_start) > len(self._clips):
+        if req.audio_features and spoken_clips(req.prompt_ids, self.ids) > len(self._clips):
             self._clips.append(req.audio_features[-1])
 
 

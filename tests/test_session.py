@@ -743,3 +743,23 @@ async def test_audio_before_text_the_thinker_keeps_within_its_lead_of_the_talker
         assert max(LeadRecorder.leads) > 40  # it ran far ahead
     else:
         assert max(LeadRecorder.leads) <= lead
+
+
+async def test_a_reply_that_contains_the_audio_start_id_as_text_does_not_break_the_conversation():
+    """Random weights (and a confused model) can emit `<|audio_start|>` as a text token. It is not a
+    spoken clip: found at 32 load-protocol conversations, where the next turn's done callback raised."""
+
+    class AudioStartThinker(FakeThinker):
+        def _token(self, req, i):
+            return CFG.ids.audio_start if i == 1 else super()._token(req, i)
+
+    t = FakeTimings(thinker_prefill=0.004, thinker_decode=0.002, talker_prefix=0.002)
+
+    def stages(s):
+        return (AudioStartThinker(t, CFG.ids, reply_len=6), FakeTalker(t, CFG.ids), FakeCode2Wav(t))
+
+    async with Engine(CFG, TOK, stages, omni_rt.EngineSettings()) as engine, engine.session() as s:
+        for text in ("one", "two", "three"):
+            events = await collect(s, text)
+            assert events[-1].type == "response.done" and events[-1].status == "completed"
+        assert s.conversation.count(CFG.ids.audio_start) == 3  # kept as the text it was

@@ -104,10 +104,10 @@ def test_buckets():
     assert prefill_lengths((16, 32, 64), 40) == [16, 32, 40]
     # a bucket is attended over its own kv bucket and every larger one (prefills later in the cache)
     assert prefill_shapes((16, 512), 1024) == [(16, 256), (16, 512), (16, 1024), (512, 512), (512, 1024)]
-    # batches: powers of two and the session ceiling, so 32 sessions capture 6 sizes, not 32
-    assert batch_buckets(32) == [1, 2, 4, 8, 16, 32] and batch_buckets(24) == [1, 2, 4, 8, 16, 24]
-    assert batch_buckets(1) == [1]
-    assert [batch_bucket(n, 24) for n in (1, 3, 9, 17, 24, 30)] == [1, 4, 16, 24, 24, 30]
+    # batches: every size to 8, then multiples of 8, and the session ceiling (32 sessions: 11 sizes, not 32)
+    assert batch_buckets(32) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 24, 32]
+    assert batch_buckets(20) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 20] and batch_buckets(1) == [1]
+    assert [batch_bucket(n, 20) for n in (1, 3, 9, 17, 20, 30)] == [1, 3, 16, 20, 20, 30]
     x = torch.arange(6).view(3, 2)
     assert pad_rows(x, 3, -1) is x
     assert pad_rows(x, 4, -1).tolist() == [[0, 1], [2, 3], [4, 5], [-1, -1]]

@@ -12,17 +12,15 @@ import torch
 
 
 def batch_buckets(max_rows: int) -> list[int]:
-    """The batch sizes graphed for up to `max_rows` rows: the powers of two below it, and itself.
+    """The batch sizes graphed for up to `max_rows` rows: every size up to 8, then multiples of 8, and
+    `max_rows` itself.
 
-    One graph per size 1..max_rows cost 32 captures per kv bucket per stage at 32 sessions (the load
-    protocol's 32-conversation level spent its whole call capturing, docs/performance.md); a batch of
-    17 rows now runs the 32-row graph with 15 rows of padding."""
-    sizes = []
-    b = 1
-    while b < max_rows:
-        sizes.append(b)
-        b *= 2
-    return sizes + [max_rows]
+    One graph per size 1..max_rows cost 32 captures per kv bucket per stage at 32 sessions; powers of two
+    padded 5 rows to 8, and padding rows route through MoE experts of their own (the load protocol's
+    8-conversation level went from 0 to 5 late replies of 36 on an H200, docs/performance.md). Here at
+    most 7 rows are padding, above 8 rows, where a step already reads most experts."""
+    sizes = list(range(1, min(max_rows, 8) + 1)) + list(range(16, max_rows, 8))
+    return sizes if sizes[-1] == max_rows else sizes + [max_rows]
 
 
 def batch_bucket(n: int, max_rows: int) -> int:

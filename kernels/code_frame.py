@@ -31,7 +31,6 @@ import torch
 from omni_rt.kernels._common import FLOATS, mark, next_pow2, precise, require_triton, rnd
 from omni_rt.kernels.packed import pack_linears
 
-
 try:  # the kernels need Triton; the plain frame does not
     import triton
     import triton.language as tl
@@ -179,6 +178,25 @@ if triton is not None:
         return out_lo, out_hi
 
     @triton.jit
+    def _new_row(row, pos, cos_ptr, sin_ptr, kw_ptr, half, g, eps, inv_d, HQ: tl.constexpr, KV: tl.constexpr,
+                 D: tl.constexpr, HAS_NORM: tl.constexpr, RND: tl.constexpr, RND_C: tl.constexpr,
+                 PRECISE: tl.constexpr):  # fmt: skip
+        """A new position's RoPE rows and kv head g's k (normed, rotated) and v, each rounded to the cache's
+        dtype as the plain path reads them back: (cos lo, cos hi, sin lo, sin hi, k lo, k hi, v lo, v hi)."""
+        c_lo = tl.load(cos_ptr + pos * D + half).to(tl.float32)
+        c_hi = tl.load(cos_ptr + pos * D + D // 2 + half).to(tl.float32)
+        s_lo = tl.load(sin_ptr + pos * D + half).to(tl.float32)
+        s_hi = tl.load(sin_ptr + pos * D + D // 2 + half).to(tl.float32)
+        k_lo = tl.load(row + (HQ + g) * D + half).to(tl.float32)
+        k_hi = tl.load(row + (HQ + g) * D + D // 2 + half).to(tl.float32)
+        k_lo, k_hi = _norm_rope(k_lo, k_hi, kw_ptr, c_lo, c_hi, s_lo, s_hi, half, eps, inv_d, HAS_NORM, RND,
+                                PRECISE, D)  # fmt: skip
+        v_lo = tl.load(row + (HQ + KV + g) * D + half).to(tl.float32)
+        v_hi = tl.load(row + (HQ + KV + g) * D + D // 2 + half).to(tl.float32)
+        return (c_lo, c_hi, s_lo, s_hi, round_to(k_lo, RND_C), round_to(k_hi, RND_C), round_to(v_lo, RND_C),
+                round_to(v_hi, RND_C))  # fmt: skip
+
+    @triton.jit
     def _attention(
         qkv_ptr,  # [B*T, (HQ + 2 KV) * D] the packed projection's rows (b * T + t)
         qw_ptr,  # [D] q_norm weight
@@ -232,30 +250,14 @@ if triton is not None:
         v_hi_c = v_hi_c.to(tl.float32)
         # the new rows: k normed and rotated, both rounded to the cache's dtype as the plain path reads them
         row0 = qkv_ptr + (b * T) * stride_qkv
-        c_lo0 = tl.load(cos_ptr + p0 * D + half).to(tl.float32)
-        c_hi0 = tl.load(cos_ptr + p0 * D + D // 2 + half).to(tl.float32)
-        s_lo0 = tl.load(sin_ptr + p0 * D + half).to(tl.float32)
-        s_hi0 = tl.load(sin_ptr + p0 * D + D // 2 + half).to(tl.float32)
-        k_lo0 = tl.load(row0 + (HQ + g) * D + half).to(tl.float32)
-        k_hi0 = tl.load(row0 + (HQ + g) * D + D // 2 + half).to(tl.float32)
-        k_lo0, k_hi0 = _norm_rope(k_lo0, k_hi0, kw_ptr, c_lo0, c_hi0, s_lo0, s_hi0, half, eps, inv_d,
-                                  HAS_NORM, RND, PRECISE, D)  # fmt: skip
-        k_lo0, k_hi0 = round_to(k_lo0, RND_C), round_to(k_hi0, RND_C)
-        v_lo0 = round_to(tl.load(row0 + (HQ + KV + g) * D + half).to(tl.float32), RND_C)
-        v_hi0 = round_to(tl.load(row0 + (HQ + KV + g) * D + D // 2 + half).to(tl.float32), RND_C)
+        c_lo0, c_hi0, s_lo0, s_hi0, k_lo0, k_hi0, v_lo0, v_hi0 = _new_row(
+            row0, p0, cos_ptr, sin_ptr, kw_ptr, half, g, eps, inv_d, HQ, KV, D, HAS_NORM, RND, RND_C, PRECISE
+        )
         if T == 2:
-            row1 = row0 + stride_qkv
-            c_lo1 = tl.load(cos_ptr + (p0 + 1) * D + half).to(tl.float32)
-            c_hi1 = tl.load(cos_ptr + (p0 + 1) * D + D // 2 + half).to(tl.float32)
-            s_lo1 = tl.load(sin_ptr + (p0 + 1) * D + half).to(tl.float32)
-            s_hi1 = tl.load(sin_ptr + (p0 + 1) * D + D // 2 + half).to(tl.float32)
-            k_lo1 = tl.load(row1 + (HQ + g) * D + half).to(tl.float32)
-            k_hi1 = tl.load(row1 + (HQ + g) * D + D // 2 + half).to(tl.float32)
-            k_lo1, k_hi1 = _norm_rope(k_lo1, k_hi1, kw_ptr, c_lo1, c_hi1, s_lo1, s_hi1, half, eps, inv_d,
-                                      HAS_NORM, RND, PRECISE, D)  # fmt: skip
-            k_lo1, k_hi1 = round_to(k_lo1, RND_C), round_to(k_hi1, RND_C)
-            v_lo1 = round_to(tl.load(row1 + (HQ + KV + g) * D + half).to(tl.float32), RND_C)
-            v_hi1 = round_to(tl.load(row1 + (HQ + KV + g) * D + D // 2 + half).to(tl.float32), RND_C)
+            c_lo1, c_hi1, s_lo1, s_hi1, k_lo1, k_hi1, v_lo1, v_hi1 = _new_row(
+                row0 + stride_qkv, p0 + 1, cos_ptr, sin_ptr, kw_ptr, half, g, eps, inv_d, HQ, KV, D, HAS_NORM,
+                RND, RND_C, PRECISE,
+            )  # fmt: skip
         if h % REP == 0:  # one writer per kv head
             dt = kc_ptr.dtype.element_ty
             tl.store(kc + p0 * stride_cl + half, k_lo0.to(dt))
@@ -365,7 +367,6 @@ class CodeFrame:
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
         self.rnd = rnd(head.dtype)
         self.eps = cfg.rms_norm_eps
-        self.use_qk_norm = cfg.use_qk_norm
         self.pdl = pdl_runs(head.device)
         self.launch = {"launch_pdl": True} if self.pdl else {}
 

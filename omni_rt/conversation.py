@@ -44,7 +44,7 @@ def spoken_clips(ids: Sequence[int], tok: TokenIds) -> int:
     Not a bare count of `<|audio_start|>`: a reply can contain that id as text (random weights sample
     any id; the load protocol at 32 conversations met one), and counting it as a clip broke the
     Session's clip bookkeeping (a TypeError in the reply's done callback, the session stuck)."""
-    return sum(1 for a, b in zip(ids, ids[1:]) if a == tok.audio_start and b == tok.audio)
+    return sum(1 for a, b in zip(ids, ids[1:], strict=False) if a == tok.audio_start and b == tok.audio)
 
 
 @dataclass(frozen=True)

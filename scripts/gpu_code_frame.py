@@ -25,9 +25,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from omni_rt.config import Sampling  # noqa: E402
 from omni_rt.kernels import code_frame, fused  # noqa: E402
 from omni_rt.kernels import packed as packed_kernels  # noqa: E402
+
+from omni_rt.config import Sampling  # noqa: E402
 from omni_rt.model import sampling as S  # noqa: E402
 from omni_rt.model.config import preset  # noqa: E402
 from omni_rt.model.talker import CodePredictor, greedy  # noqa: E402

@@ -477,3 +477,52 @@ def test_a_response_failed_during_its_last_chunk_gets_no_audio_done():
         p.stop()
     assert r[1].of(DoneOut)[0].status == "failed"
     assert not r[1].of(AudioDoneOut) and not r[1].of(AudioOut)
+
+
+def test_a_new_conversations_first_chunk_waits_for_one_chunk_not_for_anothers_backlog():
+    # Code2Wav (30 ms a chunk, one frame each) is slower than A's frames (one per 10 ms Thinker step), so A
+    # keeps a growing backlog of chunks. B arrives after A's third chunk: its first chunk must go next
+    # (it has no audio yet), at most the chunk decoding when its frame 0 came ahead of it.
+    p = make(
+        EngineSettings(chunk_growth=False, first_chunk_frames=1, yield_to_talker_ms=0),
+        FakeTimings(thinker_decode=0.01, code2wav_chunk=0.03),
+        reply_len=60,
+    )
+    b, b_sink = request("b", slot=1)
+    a, a_sink = request("a", slot=0)
+    chunks_of_a = []
+
+    def sink_a(msg):
+        a_sink(msg)
+        if isinstance(msg, AudioOut):
+            chunks_of_a.append(msg)
+            if len(chunks_of_a) == 3:
+                p.submit(b)  # from the Code2Wav thread: B's request is in before A's next chunk
+
+    a.sink = sink_a
+    try:
+        run(p, (a, a_sink))
+        assert b_sink.done.wait(20), "B never finished"
+    finally:
+        p.stop()
+    frame0_b = next(s for s in steps(p, "talker", "predict") if "b" in s.request_ids)
+    chunks = steps(p, "code2wav", "chunk")
+    first_b = next(s for s in chunks if s.request_ids == ("b",))
+    a_between = [
+        s for s in chunks if s.request_ids == ("a",) and frame0_b.t_end <= s.t_start < first_b.t_start
+    ]
+    backlog = sum(1 for s in chunks if s.request_ids == ("a",) and s.t_start >= first_b.t_start)
+    assert backlog >= 3, "the test needs A to have chunks waiting when B's first chunk goes"
+    assert len(a_between) <= 1, f"B's first chunk waited for {len(a_between)} of A's chunks"
+
+
+def test_code2wav_serves_the_audio_that_runs_dry_first():
+    from omni_rt.pipeline.pacing import audio_urgency
+
+    a, _ = request("a")
+    b, _ = request("b")
+    new, _ = request("new")
+    a.t_first_pcm, a.samples = 10.0, 24_000 * 3  # runs dry at 13 s
+    b.t_first_pcm, b.samples = 11.0, 24_000 * 1  # runs dry at 12 s: first of those playing
+    order = sorted([(a, 5.0), (b, 6.0), (new, 9.0)], key=lambda x: audio_urgency(*x))
+    assert [r.id for r, _ in order] == ["new", "b", "a"]

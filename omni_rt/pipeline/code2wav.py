@@ -3,8 +3,10 @@
 Plain Python, as the rest of the scheduler (`scheduler.py` wires this loop to its inbox and shares its
 helpers: posting to the session, failing and releasing a request, the step log). Chunks follow the
 planned sizes (1, 2, 4, ... frames, `EngineSettings.chunk_size`), or go early when the audio would run
-dry first (`pacing.chunk_to_decode`); at the end, the remainder. A request's end (`AudioDoneOut`) comes
-after its last PCM, and only if nothing stopped it meanwhile.
+dry first (`pacing.chunk_to_decode`); at the end, the remainder. One chunk at a time, to the response whose
+audio runs dry first (`pacing.audio_urgency`): with many conversations, a new one's first chunk or one
+about to run dry never waits behind the chunks of those that are ahead. A request's end (`AudioDoneOut`)
+comes after its last PCM, and only if nothing stopped it meanwhile.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 
 from omni_rt.errors import EngineClosedError
 from omni_rt.pipeline.inbox import InboxClosed
-from omni_rt.pipeline.pacing import chunk_to_decode
+from omni_rt.pipeline.pacing import audio_urgency, chunk_to_decode
 from omni_rt.pipeline.request import AudioDoneOut, AudioOut, Request
 
 if TYPE_CHECKING:
@@ -54,7 +56,8 @@ class Code2WavLoop:
         seqs: dict[Request, AudioSeq] = {}
         try:
             while True:
-                msgs = self.p.code2wav_inbox.take(block=True)  # all its work arrives as messages
+                # all its work arrives as messages: sleep only while no response has a chunk to decode
+                msgs = self.p.code2wav_inbox.take(block=not any(self._ready(a) for a in seqs.values()))
                 try:
                     self._iteration(msgs, seqs)
                 except Exception as e:
@@ -67,6 +70,8 @@ class Code2WavLoop:
                 self._close(a, seqs)
 
     def _iteration(self, msgs: list[tuple], seqs: dict[Request, AudioSeq]) -> None:
+        """Take the messages, then decode one chunk: the most urgent response's (`pacing.audio_urgency`).
+        One chunk per iteration, so frames that arrive while it decodes are read before the next choice."""
         for m in msgs:
             kind, req = m[0], m[1]
             if "code2wav" not in req.holders:
@@ -84,50 +89,64 @@ class Code2WavLoop:
         for a in list(seqs.values()):
             if a.req.stopped:
                 self._close(a, seqs)
-                continue
-            try:
-                self._decode_chunks(a)
-            except Exception as e:
-                self.p._fail(a.req, self.p._stage_error("code2wav", "decode", e))
-                self._close(a, seqs)
-                continue
-            if a.req.stopped:  # while its chunk decoded: the chunk was dropped, and so is the end
-                self._close(a, seqs)
-            elif a.ended and not a.pending:
-                self.p._post(a.req, AudioDoneOut())
-                self._close(a, seqs)
+            elif a.ended and not a.pending:  # a response that ended with no frame, or after its last chunk
+                self._finish(a, seqs)
+        ready = [a for a in seqs.values() if self._chunk_now(a)]
+        if not ready:
+            return
+        a = min(ready, key=lambda a: audio_urgency(a.req, a.t_first_frame or 0.0))
+        try:
+            self._decode_chunk(a)
+        except Exception as e:
+            self.p._fail(a.req, self.p._stage_error("code2wav", "decode", e))
+            self._close(a, seqs)
+            return
+        if a.req.stopped:  # while its chunk decoded: the chunk was dropped, and so is the end
+            self._close(a, seqs)
+        elif a.ended and not a.pending:
+            self._finish(a, seqs)
 
-    def _decode_chunks(self, a: AudioSeq) -> None:
-        """Decode every whole chunk pending (1, 2, 4, ... frames), a smaller one early when the audio
-        would run dry first (`pacing.chunk_to_decode`); at the end, the remainder too."""
-        while a.pending:
-            n = chunk_to_decode(
-                len(a.pending), a.chunk, a.ended, a.req, a.frame_interval(), self.p.clock(), self.p.settings
-            )
-            if n == 0:
-                return
-            frames, a.pending = a.pending[:n], a.pending[n:]
-            if not a.opened:
-                self.p.code2wav.open(a.req)
-                a.opened = True
-            t0 = self.p.clock()
-            pcm = self.p.code2wav.push(a.req, frames)
-            if a.ended and not a.pending:
-                tail = self.p.code2wav.flush(a.req)
-                if len(tail):
-                    pcm = np.concatenate([pcm, tail])
-            self.p._record("code2wav", "chunk", t0, [a.req])
-            if a.req.stopped:
-                return  # cancelled while decoding: drop the chunk
-            first = a.req.t_first_pcm is None
-            if first:
-                a.req.t_first_pcm = self.p.clock()
-            a.req.samples += len(pcm)
-            self.p._post(a.req, AudioOut(pcm, a.next_frame, n))
-            if first:
-                self.p._clear_frame0(a.req)  # wakes a Thinker yielding until the first audio (yield_until)
-            a.next_frame += n
-            a.chunk += 1
+    def _ready(self, a: AudioSeq) -> bool:
+        """Has `a` work now: a chunk to decode, an end to send, or a stop to act on?"""
+        return a.req.stopped or (a.ended and not a.pending) or self._chunk_now(a)
+
+    def _chunk_now(self, a: AudioSeq) -> int:
+        """Frames of `a` to decode now (0: none): a planned size (1, 2, 4, ...), a smaller one early when
+        the audio would run dry first (`pacing.chunk_to_decode`), at the end the remainder."""
+        if not a.pending or a.req.stopped:
+            return 0
+        return chunk_to_decode(
+            len(a.pending), a.chunk, a.ended, a.req, a.frame_interval(), self.p.clock(), self.p.settings
+        )
+
+    def _decode_chunk(self, a: AudioSeq) -> None:
+        n = self._chunk_now(a)
+        frames, a.pending = a.pending[:n], a.pending[n:]
+        if not a.opened:
+            self.p.code2wav.open(a.req)
+            a.opened = True
+        t0 = self.p.clock()
+        pcm = self.p.code2wav.push(a.req, frames)
+        if a.ended and not a.pending:
+            tail = self.p.code2wav.flush(a.req)
+            if len(tail):
+                pcm = np.concatenate([pcm, tail])
+        self.p._record("code2wav", "chunk", t0, [a.req])
+        if a.req.stopped:
+            return  # cancelled while decoding: drop the chunk
+        first = a.req.t_first_pcm is None
+        if first:
+            a.req.t_first_pcm = self.p.clock()
+        a.req.samples += len(pcm)
+        self.p._post(a.req, AudioOut(pcm, a.next_frame, n))
+        if first:
+            self.p._clear_frame0(a.req)  # wakes a Thinker yielding until the first audio (yield_until)
+        a.next_frame += n
+        a.chunk += 1
+
+    def _finish(self, a: AudioSeq, seqs: dict[Request, AudioSeq]) -> None:
+        self.p._post(a.req, AudioDoneOut())
+        self._close(a, seqs)
 
     def _close(self, a: AudioSeq, seqs: dict[Request, AudioSeq]) -> None:
         seqs.pop(a.req, None)

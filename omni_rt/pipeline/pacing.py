@@ -10,6 +10,9 @@ stage threads share the cores (and one interpreter lock), they keep the playback
   tokens ahead of the Talker's frames, and at most `urgent_text_lead` while the request's audio is less
   than `audio_ahead_s` ahead (or has not started): text no one will hear for seconds waits for the audio
   that is due. The Talker reads one token per frame, so any lead of 1 or more keeps it fed.
+- Deadlines (`audio_urgency`): one Code2Wav chunk at a time goes to the response whose audio runs dry
+  first, a response with no audio yet before all of them; between chunks the frames that came meanwhile are
+  read, so a new conversation's first chunk waits for one chunk, not for every other conversation's.
 - Chunks (`chunk_to_decode`): Code2Wav decodes its planned chunk sizes (1, 2, 4, ... frames: few sizes,
   so few graphs) once that many frames are pending; with `early_chunks`, when the audio sent would run
   out before the planned chunk's frames arrive (at the rate this response's frames have been arriving),
@@ -25,12 +28,26 @@ from omni_rt.pipeline.request import Request
 PCM_RATE = 24_000  # Code2Wav's output (AudioOut.pcm, Request.samples)
 
 
+def audio_runs_dry_at(req: Request) -> float | None:
+    """When (pipeline clock) playback in real time from `req`'s first PCM will have used all the audio
+    sent: its audio deadline. None before its first PCM."""
+    if req.t_first_pcm is None:
+        return None
+    return req.t_first_pcm + req.samples / PCM_RATE
+
+
 def audio_ahead_s(req: Request, now: float) -> float | None:
     """Seconds of `req`'s audio sent beyond what playback in real time from its first PCM has used;
     None before its first PCM."""
-    if req.t_first_pcm is None:
-        return None
-    return req.samples / PCM_RATE - (now - req.t_first_pcm)
+    dry = audio_runs_dry_at(req)
+    return None if dry is None else dry - now
+
+
+def audio_urgency(req: Request, t_first_frame: float) -> tuple[int, float]:
+    """Which response's audio Code2Wav decodes first (smaller first): one that has no audio yet (its first
+    audio is due; among those, the oldest frame 0), then the one whose audio runs dry soonest."""
+    dry = audio_runs_dry_at(req)
+    return (0, t_first_frame) if dry is None else (1, dry)
 
 
 def text_lead_limit(req: Request, now: float, s: EngineSettings) -> int | None:

@@ -508,7 +508,12 @@ class TalkerRunner:
         frame = self._frame_graphs.get(b)
         if frame is None:
             return self._frame_fn(hidden, code0, slots, keys)
-        pad = (pad_rows(hidden, b, 0), pad_rows(code0, b, 0), pad_rows(slots, b, self.scratch), pad_rows(keys, b, 0))
+        pad = (
+            pad_rows(hidden, b, 0),
+            pad_rows(code0, b, 0),
+            pad_rows(slots, b, self.scratch),
+            pad_rows(keys, b, 0),
+        )
         return frame(*pad)[:n]
 
     def _position(self, req: Request) -> int:

@@ -34,14 +34,16 @@ from omni_rt.kernels.packed import pack_linears
 try:  # the kernels need Triton; the plain frame does not
     import triton
     import triton.language as tl
-    from omni_rt.kernels._triton import exp_f32, round_to, rsqrt_f32
+    from omni_rt.kernels._triton import (
+        exp_f32,
+        gdc_launch_dependents,
+        gdc_wait,
+        pdl_runs,
+        round_to,
+        rsqrt_f32,
+    )
 except ImportError:  # pragma: no cover - depends on the machine
     triton = None
-
-try:  # programmatic dependent launch (Hopper and later; Triton >= 3.3)
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - depends on the Triton version
-    gdc_launch_dependents = gdc_wait = None
 
 EPI_NONE, EPI_RESIDUAL, EPI_SWIGLU = 0, 1, 2
 
@@ -89,7 +91,7 @@ if triton is not None:
         RND: tl.constexpr,  # the activation dtype: where the plain path rounds
         PRECISE: tl.constexpr,
         SINGLE: tl.constexpr,  # K <= BK: one tile
-        PDL: tl.constexpr,  # launched as a programmatic dependent launch (see USE_PDL)
+        PDL: tl.constexpr,  # launched as a programmatic dependent launch (`_triton.pdl_runs`)
     ):
         if PDL:  # let the next kernel's programs start and fetch their weights while this one runs
             gdc_launch_dependents()
@@ -312,20 +314,8 @@ if triton is not None:
 SMALL_M = 4
 GEMV_BLOCKS = {"BM": 4, "BN": 4, "BK": 2048, "num_warps": 4}
 DOT_BLOCKS = {"BM": 16, "BN": 32, "BK": 256, "num_warps": 4}
-
-
-# each few-rows kernel a programmatic dependent launch of the one before, where the card allows: batch 1
-# 2.05 -> 1.82 ms on an H200; the tl.dot path is left without (batch 8 went 3.09 -> 3.38 ms with it)
-USE_PDL = True
-
-
-def pdl_runs(device: torch.device) -> bool:
-    """Programmatic dependent launch: a kernel's programs start while the one before finishes, so its
-    launch and its weight loads overlap that kernel's tail (compiled code on sm_90+ only)."""
-    return (
-        USE_PDL and gdc_wait is not None and precise() and device.type == "cuda"
-        and torch.cuda.get_device_capability(device)[0] >= 9
-    )  # fmt: skip
+# Programmatic dependent launches (`_triton.pdl_runs`) on the few-rows path only: on the tl.dot path
+# they cost time (batch 8 went 3.09 -> 3.38 ms with them on an H200).
 
 
 class CodeFrame:
@@ -402,7 +392,9 @@ class CodeFrame:
         hq, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         out = torch.empty(b * t, hq * d, dtype=qkv.dtype, device=qkv.device)
         kc, vc = cache.k[layer], cache.v[layer]  # [S, KV, L, D]
-        pdl = self.pdl and b * t <= SMALL_M  # with more rows it cost time on an H200 (batch 8: 3.09 -> 3.38 ms)
+        pdl = (
+            self.pdl and b * t <= SMALL_M
+        )  # with more rows it cost time on an H200 (batch 8: 3.09 -> 3.38 ms)
         _attention[(b, hq)](
             qkv, q_w if q_w is not None else qkv, k_w if k_w is not None else qkv, self.cos, self.sin,
             kc, vc, out, p0, self.eps, 1.0 / d, d**-0.5,
@@ -432,7 +424,9 @@ class CodeFrame:
                 act = self._linear(mid, gate_up, m, norm=ln2, swiglu=True)
                 h = self._linear(act, down, m, residual=mid)
             # the last position of each row: rows b * t + t - 1, every t-th row from row t - 1
-            logits = self._linear(h[t - 1 :], self.heads[i], b, norm=self.final_norm, stride_x=t * h.stride(0))
+            logits = self._linear(
+                h[t - 1 :], self.heads[i], b, norm=self.final_norm, stride_x=t * h.stride(0)
+            )
             code = sample(logits)  # [B]
             codes.append(code)
             if i + 1 < n:
@@ -451,4 +445,3 @@ def install_code_frame(model: torch.nn.Module) -> int:
             m.frame_fn = mark(CodeFrame(m), "code_frame")
             changed += 1
     return changed
-

@@ -23,11 +23,16 @@ import torch
 from omni_rt.kernels._common import next_pow2, precise, require_triton
 
 MAX_VOCAB = 4096  # one row in one program's registers
+# Bits of a top-k / top-p threshold found per reduction (1: plain bisection, 32 dependent reductions per
+# threshold; 4: 8 reductions over 16 candidates each). Measured by scripts/gpu_code_frame.py.
+RADIX_BITS = 4
+# Rows up to this many are launched as programmatic dependent launches where the card allows
+PDL_MAX_ROWS = 4
 
 try:  # the kernel needs Triton; the plain path does not
     import triton
     import triton.language as tl
-    from omni_rt.kernels._triton import exp_f32, log_f32
+    from omni_rt.kernels._triton import exp_f32, gdc_launch_dependents, gdc_wait, log_f32, pdl_runs
 except ImportError:  # pragma: no cover - depends on the machine
     triton = None
 
@@ -51,9 +56,43 @@ if triton is not None:
 
     @triton.jit
     def _order_key(x):
-        """fp32 -> int32 with the same order (negative floats' magnitude bits flipped), as int64."""
+        """fp32 -> int32 with the same order (negative floats' magnitude bits flipped)."""
         b = x.to(tl.int32, bitcast=True)
-        return (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.int64)
+        return b ^ ((b >> 31) & 0x7FFFFFFF)
+
+    @triton.jit
+    def _digit_candidates(base, d: tl.constexpr, BITS: tl.constexpr):
+        """Digit `d` (from the top) of a threshold search over int32 keys: the 2**BITS values
+        base + j * 2**shift (j = 0, 1, ...) as int32, with the shift and j. `base` (int64) holds the
+        digits found so far; every candidate stays in int32's range (base + 2**(shift + BITS) <= 2**31)."""
+        shift = 32 - BITS * (d + 1)
+        j = tl.arange(0, 1 << BITS)
+        cand = (base + (j.to(tl.int64) << shift)).to(tl.int32)
+        return cand, shift, j
+
+    @triton.jit
+    def _kth_largest_key(key, k, BITS: tl.constexpr):
+        """The largest t with count(key >= t) >= k: the k-th largest key (k >= 1). Found BITS bits at a
+        time, each digit one reduction over a [2**BITS, V] compare, so 32 / BITS dependent reductions."""
+        base = tl.full((), -(2**31), tl.int64)  # count(key >= base) >= k holds throughout
+        for d in tl.static_range(32 // BITS):
+            cand, shift, j = _digit_candidates(base, d, BITS)
+            count = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), axis=1)
+            best = tl.max(tl.where(count >= k, j, 0), axis=0)  # count falls with j; j = 0 always holds
+            base += best.to(tl.int64) << shift
+        return base.to(tl.int32)
+
+    @triton.jit
+    def _top_p_key(key, prob, limit, BITS: tl.constexpr):
+        """The largest t whose mass strictly below it, sum(prob[key < t]), is <= `limit` (= 1 - p > 0):
+        the smallest key whose mass at or below it exceeds the limit, or above every key."""
+        base = tl.full((), -(2**31), tl.int64)  # mass(key < base) <= limit holds throughout
+        for d in tl.static_range(32 // BITS):
+            cand, shift, j = _digit_candidates(base, d, BITS)
+            mass = tl.sum(tl.where(key[None, :] < cand[:, None], prob[None, :], 0.0), axis=1)
+            best = tl.max(tl.where(mass <= limit, j, 0), axis=0)  # mass grows with j; j = 0 always holds
+            base += best.to(tl.int64) << shift
+        return base.to(tl.int32)
 
     @triton.jit
     def _sample(
@@ -76,8 +115,13 @@ if triton is not None:
         HAS_SEEN: tl.constexpr,
         HAS_SUPP: tl.constexpr,
         BLOCK_V: tl.constexpr,
+        BITS: tl.constexpr,  # threshold digits' width (RADIX_BITS)
         PRECISE: tl.constexpr,
+        PDL: tl.constexpr,  # launched as a programmatic dependent launch (`_triton.pdl_runs`)
     ):
+        if PDL:  # the next kernel may launch now; the logits (and the history) are earlier kernels' writes
+            gdc_launch_dependents()
+            gdc_wait()
         row = tl.program_id(0).to(tl.int64)
         slot = tl.load(slots_ptr + row)
         step_key = tl.load(keys_ptr + row) + key_off
@@ -96,21 +140,14 @@ if triton is not None:
         do_sample = tl.load(dos_ptr + slot) != 0
         t = tl.where(do_sample, tl.load(temp_ptr + slot), 1.0)
         w = tl.div_rn(x, t)
-        # Thresholds by bisection over the scores' order-preserving int32 keys, not by sorting: two
+        # Thresholds by a digit search over the scores' order-preserving int32 keys, not by sorting: two
         # bitonic sorts of a 2048-wide row were ~70 us per call on an H200, 1.1 ms of a sampled
-        # code-predictor frame (docs/performance.md); 32 masked reductions each find the same threshold.
+        # code-predictor frame (docs/performance.md). Both find the same thresholds as the sorts.
         # top-k: scores below the k-th largest go (k = 0: off; k >= V keeps all)
         k = tl.load(topk_ptr + slot)
         if do_sample & (k > 0) & (k < V):
             key = _order_key(w)
-            lo = tl.full((), -(2**31), tl.int64)  # count(key >= lo) >= k holds; find the largest such
-            hi = tl.full((), 2**31 - 1, tl.int64)
-            for _ in range(32):
-                mid = (lo + hi + 1) >> 1
-                enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= k
-                lo = tl.where(enough, mid, lo)
-                hi = tl.where(enough, hi, mid - 1)
-            w = tl.where(key < lo, float("-inf"), w)
+            w = tl.where(key < _kth_largest_key(key, k.to(tl.int32), BITS), float("-inf"), w)
         # top-p, transformers' rule on the ascending order (drop while the cumulative mass <= 1 - p):
         # keep the scores whose mass at or below them exceeds 1 - p, ties together; the top always stays
         p = tl.load(topp_ptr + slot)
@@ -118,14 +155,8 @@ if triton is not None:
             ex = exp_f32(w - tl.max(w, axis=0), PRECISE)
             prob = tl.div_rn(ex, tl.sum(ex, axis=0))
             key = _order_key(w)
-            lo = tl.full((), -(2**31), tl.int64)  # find the smallest key whose mass at or below > 1 - p
-            hi = tl.max(key, axis=0).to(tl.int64)
-            for _ in range(32):
-                mid = (lo + hi) >> 1
-                over = tl.sum(tl.where(key <= mid, prob, 0.0), axis=0) > 1 - p
-                hi = tl.where(over, mid, hi)
-                lo = tl.where(over, lo, mid + 1)
-            w = tl.where(key < hi, float("-inf"), w)
+            keep_from = tl.minimum(_top_p_key(key, prob, 1 - p, BITS), tl.max(key, axis=0))
+            w = tl.where(key < keep_from, float("-inf"), w)
 
         # the keyed race: argmax(w - log E), E = -log U, U from (seed, stage, key, vocab id)
         seed = tl.load(seed_ptr + slot)
@@ -171,6 +202,7 @@ def fused_choose(
         return out
     seen, supp = sampler.seen, sampler.suppress
     block = next_pow2(vocab)
+    pdl = b <= PDL_MAX_ROWS and pdl_runs(logits.device)
     _sample[(b,)](
         logits, slots, keys,
         sampler.temperature, sampler.top_k, sampler.top_p, sampler.repetition_penalty,
@@ -178,6 +210,7 @@ def fused_choose(
         seen if seen is not None else out, supp if supp is not None else out, out,
         vocab, logits.stride(0), key_offset,
         STAGE=sampler.stage, HAS_SEEN=seen is not None, HAS_SUPP=supp is not None,
-        BLOCK_V=block, PRECISE=precise(), num_warps=4 if block <= 2048 else 8,
+        BLOCK_V=block, BITS=RADIX_BITS, PRECISE=precise(), PDL=pdl, num_warps=4 if block <= 2048 else 8,
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out

@@ -25,8 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from omni_rt.kernels import code_frame, fused  # noqa: E402
+from omni_rt.kernels import _triton, code_frame, fused  # noqa: E402
 from omni_rt.kernels import packed as packed_kernels  # noqa: E402
+from omni_rt.kernels import sample as sample_kernel  # noqa: E402
 
 from omni_rt.config import Sampling  # noqa: E402
 from omni_rt.model import sampling as S  # noqa: E402
@@ -91,7 +92,7 @@ def set_variant(cp: CodePredictor, variant: str) -> None:
     packed_kernels.install_packed(host)
     fused.install_all(host, [k for k in fused.KERNELS if k != "code_frame"])
     if variant.startswith("code_frame"):
-        code_frame.USE_PDL = variant == "code_frame"
+        _triton.USE_PDL = variant == "code_frame"
         fused.install_all(host, ["code_frame"])
 
 
@@ -109,6 +110,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     t0 = time.perf_counter()
     cp = build(args.preset, dev, dtype)
+
     def nbytes(module) -> int:
         return sum(p.numel() * p.element_size() for p in module.parameters())
 
@@ -121,7 +123,9 @@ def main(argv=None) -> int:
         "floor_ms_batch1": floor_ms, "rows": [], "checks": {}, "sweep": [],
     }  # fmt: skip
     gen = torch.Generator(device=dev).manual_seed(1)
-    sampler = S.StageSampler("code_predictor", max(batches), vocab, dev, history=False, fused=dev.type == "cuda")
+    sampler = S.StageSampler(
+        "code_predictor", max(batches), vocab, dev, history=False, fused=dev.type == "cuda"
+    )
     for slot in range(max(batches)):
         sampler.assign(slot, S.residual_code_sampling(Sampling().code_predictor), seed=1000 + slot)
 
@@ -146,7 +150,9 @@ def main(argv=None) -> int:
                 replay, out = graph_of(frame_fn(mode), inputs, dev)
                 ms = time_ms(replay, dev, args.reps)
                 res["rows"].append(dict(variant=variant, batch=b, mode=mode, ms=ms))
-                print(f"{variant:14} batch {b:3} {mode:8} {ms if ms is None else round(ms, 3)} ms", flush=True)
+                print(
+                    f"{variant:14} batch {b:3} {mode:8} {ms if ms is None else round(ms, 3)} ms", flush=True
+                )
                 if b == max(batches):
                     torch.manual_seed(5)  # the same inputs for every variant
                     h = torch.randn(b, width, device=dev).to(dtype)
@@ -160,10 +166,16 @@ def main(argv=None) -> int:
     for mode in ("greedy", "sampled"):
         ref, _ = outputs[("fused layers", mode)]
         got, repeat = outputs[("code_frame", mode)]
-        res["checks"][f"code_frame {mode}: codes equal to fused layers (fraction)"] = float((got == ref).float().mean())
-        res["checks"][f"code_frame {mode}: first code equal (fraction)"] = float((got[:, 0] == ref[:, 0]).float().mean())
+        res["checks"][f"code_frame {mode}: codes equal to fused layers (fraction)"] = float(
+            (got == ref).float().mean()
+        )
+        res["checks"][f"code_frame {mode}: first code equal (fraction)"] = float(
+            (got[:, 0] == ref[:, 0]).float().mean()
+        )
         res["checks"][f"code_frame {mode}: replay repeats"] = repeat
-        res["checks"][f"code_frame {mode}: PDL == no PDL"] = bool(torch.equal(got, outputs[("code_frame no PDL", mode)][0]))
+        res["checks"][f"code_frame {mode}: PDL == no PDL"] = bool(
+            torch.equal(got, outputs[("code_frame no PDL", mode)][0])
+        )
     # block shapes: the batch-1 GEMV, then batch 8 (the few-rows path over more rows, or tl.dot tiles)
     if dev.type == "cuda":
         set_variant(cp, "code_frame")  # with PDL where it runs
@@ -180,7 +192,10 @@ def main(argv=None) -> int:
                 ms = time_ms(replay, dev, args.reps)
                 res["sweep"].append(dict(batch=b, gemv=dict(code_frame.GEMV_BLOCKS), dot=dict(code_frame.DOT_BLOCKS),
                                          small_m=small_m, ms=ms))  # fmt: skip
-                print(f"sweep batch {b} {label} gemv={gemv} dot={dot} small_m={small_m}: {ms:.3f} ms", flush=True)
+                print(
+                    f"sweep batch {b} {label} gemv={gemv} dot={dot} small_m={small_m}: {ms:.3f} ms",
+                    flush=True,
+                )
                 code_frame.GEMV_BLOCKS.update(saved[0])
                 code_frame.DOT_BLOCKS.update(saved[1])
                 code_frame.SMALL_M = saved[2]
@@ -196,7 +211,24 @@ def main(argv=None) -> int:
         if not args.quick:
             sweep(8, "dot", [({}, d, 4) for d in d8])
             sweep(8, "few-rows", [(g, {}, 16) for g in few])
+        # the sampler's threshold digits (sample.RADIX_BITS): the sampled frame at batch 1
+        saved_bits = sample_kernel.RADIX_BITS
+        inputs = (torch.randn(1, width, device=dev).to(dtype), torch.randn(1, width, device=dev).to(dtype),
+                  torch.arange(1, device=dev), torch.arange(1, device=dev))  # fmt: skip
+        res["sampler_bits"] = []
+        for bits in (1, 2, 4, 8):
+            sample_kernel.RADIX_BITS = bits
+            replay, out = graph_of(frame_fn("sampled"), inputs, dev)
+            ms = time_ms(replay, dev, args.reps)
+            replay()
+            res["sampler_bits"].append(dict(bits=bits, ms=ms, codes=out.tolist()))
+            print(f"sampler digits of {bits} bits: sampled frame batch 1 {ms:.3f} ms", flush=True)
+        sample_kernel.RADIX_BITS = saved_bits
+        res["checks"]["sampler digit widths draw the same codes"] = all(
+            r["codes"] == res["sampler_bits"][0]["codes"] for r in res["sampler_bits"]
+        )
         # one kernel of each kind alone, 50 launches in a graph: microseconds per launch (batch 1)
+        slot0 = torch.zeros(1, dtype=torch.long, device=dev)
         cf = cp.frame_fn
         x = torch.randn(1, width, device=dev).to(dtype)
         ln1, qkv_w, q_w, k_w, o_w, ln2, gate_up, down = cf.layers[0]
@@ -211,6 +243,7 @@ def main(argv=None) -> int:
             "down + residual (1024x3072)": lambda: cf._linear(act, down, 1, residual=x),
             "norm + head (2048x1024)": lambda: cf._linear(x, cf.heads[0], 1, norm=cf.final_norm),
             "greedy argmax": lambda: greedy(qkv[:, :2048]),
+            "sampler, code-predictor defaults": lambda: sampler(qkv[:, :vocab], slot0, slot0),
         }
         res["kernels_us"] = {}
         for name, fn in kinds.items():

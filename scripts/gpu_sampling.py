@@ -158,7 +158,9 @@ def main(argv=None) -> int:
     # an odd batch (pipeline/shapes.batch_bucket: padded only above 8 rows, so here its own graph)
     g3 = trace(thinker, talker, make_requests(engine, 3, omni_rt.Sampling()), 6)
     e3 = trace(e_thinker, e_talker, make_requests(engine, 3, omni_rt.Sampling()), 6)
-    same = [a == b for x, y in zip(g3["frames"], e3["frames"], strict=True) for a, b in zip(x, y, strict=True)]
+    same = [
+        a == b for x, y in zip(g3["frames"], e3["frames"], strict=True) for a, b in zip(x, y, strict=True)
+    ]
     res["checks"]["3 rows graphed == eager: frames (fraction)"] = sum(same) / len(same)
     again = trace(thinker, talker, make_requests(engine, 2, omni_rt.Sampling()), 6)
     res["checks"]["sampled replay repeats"] = again == g

@@ -322,6 +322,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the spoken-question rows, in real time (omni_rt.bench_speech)",
     )
     ap.add_argument("--speech-seconds", type=float, default=5.0, help="length of the spoken question")
+    ap.add_argument(
+        "--speech-wav",
+        default=None,
+        help="a recording of the spoken question (mono WAV, 16-bit) instead of espeak-ng's: for a machine "
+        "without espeak-ng, or your own voice",
+    )
     ap.add_argument("--speech-requests", type=int, default=3, help="timed requests per speech row")
     ap.add_argument("--speech-warmup", type=int, default=1, help="warm-up requests per speech row")
     ap.add_argument("--voice", default="ethan", help="speaker of every reply")

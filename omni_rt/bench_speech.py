@@ -68,9 +68,32 @@ def speech_row_plan() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
     ]
 
 
-def question_audio(seconds: float, seed: int) -> tuple[np.ndarray, str]:
-    """(24 kHz float32 of the spoken question, where it came from): espeak-ng when it is installed (the
-    question at the speaking rate that makes it about `seconds` long), else the speech-like signal."""
+def _read_wav(path: str | Path) -> tuple[np.ndarray, int]:
+    with wave.open(str(path), "rb") as w:
+        if w.getsampwidth() != 2 or w.getnchannels() != 1:
+            raise SystemExit(f"{path}: the spoken question must be a mono 16-bit WAV")
+        rate = w.getframerate()
+        return np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32) / 32768, rate
+
+
+def _voice_only(pcm: np.ndarray, rate: int) -> np.ndarray:
+    """At 24 kHz, trimmed to the voice (its end is the end of speech) and peak-normalised to 0.7."""
+    from omni_rt.audio.resample import resample
+
+    x = resample(pcm, rate, RATE).astype(np.float32)
+    loud = np.flatnonzero(np.abs(x) > 0.01)
+    if not len(loud):
+        raise SystemExit("the spoken question is silent")
+    x = x[loud[0] : loud[-1] + 1]
+    return (x * (0.7 / np.max(np.abs(x)))).astype(np.float32)
+
+
+def question_audio(seconds: float, seed: int, wav: str | None = None) -> tuple[np.ndarray, str]:
+    """(24 kHz float32 of the spoken question, where it came from): the recording `wav` when given, else
+    espeak-ng when it is installed (the question at the speaking rate that makes it about `seconds`
+    long), else the speech-like signal."""
+    if wav is not None:
+        return _voice_only(*_read_wav(wav)), f"recording {Path(wav).name}"
     if shutil.which("espeak-ng"):
         wpm = max(80, min(400, round(len(QUESTION.split()) / seconds * 60)))
         with tempfile.TemporaryDirectory() as d:
@@ -80,15 +103,8 @@ def question_audio(seconds: float, seed: int) -> tuple[np.ndarray, str]:
                 check=True,
                 capture_output=True,
             )
-            with wave.open(str(path), "rb") as w:
-                rate = w.getframerate()
-                pcm = np.frombuffer(w.readframes(w.getnframes()), dtype=np.int16).astype(np.float32) / 32768
-        from omni_rt.audio.resample import resample
-
-        x = resample(pcm, rate, RATE).astype(np.float32)
-        loud = np.flatnonzero(np.abs(x) > 0.01)
-        x = x[loud[0] : loud[-1] + 1]  # the voice only: its end is the end of speech
-        return (x * (0.7 / np.max(np.abs(x)))).astype(np.float32), f"espeak-ng, {wpm} wpm"
+            pcm, rate = _read_wav(path)
+        return _voice_only(pcm, rate), f"espeak-ng, {wpm} wpm"
     from omni_rt.bench_load import spoken_turn
 
     return spoken_turn(seconds, RATE, seed=seed), "speech-like signal (bench_load.spoken_turn)"
@@ -226,7 +242,7 @@ def _brief(row: dict) -> str:
 def run_speech_rows(args: argparse.Namespace, make_engine: Any, plan: list | None = None) -> list[dict]:
     """The text-turn row and the spoken rows of `plan` (default: `speech_row_plan()`); `make_engine(
     overrides)` gives an engine with every optimisation on but for `overrides`."""
-    audio, source = question_audio(args.speech_seconds, args.seed)
+    audio, source = question_audio(args.speech_seconds, args.seed, getattr(args, "speech_wav", None))
     print(f"[bench] spoken question: {len(audio) / RATE:.2f} s, {source}", file=sys.stderr, flush=True)
     by_engine: dict[str, tuple[dict, list]] = {}
     by_engine["{}"] = ({}, [("text turn (all on)", None)])

@@ -23,9 +23,8 @@ import torch
 from omni_rt.kernels._common import next_pow2, precise, require_triton
 
 MAX_VOCAB = 4096  # one row in one program's registers
-# Bits of a top-k / top-p threshold found per reduction (1: plain bisection, 32 dependent reductions per
-# threshold; 4: 8 reductions over 16 candidates each). Measured by scripts/gpu_code_frame.py.
-RADIX_BITS = 4
+# bf16 logits without a penalty: thresholds searched over 16-bit keys (16 halvings, not 32) where exact
+SHORT_KEYS = True
 # Rows up to this many are launched as programmatic dependent launches where the card allows
 PDL_MAX_ROWS = 4
 
@@ -56,43 +55,37 @@ if triton is not None:
 
     @triton.jit
     def _order_key(x):
-        """fp32 -> int32 with the same order (negative floats' magnitude bits flipped)."""
+        """fp32 -> int32 key with the same order (negative floats' magnitude bits flipped)."""
         b = x.to(tl.int32, bitcast=True)
         return b ^ ((b >> 31) & 0x7FFFFFFF)
 
     @triton.jit
-    def _digit_candidates(base, d: tl.constexpr, BITS: tl.constexpr):
-        """Digit `d` (from the top) of a threshold search over int32 keys: the 2**BITS values
-        base + j * 2**shift (j = 0, 1, ...) as int32, with the shift and j. `base` (int64) holds the
-        digits found so far; every candidate stays in int32's range (base + 2**(shift + BITS) <= 2**31)."""
-        shift = 32 - BITS * (d + 1)
-        j = tl.arange(0, 1 << BITS)
-        cand = (base + (j.to(tl.int64) << shift)).to(tl.int32)
-        return cand, shift, j
+    def _order_key16(x):
+        """A bf16-exact fp32 -> its 16 bits as an int32 key in [-2**15, 2**15) with the same order."""
+        h = x.to(tl.int32, bitcast=True) >> 16
+        return h ^ ((h >> 15) & 0x7FFF)
 
     @triton.jit
-    def _kth_largest_key(key, k, BITS: tl.constexpr):
-        """The largest t with count(key >= t) >= k: the k-th largest key (k >= 1). Found BITS bits at a
-        time, each digit one reduction over a [2**BITS, V] compare, so 32 / BITS dependent reductions."""
-        base = tl.full((), -(2**31), tl.int64)  # count(key >= base) >= k holds throughout
-        for d in tl.static_range(32 // BITS):
-            cand, shift, j = _digit_candidates(base, d, BITS)
-            count = tl.sum((key[None, :] >= cand[:, None]).to(tl.int32), axis=1)
-            best = tl.max(tl.where(count >= k, j, 0), axis=0)  # count falls with j; j = 0 always holds
-            base += best.to(tl.int64) << shift
-        return base.to(tl.int32)
+    def _kth_largest_key(key, k, lo, hi, iters):
+        """The largest t in [lo, hi] with count(key >= t) >= k (k >= 1, count(key >= lo) >= k): the k-th
+        largest key, by bisection (`iters` halvings cover hi - lo + 1 <= 2**iters)."""
+        for _ in range(iters):
+            mid = (lo + hi + 1) >> 1
+            enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= k
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid - 1)
+        return lo
 
     @triton.jit
-    def _top_p_key(key, prob, limit, BITS: tl.constexpr):
-        """The largest t whose mass strictly below it, sum(prob[key < t]), is <= `limit` (= 1 - p > 0):
-        the smallest key whose mass at or below it exceeds the limit, or above every key."""
-        base = tl.full((), -(2**31), tl.int64)  # mass(key < base) <= limit holds throughout
-        for d in tl.static_range(32 // BITS):
-            cand, shift, j = _digit_candidates(base, d, BITS)
-            mass = tl.sum(tl.where(key[None, :] < cand[:, None], prob[None, :], 0.0), axis=1)
-            best = tl.max(tl.where(mass <= limit, j, 0), axis=0)  # mass grows with j; j = 0 always holds
-            base += best.to(tl.int64) << shift
-        return base.to(tl.int32)
+    def _top_p_key(key, prob, limit, lo, hi, iters):
+        """The smallest t in [lo, hi] whose mass at or below it, sum(prob[key <= t]), exceeds `limit`
+        (= 1 - p); hi (the largest key) if none does."""
+        for _ in range(iters):
+            mid = (lo + hi) >> 1
+            over = tl.sum(tl.where(key <= mid, prob, 0.0), axis=0) > limit
+            hi = tl.where(over, mid, hi)
+            lo = tl.where(over, lo, mid + 1)
+        return hi
 
     @triton.jit
     def _sample(
@@ -115,9 +108,9 @@ if triton is not None:
         HAS_SEEN: tl.constexpr,
         HAS_SUPP: tl.constexpr,
         BLOCK_V: tl.constexpr,
-        BITS: tl.constexpr,  # threshold digits' width (RADIX_BITS)
         PRECISE: tl.constexpr,
         PDL: tl.constexpr,  # launched as a programmatic dependent launch (`_triton.pdl_runs`)
+        KEY16: tl.constexpr,  # bf16 logits, no penalty: search 16-bit keys where exact (SHORT_KEYS)
     ):
         if PDL:  # the next kernel may launch now; the logits (and the history) are earlier kernels' writes
             gdc_launch_dependents()
@@ -140,23 +133,35 @@ if triton is not None:
         do_sample = tl.load(dos_ptr + slot) != 0
         t = tl.where(do_sample, tl.load(temp_ptr + slot), 1.0)
         w = tl.div_rn(x, t)
-        # Thresholds by a digit search over the scores' order-preserving int32 keys, not by sorting: two
+        # Thresholds by bisection over the scores' order-preserving integer keys, not by sorting: two
         # bitonic sorts of a 2048-wide row were ~70 us per call on an H200, 1.1 ms of a sampled
-        # code-predictor frame (docs/performance.md). Both find the same thresholds as the sorts.
+        # code-predictor frame (docs/performance.md). Each halving is one reduction over the row, so
+        # fewer key bits mean a faster search: bf16 logits with no penalty have 16 bits, and w = x / t
+        # orders as x does (t > 0) unless the division overflows or leaves fp32's normal range.
+        if KEY16:
+            aw = tl.where(x == 0.0, 1.0, tl.abs(w))
+            short = (tl.max(tl.where(aw == float("inf"), 0.0, aw), axis=0) < 1e38) & (
+                tl.min(aw, axis=0) > 1e-36
+            )
+        else:
+            short = False
+        bits = tl.where(short, 16, 32)
+        lo0 = tl.where(short, -(2**15), -(2**31)).to(tl.int64)
+        hi0 = tl.where(short, 2**15 - 1, 2**31 - 1).to(tl.int64)
         # top-k: scores below the k-th largest go (k = 0: off; k >= V keeps all)
         k = tl.load(topk_ptr + slot)
         if do_sample & (k > 0) & (k < V):
-            key = _order_key(w)
-            w = tl.where(key < _kth_largest_key(key, k.to(tl.int32), BITS), float("-inf"), w)
+            key = tl.where(short, _order_key16(x), _order_key(w)).to(tl.int64)
+            w = tl.where(key < _kth_largest_key(key, k, lo0, hi0, bits), float("-inf"), w)
         # top-p, transformers' rule on the ascending order (drop while the cumulative mass <= 1 - p):
         # keep the scores whose mass at or below them exceeds 1 - p, ties together; the top always stays
         p = tl.load(topp_ptr + slot)
         if do_sample & (p < 1.0):
             ex = exp_f32(w - tl.max(w, axis=0), PRECISE)
             prob = tl.div_rn(ex, tl.sum(ex, axis=0))
-            key = _order_key(w)
-            keep_from = tl.minimum(_top_p_key(key, prob, 1 - p, BITS), tl.max(key, axis=0))
-            w = tl.where(key < keep_from, float("-inf"), w)
+            kept = tl.where(w == float("-inf"), float("-inf"), x)  # x as bf16 where w still stands
+            key = tl.where(short, _order_key16(kept), _order_key(w)).to(tl.int64)
+            w = tl.where(key < _top_p_key(key, prob, 1 - p, lo0, tl.max(key, axis=0), bits), float("-inf"), w)
 
         # the keyed race: argmax(w - log E), E = -log U, U from (seed, stage, key, vocab id)
         seed = tl.load(seed_ptr + slot)
@@ -210,7 +215,8 @@ def fused_choose(
         seen if seen is not None else out, supp if supp is not None else out, out,
         vocab, logits.stride(0), key_offset,
         STAGE=sampler.stage, HAS_SEEN=seen is not None, HAS_SUPP=supp is not None,
-        BLOCK_V=block, BITS=RADIX_BITS, PRECISE=precise(), PDL=pdl, num_warps=4 if block <= 2048 else 8,
+        BLOCK_V=block, PRECISE=precise(), PDL=pdl,
+        KEY16=SHORT_KEYS and logits.dtype == torch.bfloat16 and seen is None, num_warps=4 if block <= 2048 else 8,
         **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out

@@ -211,21 +211,26 @@ def main(argv=None) -> int:
         if not args.quick:
             sweep(8, "dot", [({}, d, 4) for d in d8])
             sweep(8, "few-rows", [(g, {}, 16) for g in few])
-        # the sampler's threshold digits (sample.RADIX_BITS): the sampled frame at batch 1
-        saved_bits = sample_kernel.RADIX_BITS
+        # the sampler's variants (kernels/sample.py): 16-bit keys or 32, a dependent launch or not
         inputs = (torch.randn(1, width, device=dev).to(dtype), torch.randn(1, width, device=dev).to(dtype),
                   torch.arange(1, device=dev), torch.arange(1, device=dev))  # fmt: skip
-        res["sampler_bits"] = []
-        for bits in (1, 2, 4, 8):
-            sample_kernel.RADIX_BITS = bits
+        res["sampler_variants"] = []
+        saved = (sample_kernel.SHORT_KEYS, sample_kernel.PDL_MAX_ROWS)
+        for short, pdl_rows in ((True, 4), (False, 4), (True, 0), (False, 0)):
+            sample_kernel.SHORT_KEYS, sample_kernel.PDL_MAX_ROWS = short, pdl_rows
             replay, out = graph_of(frame_fn("sampled"), inputs, dev)
             ms = time_ms(replay, dev, args.reps)
             replay()
-            res["sampler_bits"].append(dict(bits=bits, ms=ms, codes=out.tolist()))
-            print(f"sampler digits of {bits} bits: sampled frame batch 1 {ms:.3f} ms", flush=True)
-        sample_kernel.RADIX_BITS = saved_bits
-        res["checks"]["sampler digit widths draw the same codes"] = all(
-            r["codes"] == res["sampler_bits"][0]["codes"] for r in res["sampler_bits"]
+            res["sampler_variants"].append(
+                dict(short_keys=short, pdl=pdl_rows > 0, ms=ms, codes=out.tolist())
+            )
+            print(
+                f"sampler short keys {short} PDL {pdl_rows > 0}: sampled frame batch 1 {ms:.3f} ms",
+                flush=True,
+            )
+        sample_kernel.SHORT_KEYS, sample_kernel.PDL_MAX_ROWS = saved
+        res["checks"]["sampler variants draw the same codes"] = all(
+            r["codes"] == res["sampler_variants"][0]["codes"] for r in res["sampler_variants"]
         )
         # one kernel of each kind alone, 50 launches in a graph: microseconds per launch (batch 1)
         slot0 = torch.zeros(1, dtype=torch.long, device=dev)

@@ -64,18 +64,16 @@ def test_fused_frame_draws_vary_by_group():
     assert len(set(codes)) > 5
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4])
-def test_threshold_digit_widths_all_keep_the_plain_candidates(bits, monkeypatch):
-    # The top-k / top-p thresholds are searched `bits` bits per reduction; every width must keep exactly
-    # the plain path's candidates. Hot temperatures spread the draws over the kept set, so a threshold one
-    # candidate off changes some of the 64 draws.
-    from omni_rt.kernels import sample as sample_kernel
-
-    monkeypatch.setattr(sample_kernel, "RADIX_BITS", bits)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_thresholds_keep_the_plain_candidates(dtype):
+    # The top-k / top-p thresholds are found by bisection over integer keys: 32-bit keys of the scores,
+    # or for bf16 logits the logits' own 16 bits. Either must keep exactly the plain path's candidates.
+    # Hot temperatures spread the draws over the kept set, so a threshold one candidate off changes some
+    # of the 64 draws.
     vocab = 256
     cases = [
         StageSampling(temperature=2.0, top_k=k, top_p=p) for k in (1, 2, 7, 50, 255) for p in (1.0, 0.9, 0.3)
-    ] + [StageSampling(temperature=3.0, top_k=0, top_p=0.99)]
+    ] + [StageSampling(temperature=3.0, top_k=0, top_p=0.99), StageSampling(temperature=1e-3, top_k=3)]
     n = len(cases)
     plain = S.StageSampler("code_predictor", n, vocab, history=False)
     fused = S.StageSampler("code_predictor", n, vocab, history=False, fused=True)
@@ -85,6 +83,8 @@ def test_threshold_digit_widths_all_keep_the_plain_candidates(bits, monkeypatch)
     g = torch.Generator().manual_seed(3)
     slots = torch.arange(n)
     for step in range(4):
-        logits = torch.randn(n, vocab, generator=g) * (1 + step % 2)  # fp32: no ties
+        # distinct values (a permutation of a grid), so that no top-p boundary falls inside a tie
+        grid = torch.linspace(-4, 4, vocab) * (1 + step % 2)
+        logits = grid[torch.argsort(torch.rand(n, vocab, generator=g), dim=1)].to(dtype)
         keys = torch.full((n,), 7 * step) + slots
         assert fused(logits, slots, keys).tolist() == plain(logits, slots, keys).tolist()

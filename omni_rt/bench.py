@@ -102,6 +102,23 @@ def _settings(base: dict[str, Any], overrides: dict[str, Any]) -> Any:
     return EngineSettings.all_off(**(base | overrides))
 
 
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` pairs as engine-setting overrides (VALUE as JSON, else a string); a clear error
+    for a malformed pair or a name that is no setting."""
+    from omni_rt.config import EngineSettings
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or key not in EngineSettings.model_fields:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE with KEY an EngineSettings field")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
 def _engine_model(engine: Any) -> torch.nn.Module | None:
     for name in ("model", "_model", "omni"):
         m = getattr(engine, name, None)
@@ -314,6 +331,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--load-seconds", type=float, default=30.0, help="wall time of each load level")
     ap.add_argument("--load-speech", action="store_true", help="5 s spoken turns instead of the text prompt")
     ap.add_argument("--load-sampling", choices=("default", "greedy"), default="default")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine setting of the load engine, over all on (VALUE as JSON: urgent_text_lead=null); "
+        "repeat for more",
+    )
     ap.add_argument("--load-user-len", type=int, default=24, help="user-turn ids of the load prompt (57 ids)")
     ap.add_argument("--load-png", default="bench-load.png", help="where the load chart goes")
     ap.add_argument(
@@ -492,13 +517,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from omni_rt.bench_load import format_load_table, load_prompt, load_settings, plot_load, run_load
 
         sizes = load_settings(args, levels, len(load_prompt(args)))
-        settings = _settings(sizes, full_plan[-1][1])  # all on, a slot per conversation
+        settings = _settings(
+            sizes, full_plan[-1][1] | parse_sets(args.set)
+        )  # all on, a slot per conversation
         t_load = time.perf_counter()
         engine = _load_engine(args, settings, first)
         if first is not None:
             apply_kernels(first.model, settings)
         print(f"[bench] load: engine ready in {time.perf_counter() - t_load:.1f} s", file=sys.stderr)
-        meta["load_engine"] = sizes
+        meta["load_engine"] = sizes | parse_sets(args.set)
         load_rows = run_load(args, engine)
         first = first or engine
 

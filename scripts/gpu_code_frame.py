@@ -211,13 +211,13 @@ def main(argv=None) -> int:
         if not args.quick:
             sweep(8, "dot", [({}, d, 4) for d in d8])
             sweep(8, "few-rows", [(g, {}, 16) for g in few])
-        # the sampler's variants (kernels/sample.py): 16-bit keys or 32, a dependent launch or not
+        # the sampler's variants (kernels/sample.py): 16-bit keys or 32
         inputs = (torch.randn(1, width, device=dev).to(dtype), torch.randn(1, width, device=dev).to(dtype),
                   torch.arange(1, device=dev), torch.arange(1, device=dev))  # fmt: skip
         res["sampler_variants"] = []
-        saved = (sample_kernel.SHORT_KEYS, sample_kernel.PDL_MAX_ROWS)
-        for short, pdl_rows in ((True, 4), (False, 4), (True, 0), (False, 0)):
-            sample_kernel.SHORT_KEYS, sample_kernel.PDL_MAX_ROWS = short, pdl_rows
+        saved = sample_kernel.SHORT_KEYS
+        for short in (True, False):
+            sample_kernel.SHORT_KEYS = short
             replay, out = graph_of(frame_fn("sampled"), inputs, dev)
             ms = time_ms(replay, dev, args.reps)
             replay()

@@ -404,3 +404,16 @@ def test_load_smoke_tiny_cpu(tmp_path, monkeypatch):
     assert row["audio_s"] == pytest.approx(row["replies"] * (2 * 1920 - 555) / 24000)  # every frame played
     assert d["meta"]["load_engine"]["max_sessions"] == 2
     assert png.stat().st_size > 10_000
+
+
+def test_set_overrides_parse_as_json_and_reject_unknown_settings():
+    from omni_rt.bench import parse_sets
+
+    assert parse_sets(["urgent_text_lead=null", "max_text_lead=8", "handoff=event"]) == {
+        "urgent_text_lead": None,
+        "max_text_lead": 8,
+        "handoff": "event",
+    }
+    for bad in (["no_such_setting=1"], ["max_text_lead"]):
+        with pytest.raises(SystemExit, match="KEY=VALUE"):
+            parse_sets(bad)

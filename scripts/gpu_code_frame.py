@@ -221,14 +221,12 @@ def main(argv=None) -> int:
             replay, out = graph_of(frame_fn("sampled"), inputs, dev)
             ms = time_ms(replay, dev, args.reps)
             replay()
-            res["sampler_variants"].append(
-                dict(short_keys=short, pdl=pdl_rows > 0, ms=ms, codes=out.tolist())
-            )
+            res["sampler_variants"].append(dict(short_keys=short, ms=ms, codes=out.tolist()))
             print(
-                f"sampler short keys {short} PDL {pdl_rows > 0}: sampled frame batch 1 {ms:.3f} ms",
+                f"sampler short keys {short}: sampled frame batch 1 {ms:.3f} ms",
                 flush=True,
             )
-        sample_kernel.SHORT_KEYS, sample_kernel.PDL_MAX_ROWS = saved
+        sample_kernel.SHORT_KEYS = saved
         res["checks"]["sampler variants draw the same codes"] = all(
             r["codes"] == res["sampler_variants"][0]["codes"] for r in res["sampler_variants"]
         )

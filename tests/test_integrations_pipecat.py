@@ -30,6 +30,7 @@ from pipecat.frames.frames import (
     InterruptionFrame,
     LLMFullResponseEndFrame,
     MetricsFrame,
+    StartFrame,
     TTSAudioRawFrame,
     TTSStartedFrame,
     TTSStoppedFrame,
@@ -287,3 +288,73 @@ async def test_a_malformed_audio_frame_is_an_error_upstream_and_the_service_goes
     errors = [f for f in up if isinstance(f, ErrorFrame)]
     assert len(errors) == 1 and "whole int16 samples" in errors[0].error
     assert sum(isinstance(f, InputAudioRawFrame) for f in down) == len(good)  # the rest went through
+
+
+class HoldStart(FrameProcessor):
+    """Keeps the StartFrame from the end of the pipeline (which so never starts); `reached` is set when it
+    comes, after every processor before this one has started."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reached = asyncio.Event()
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        if isinstance(frame, StartFrame):
+            self.reached.set()
+            await asyncio.Event().wait()  # until the pipeline's cleanup cancels it
+        await self.push_frame(frame, direction)
+
+
+async def cancel_at(event: asyncio.Event, what: str, run) -> None:
+    """Run `run` (a coroutine) until `event`, then cancel it as a failing test's end does, and wait for it."""
+    task = asyncio.ensure_future(run)
+    await _until(event, task, WAIT_S, what)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def tasks_left(before: set[asyncio.Task]) -> list[asyncio.Task]:
+    return [t for t in asyncio.all_tasks() if t not in before and not t.done()]
+
+
+async def test_a_run_cancelled_mid_reply_stops_the_reply_and_gives_the_session_back(engine) -> None:
+    """A test that fails while a reply is being spoken: the pipeline is cancelled (a CancelFrame), the engine
+    stops the reply, no task of the pipeline or the service is left, and the session's slot is free again."""
+    hello, rate = spoken("Good morning to you")
+    service = OmniRtService(engine, turn_detection="omni_rt", **REPLY)
+    done: list = []
+    service.add_event_handler("on_response_done", lambda _s, ev: done.append(ev))
+    tap = Tap()
+    frames = [*audio_frames(np.concatenate([hello, silence(1.0, rate)]), rate), Await(asyncio.Event(), "")]
+    before, slots = asyncio.all_tasks(), len(engine._free_slots)
+    async with engine:
+        await cancel_at(tap.audio[0], "reply 1's first audio", run_pipeline(Pipeline([service, tap]), frames))
+        assert tasks_left(before) == []
+        assert service.session is None and len(engine._free_slots) == slots
+    assert [d.status for d in done] == ["cancelled"]
+
+
+async def test_a_run_cancelled_before_the_pipeline_started_gives_the_session_back(engine) -> None:
+    """The service has its session once it has started, but pipecat sends no CancelFrame into a pipeline
+    whose StartFrame has not reached its end, only cleans it up: the cleanup gives the session back."""
+    service = OmniRtService(engine, **REPLY)
+    hold = HoldStart()
+    before, slots = asyncio.all_tasks(), len(engine._free_slots)
+    async with engine:
+        await cancel_at(hold.reached, "the service's start", run_pipeline(Pipeline([service, hold]), []))
+        assert tasks_left(before) == []
+        assert service.session is None and len(engine._free_slots) == slots
+
+
+async def test_a_pipeline_that_does_not_start_in_time_fails_the_run_and_leaves_no_task(engine) -> None:
+    """The failure that once hung the test run (pipecat's run_test gave up on a slow start and left its
+    pipeline running): the run fails with a TimeoutError, and nothing of the pipeline is left behind."""
+    service = OmniRtService(engine, **REPLY)
+    before, slots = asyncio.all_tasks(), len(engine._free_slots)
+    async with engine:
+        with pytest.raises(TimeoutError, match="the pipeline to start"):
+            await run_pipeline(Pipeline([service, HoldStart()]), [], wait_s=0.5)
+        assert tasks_left(before) == []
+        assert service.session is None and len(engine._free_slots) == slots

@@ -87,8 +87,9 @@ async def run_pipeline(
     head = QueuedFrameProcessor(queue=up, queue_direction=FrameDirection.UPSTREAM)
     end = QueuedFrameProcessor(queue=down, queue_direction=FrameDirection.DOWNSTREAM)
     worker = PipelineWorker(
-        Pipeline([head, processor, end]), params=params or PipelineParams(), cancel_on_idle_timeout=False
-    )
+        Pipeline([head, processor, end]), params=params or PipelineParams(), cancel_on_idle_timeout=False,
+        enable_rtvi=False,
+    )  # fmt: skip
     started = asyncio.Event()
 
     @worker.event_handler("on_pipeline_started")
@@ -126,6 +127,7 @@ async def _until(event: asyncio.Event, run: asyncio.Task, wait_s: float, what: s
         waiter.cancel()
     if not event.is_set():
         if run.done():
+            run.result()  # the pipeline's own error, if it had one
             raise AssertionError(f"the pipeline ended while the test waited for {what}")
         raise TimeoutError(f"no {what} within {wait_s:g} s")
 
@@ -327,7 +329,10 @@ async def test_a_run_cancelled_mid_reply_stops_the_reply_and_gives_the_session_b
     done: list = []
     service.add_event_handler("on_response_done", lambda _s, ev: done.append(ev))
     tap = Tap()
-    frames = [*audio_frames(np.concatenate([hello, silence(1.0, rate)]), rate), Await(asyncio.Event(), "")]
+    frames = [
+        *audio_frames(np.concatenate([hello, silence(1.0, rate)]), rate),
+        Await(asyncio.Event(), "the end"),
+    ]
     before, slots = asyncio.all_tasks(), len(engine._free_slots)
     async with engine:
         await cancel_at(tap.audio[0], "reply 1's first audio", run_pipeline(Pipeline([service, tap]), frames))

@@ -1,13 +1,20 @@
-"""omni_rt inside pipecat: pipecat's own test harness (`pipecat.tests.utils.run_test`) feeds espeak-ng speech
-as audio frames through a pipeline with `OmniRtService` on the tiny preset, and the frames out are checked.
+"""omni_rt inside pipecat: espeak-ng speech goes in as audio frames through a pipeline with `OmniRtService` on
+the tiny preset, and the frames out are checked, the way pipecat's own test harness (`run_test`) does it.
 
-Steps are ordered by events, not sleeps: a `Gate` at the head of the pipeline holds every frame behind an
-`_Await` frame until the `Tap` at its end has seen what that frame waits for.
+Steps are ordered by events, not sleeps or timeouts: an `Await` among the frames to send holds back the
+frames after it until the `Tap` at the pipeline's end has seen what it waits for. `run_pipeline` owns the
+pipeline's whole life: a step that never comes fails the test within `WAIT_S`, and the pipeline is
+cancelled through pipecat (a CancelFrame, then each processor's cleanup) before the test ends. pipecat's
+`run_test` leaves its runner running when it fails (its frame feeder gives up after a 1 s start timeout):
+the event loop's teardown then cancelled every task at once, and pipecat's worker, which answers
+cancellation by sending a CancelFrame and waiting for its own (already cancelled) tasks to carry it, waited
+forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,13 +23,14 @@ from integrations_support import chunks, silence, spoken, tiny_engine
 from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
 from pipecat.audio.vad.silero import SileroVADAnalyzer
 from pipecat.frames.frames import (
+    EndFrame,
     ErrorFrame,
     Frame,
     InputAudioRawFrame,
     InterruptionFrame,
     LLMFullResponseEndFrame,
     MetricsFrame,
-    SystemFrame,
+    StartFrame,
     TTSAudioRawFrame,
     TTSStartedFrame,
     TTSStoppedFrame,
@@ -32,18 +40,19 @@ from pipecat.frames.frames import (
 )
 from pipecat.metrics.metrics import TTFBMetricsData
 from pipecat.pipeline.pipeline import Pipeline
-from pipecat.pipeline.worker import PipelineParams
+from pipecat.pipeline.worker import PipelineParams, PipelineWorker
 from pipecat.processors.audio.vad_processor import VADProcessor
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
-from pipecat.tests.utils import run_test
+from pipecat.tests.utils import QueuedFrameProcessor
 from pipecat.turns.user_stop import TurnAnalyzerUserTurnStopStrategy
 from pipecat.turns.user_turn_processor import UserTurnProcessor
 from pipecat.turns.user_turn_strategies import UserTurnStrategies
+from pipecat.workers.runner import WorkerRunner
 
 from omni_rt.audio.resample import resample
 from omni_rt.integrations.pipecat import OmniRtService
 
-WAIT_S = 120.0  # a step that never comes fails the test instead of hanging it
+WAIT_S = 60.0  # a step that never comes fails the test instead of hanging it (a step takes < 3 s)
 # replies run to their limits (the tiny preset's random weights may say EOS at once): 32 codec frames, 2.56 s
 REPLY = dict(max_output_tokens=48, max_audio_frames=32, ignore_eos=True)
 
@@ -53,20 +62,74 @@ def engine():
     return tiny_engine()
 
 
-@dataclass
-class _Await(SystemFrame):
-    """Holds the frames behind it at the Gate until `event` is set."""
+@dataclass(frozen=True)
+class Await:
+    """A step among the frames to send: send nothing more until `event` is set (`what` names it)."""
 
-    event: asyncio.Event | None = None
+    event: asyncio.Event
+    what: str
 
 
-class Gate(FrameProcessor):
-    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
-        await super().process_frame(frame, direction)
-        if isinstance(frame, _Await):
-            await asyncio.wait_for(frame.event.wait(), WAIT_S)
-            return
-        await self.push_frame(frame, direction)
+async def run_pipeline(
+    processor: FrameProcessor,
+    steps: Sequence[Frame | Await],
+    params: PipelineParams | None = None,
+    wait_s: float = WAIT_S,
+) -> tuple[list[Frame], list[Frame]]:
+    """Send `steps` through a pipeline of `processor`, then an EndFrame; the frames that came out at its
+    end (downstream) and at its head (upstream), StartFrame and EndFrame left out, as `run_test` returns.
+
+    The pipeline is one task that this function waits for: if a step does not come within `wait_s`, or the
+    pipeline does not start or end, it is cancelled and waited for before the TimeoutError goes up.
+    """
+    down: asyncio.Queue[Frame] = asyncio.Queue()
+    up: asyncio.Queue[Frame] = asyncio.Queue()
+    head = QueuedFrameProcessor(queue=up, queue_direction=FrameDirection.UPSTREAM)
+    end = QueuedFrameProcessor(queue=down, queue_direction=FrameDirection.DOWNSTREAM)
+    worker = PipelineWorker(
+        Pipeline([head, processor, end]), params=params or PipelineParams(), cancel_on_idle_timeout=False,
+        enable_rtvi=False,
+    )  # fmt: skip
+    started = asyncio.Event()
+
+    @worker.event_handler("on_pipeline_started")
+    async def _started(_worker, _frame) -> None:
+        started.set()
+
+    runner = WorkerRunner(handle_sigint=False)
+    await runner.add_workers(worker)
+    run = asyncio.create_task(runner.run(), name="run_pipeline")
+    try:
+        await _until(started, run, wait_s, "the pipeline to start")
+        for step in steps:
+            if isinstance(step, Await):
+                await _until(step.event, run, wait_s, step.what)
+            else:
+                await worker.queue_frame(step)
+        await worker.queue_frame(EndFrame())
+        if (await asyncio.wait({run}, timeout=wait_s))[0] == set():
+            raise TimeoutError(f"the pipeline did not end within {wait_s:g} s of its EndFrame")
+        run.result()
+    finally:
+        if not run.done():  # bounded by pipecat: 20 s for the CancelFrame, then each processor's cleanup
+            await runner.cancel(reason="the test failed")
+            await run
+    frames = [down.get_nowait() for _ in range(down.qsize())]
+    return [f for f in frames if not isinstance(f, EndFrame)], [up.get_nowait() for _ in range(up.qsize())]
+
+
+async def _until(event: asyncio.Event, run: asyncio.Task, wait_s: float, what: str) -> None:
+    """Wait for `event`; a pipeline that ends first, or `wait_s` without it, fails the test."""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter, run}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if not event.is_set():
+        if run.done():
+            run.result()  # the pipeline's own error, if it had one
+            raise AssertionError(f"the pipeline ended while the test waited for {what}")
+        raise TimeoutError(f"no {what} within {wait_s:g} s")
 
 
 class Tap(FrameProcessor):
@@ -169,20 +232,20 @@ async def test_pipecat_vad_and_turn_analyzer_drive_turns_and_barge_in(engine) ->
     )
     turns = UserTurnStrategies(stop=[stop])
     pipeline = Pipeline([
-        Gate(), VADProcessor(vad_analyzer=SileroVADAnalyzer()), UserTurnProcessor(user_turn_strategies=turns),
+        VADProcessor(vad_analyzer=SileroVADAnalyzer()), UserTurnProcessor(user_turn_strategies=turns),
         service, tap,
     ])  # fmt: skip
     tail = silence(1.0, 16000)
     frames = [
         *audio_frames(np.concatenate([silence(0.3, 16000), hello16, tail]), 16000),
-        _Await(event=tap.audio[0]),  # reply 1 is playing: talk over it
+        Await(tap.audio[0], "reply 1's first audio"),  # reply 1 is playing: talk over it
         *audio_frames(np.concatenate([again16, tail]), 16000),
-        _Await(event=tap.ended[1]),
+        Await(tap.ended[1], "reply 2's end"),
     ]
     async with engine:
-        down, _ = await run_test(
-            pipeline, frames_to_send=frames,
-            pipeline_params=PipelineParams(enable_metrics=True, enable_usage_metrics=True, audio_in_sample_rate=16000),
+        down, _ = await run_pipeline(
+            pipeline, frames,
+            PipelineParams(enable_metrics=True, enable_usage_metrics=True, audio_in_sample_rate=16000),
         )  # fmt: skip
     types = [type(f) for f in down]
     assert types.count(UserStartedSpeakingFrame) == 2 and types.count(UserStoppedSpeakingFrame) == 2
@@ -204,16 +267,13 @@ async def test_omni_rt_vad_setting_any_rate_and_an_interruption_frame(engine) ->
     tail = silence(1.0, rate)
     frames = [
         *audio_frames(np.concatenate([silence(0.3, rate), hello, tail]), rate, channels=2),
-        _Await(event=tap.audio[0]),
+        Await(tap.audio[0], "reply 1's first audio"),
         InterruptionFrame(),
         *audio_frames(np.concatenate([again, tail]), rate, channels=2),
-        _Await(event=tap.ended[1]),
+        Await(tap.ended[1], "reply 2's end"),
     ]
     async with engine:
-        down, up = await run_test(
-            Pipeline([Gate(), service, tap]), frames_to_send=frames,
-            pipeline_params=PipelineParams(enable_metrics=True),
-        )  # fmt: skip
+        down, up = await run_pipeline(Pipeline([service, tap]), frames, PipelineParams(enable_metrics=True))
     for frames_seen in (down, up):  # broadcast both ways, as pipecat's realtime services do
         types = [type(f) for f in frames_seen]
         assert types.count(UserStartedSpeakingFrame) == 2 and types.count(UserStoppedSpeakingFrame) == 2
@@ -226,7 +286,80 @@ async def test_a_malformed_audio_frame_is_an_error_upstream_and_the_service_goes
     good = audio_frames(silence(0.2, 16000), 16000)
     frames = [InputAudioRawFrame(audio=b"\x00\x00\x00", sample_rate=16000, num_channels=1), *good]
     async with engine:
-        down, up = await run_test(service, frames_to_send=frames)
+        down, up = await run_pipeline(service, frames)
     errors = [f for f in up if isinstance(f, ErrorFrame)]
     assert len(errors) == 1 and "whole int16 samples" in errors[0].error
     assert sum(isinstance(f, InputAudioRawFrame) for f in down) == len(good)  # the rest went through
+
+
+class HoldStart(FrameProcessor):
+    """Keeps the StartFrame from the end of the pipeline (which so never starts); `reached` is set when it
+    comes, after every processor before this one has started."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reached = asyncio.Event()
+
+    async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+        await super().process_frame(frame, direction)
+        if isinstance(frame, StartFrame):
+            self.reached.set()
+            await asyncio.Event().wait()  # until the pipeline's cleanup cancels it
+        await self.push_frame(frame, direction)
+
+
+async def cancel_at(event: asyncio.Event, what: str, run) -> None:
+    """Run `run` (a coroutine) until `event`, then cancel it as a failing test's end does, and wait for it."""
+    task = asyncio.ensure_future(run)
+    await _until(event, task, WAIT_S, what)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def tasks_left(before: set[asyncio.Task]) -> list[asyncio.Task]:
+    return [t for t in asyncio.all_tasks() if t not in before and not t.done()]
+
+
+async def test_a_run_cancelled_mid_reply_stops_the_reply_and_gives_the_session_back(engine) -> None:
+    """A test that fails while a reply is being spoken: the pipeline is cancelled (a CancelFrame), the engine
+    stops the reply, no task of the pipeline or the service is left, and the session's slot is free again."""
+    hello, rate = spoken("Good morning to you")
+    service = OmniRtService(engine, turn_detection="omni_rt", **REPLY)
+    done: list = []
+    service.add_event_handler("on_response_done", lambda _s, ev: done.append(ev))
+    tap = Tap()
+    frames = [
+        *audio_frames(np.concatenate([hello, silence(1.0, rate)]), rate),
+        Await(asyncio.Event(), "the end"),
+    ]
+    before, slots = asyncio.all_tasks(), len(engine._free_slots)
+    async with engine:
+        await cancel_at(tap.audio[0], "reply 1's first audio", run_pipeline(Pipeline([service, tap]), frames))
+        assert tasks_left(before) == []
+        assert service.session is None and len(engine._free_slots) == slots
+    assert [d.status for d in done] == ["cancelled"]
+
+
+async def test_a_run_cancelled_before_the_pipeline_started_gives_the_session_back(engine) -> None:
+    """The service has its session once it has started, but pipecat sends no CancelFrame into a pipeline
+    whose StartFrame has not reached its end, only cleans it up: the cleanup gives the session back."""
+    service = OmniRtService(engine, **REPLY)
+    hold = HoldStart()
+    before, slots = asyncio.all_tasks(), len(engine._free_slots)
+    async with engine:
+        await cancel_at(hold.reached, "the service's start", run_pipeline(Pipeline([service, hold]), []))
+        assert tasks_left(before) == []
+        assert service.session is None and len(engine._free_slots) == slots
+
+
+async def test_a_pipeline_that_does_not_start_in_time_fails_the_run_and_leaves_no_task(engine) -> None:
+    """The failure that once hung the test run (pipecat's run_test gave up on a slow start and left its
+    pipeline running): the run fails with a TimeoutError, and nothing of the pipeline is left behind."""
+    service = OmniRtService(engine, **REPLY)
+    before, slots = asyncio.all_tasks(), len(engine._free_slots)
+    async with engine:
+        with pytest.raises(TimeoutError, match="the pipeline to start"):
+            await run_pipeline(Pipeline([service, HoldStart()]), [], wait_s=0.5)
+        assert tasks_left(before) == []
+        assert service.session is None and len(engine._free_slots) == slots

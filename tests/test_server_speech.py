@@ -289,7 +289,7 @@ async def test_bad_audio_gets_errors_and_the_connection_keeps_serving():
             truncated = await recv(ws)
             assert truncated["type"] == "conversation.item.truncated" and truncated["audio_end_ms"] == 50
             (peer,) = server.peers
-            assert peer._items[item_id].played_ms == 50
+            assert peer.replies.items[item_id].played_ms == 50
 
             # And the connection still answers.
             await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
@@ -416,7 +416,7 @@ async def test_barge_in_over_webrtc_cuts_the_track_at_once(taken_frames):
         assert sent < 60 * 4 * 4  # far from all of it was sent
         # The item records what was played, as a conversation.item.truncate would
         truncated = next(e for e in events if e["type"] == "conversation.item.truncated")
-        assert truncated["audio_end_ms"] == sent * 20 and peer._items[truncated["item_id"]].id == first
+        assert truncated["audio_end_ms"] == sent * 20 and peer.replies.items[truncated["item_id"]].id == first
 
         # The spoken turn is then answered, on the same track.
         events += await client.until("output_audio_buffer.stopped", timeout=15)

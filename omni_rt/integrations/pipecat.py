@@ -23,7 +23,9 @@ when the pipeline enables metrics.
 
 An `InterruptionFrame` cancels the reply before the service passes the frame on: the engine stops it
 within one codec frame, and no audio of it is pushed after, so nothing of it is queued behind the
-interruption that the output transport clears.
+interruption that the output transport clears. A `CancelFrame` stops the reply the same way and gives the
+session back to the engine; so does the pipeline's cleanup, however the pipeline ended (pipecat sends no
+`CancelFrame` into a pipeline that has not started yet), and no reply task outlives it.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class _Reply:
     response_id: str | None = None
     interrupted: bool = False  # set first thing on an interruption: nothing of it is pushed after
     started: bool = False  # TTSStartedFrame pushed
-    done: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)  # set when its task ends, however it ends
 
 
 class OmniRtService(AIService):
@@ -156,15 +158,30 @@ class OmniRtService(AIService):
 
     async def cancel(self, frame: CancelFrame) -> None:
         await super().cancel(frame)
-        await self._interrupt()
-        await self._close()
+        try:
+            await self._interrupt()
+        finally:  # the session goes back even if the engine did not stop the reply
+            await self._close()
+
+    async def cleanup(self) -> None:
+        """However the pipeline ended: pipecat sends no CancelFrame into a pipeline that had not started
+        yet, and the reply tasks are this service's own, so no reply outlives the pipeline and the session
+        goes back to the engine here too."""
+        try:
+            for reply in self._replies:
+                if reply.task is not None:
+                    await self.cancel_task(reply.task)
+            self._replies = []
+            await self._close()
+        finally:
+            await super().cleanup()
 
     async def _close(self) -> None:
+        session, self._session = self._session, None  # taken first: a cleanup during a cancel closes it once
         try:
-            if self._session is not None:
-                await self._session.close()
+            if session is not None:
+                await session.close()
         finally:
-            self._session = None
             if self._owns_engine:
                 self._owns_engine = False
                 await self.engine.stop()
@@ -210,6 +227,8 @@ class OmniRtService(AIService):
         previous = self._replies[-1] if self._replies else None
         reply = _Reply(audio)
         reply.task = self.create_task(self._run(reply, previous), name="omni_rt_reply")
+        # a task cancelled before it ran never runs its body: the callback is what always runs
+        reply.task.add_done_callback(lambda _task: reply.done.set())
         self._replies.append(reply)
 
     async def _interrupt(self) -> None:
@@ -233,22 +252,19 @@ class OmniRtService(AIService):
                 await self._stream(reply)
         except Exception as e:  # the reply's end reaches the pipeline as an error, never a silent stop
             await self.push_error(f"omni_rt reply failed: {e}", exception=e)
-        finally:
-            reply.done.set()
 
     async def _stream(self, reply: _Reply) -> None:
         t0 = time.time()
         await self.start_ttfb_metrics(start_time=t0)
         await self.start_processing_metrics(start_time=t0)
         await self.push_frame(LLMFullResponseStartFrame())
-        stream = self._session.respond(
-            audio=reply.audio, audio_sample_rate=SPEECH_RATE, **self._respond_kwargs
-        )
+        session = self._session  # the reply's own: a cancel whose interrupt failed closes the service first
+        stream = session.respond(audio=reply.audio, audio_sample_rate=SPEECH_RATE, **self._respond_kwargs)
         async for ev in stream:
             if ev.type == "response.created":
                 reply.response_id = ev.response_id
                 if reply.interrupted:  # interrupted while its spoken turn was being encoded
-                    await self._session.cancel()
+                    await session.cancel()
             elif ev.type == "response.done":
                 await self._finish(reply, ev)
             elif reply.interrupted:

@@ -1,14 +1,15 @@
-"""One client connection ↔ one `Session`: its lifetime, the client's events, its replies.
+"""One client connection ↔ one `Session`: its lifetime, the client's events, what its replies answer.
 
 A connection is a WebSocket (`/v1/realtime`, `/ws`) or a call (`POST /v1/realtime/calls`, no socket).
 The server opens a Session for it at once and says `session.created`. Its parts, each in its module:
 `transport.py` moves the events (socket, data channel), `media.py` the WebRTC audio (offer, reply
 track, microphone), `listening.py` the speech input (server VAD, turns), `conversation.py` the items
-and the input waiting for a reply, `responses.py` one reply's wire events. This module ties them:
-every client event, from the socket or the data channel, goes through one bounded inbox and is handled
-in order by one loop; replies run as tasks (one at a time), and speech that starts during one cuts it
-(barge-in). The connection lives as long as its socket or its call: when it ends (or WebRTC fails),
-the response in progress is cancelled, which stops its GPU work, and the session is closed.
+and the input waiting for a reply, `replies.py` the reply in progress (its task, barge-in, what was
+played of it), `responses.py` one reply's wire events. This module ties them: every client event, from
+the socket or the data channel, goes through one bounded inbox and is handled in order by one loop; the
+session's configuration is applied here, and each reply's input and limits decided here. The connection
+lives as long as its socket or its call: when it ends (or WebRTC fails), the response in progress is
+cancelled, which stops its GPU work, and the session is closed.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,11 +29,11 @@ from omni_rt.server.conversation import Conversation
 from omni_rt.server.listening import SpeechInput
 from omni_rt.server.media import Media
 from omni_rt.server.protocol import ProtocolError
-from omni_rt.server.responses import CancelReason, Response
+from omni_rt.server.replies import Replies
+from omni_rt.server.responses import Response
 from omni_rt.server.speculative import Speculator
 from omni_rt.server.speech import SPEECH_RATE, InputAudioBuffer, TurnDetection
-from omni_rt.server.track import FRAME_SAMPLES, AudioOutputTrack, Idle
-from omni_rt.server.track import SAMPLE_RATE as TRACK_RATE
+from omni_rt.server.track import AudioOutputTrack, Idle
 from omni_rt.server.transcription import InputTranscriber, transcription_update
 from omni_rt.server.transport import Transport
 
@@ -45,7 +44,6 @@ log = logging.getLogger("omni_rt.server")
 
 INBOX_SIZE = 64  # client events waiting to be handled; a client that floods gets an error
 SESSION_SAMPLE_RATE = 24000  # what socket clients receive (the model's own rate); the track makes 48 kHz
-KEPT_ITEMS = 64  # assistant items remembered for conversation.item.truncate
 
 
 @dataclass(frozen=True)
@@ -117,7 +115,7 @@ class Peer:
             max_pending_ms=settings.max_pending_audio_ms,
             send=self.send,
             conversation=self.conversation,
-            on_speech_started=lambda: self._interrupt("turn_detected"),
+            on_speech_started=lambda: self.replies.interrupt("turn_detected"),
             on_turn=self._on_turn,
             on_committed=self.transcriber.add,
             live_speech=lambda: self.session.live_speech() if self.session is not None else None,
@@ -135,14 +133,18 @@ class Peer:
             on_mic_frame=self.speech.mic_frame,
         )
 
-        # Input since the last response, by item id: (role, text) messages, committed speech (16 kHz).
-        # The conversation's items as the client sees them, for retrieve and delete (the latest ones).
-        self._response: Response | None = None
-        self._respond_when_idle = False  # a VAD turn ended during a response: answer it after
-        self._items: OrderedDict[str, Response] = OrderedDict()  # recent assistant items by id
-
-        # Counters: what the client sent us as audio, and what we played to it.
-        self.responses = 0
+        self.replies = Replies(
+            self.session_id,
+            session=lambda: self.session,
+            send=self.send,
+            spawn=self._spawn,
+            closing=lambda: self._closing,
+            media=self.media,
+            conversation=self.conversation,
+            transcriber=self.transcriber,
+            speculator=self.speculator,
+            on_idle=self._start_response,
+        )
 
     # -- lifetime ---------------------------------------------------------------------------------------
 
@@ -198,7 +200,7 @@ class Peer:
         self._closing = self.transport.closing = True
         try:
             for step in (
-                self._stop_response,
+                self.replies.stop,
                 self.media.stop_track,
                 self._stop_tasks,
                 self.media.close,
@@ -215,6 +217,11 @@ class Peer:
     @property
     def track(self) -> AudioOutputTrack | None:
         return self.media.track
+
+    @property
+    def responses(self) -> int:
+        """Replies the session started on this connection."""
+        return self.replies.count
 
     @property
     def input(self) -> InputAudioBuffer:
@@ -328,9 +335,9 @@ class Peer:
             case protocol.ResponseCreate():
                 self._on_response_create(event)
             case protocol.ResponseCancel():
-                await self._on_response_cancel(event)
+                await self.replies.on_response_cancel(event)
             case protocol.OutputAudioBufferClear():
-                await self._on_audio_clear(event)
+                await self.replies.on_audio_clear(event)
             case protocol.InputAudioBufferAppend():
                 self.speech.append(event)
             case protocol.InputAudioBufferCommit():
@@ -338,7 +345,7 @@ class Peer:
             case protocol.InputAudioBufferClear():
                 self.speech.clear()
             case protocol.ConversationItemTruncate():
-                self._on_item_truncate(event)
+                self.replies.on_item_truncate(event)
             case protocol.ConversationItemRetrieve():
                 self.conversation.retrieve(event)
             case protocol.ConversationItemDelete():
@@ -363,7 +370,7 @@ class Peer:
             or new_tools != self.tools
             or choice != self.tool_choice
         )
-        if changed and self._response is not None:
+        if changed and self.replies.current is not None:
             raise ProtocolError(
                 "conversation_already_has_active_response",
                 "voice, instructions and tools cannot change while a response is in progress",
@@ -399,11 +406,11 @@ class Peer:
                     "session_unavailable", str(exc), type="server_error", event_id=event.event_id, fatal=True
                 ) from None
         self.send(wire.session_updated(self.session_object()))
-        if self._respond_when_idle and self._response is None:
+        if self.replies.respond_when_idle and self.replies.current is None:
             self._start_response()
 
     def _on_response_create(self, event: protocol.ResponseCreate) -> None:
-        if self._response is not None:
+        if self.replies.current is not None:
             raise ProtocolError(
                 "conversation_already_has_active_response",
                 "a response is already in progress; cancel it first",
@@ -461,15 +468,9 @@ class Peer:
             text = "\n".join(t for _, t in messages) or None  # the Session adds the chat template
         else:
             prompt = self._prompt(messages)
-        self._respond_when_idle = False
+        self.replies.respond_when_idle = False
         limits = self._limits(self._max_tokens(fields.max_output_tokens), text, audio, prompt)
         held = self.speculator.take(self.session, (text, audio, limits))  # or it is dropped
-        if self.track is not None and self.track.response_id is not None:
-            # The previous reply is still playing (playout is real time, generation faster): the
-            # conversation has moved on, so its unplayed audio goes rather than delaying the new reply.
-            playing = self.track.response_id
-            self._drop_queued_audio()
-            self.send(wire.output_audio_buffer("cleared", playing))
         response = Response(
             item_id=wire.new_id("item"),
             modalities=list(
@@ -485,13 +486,8 @@ class Peer:
             tools=self._tool_parser(),
             spoken=self.speech.spoken_turn,
         )
-        self.transcriber.hold()  # until its first audio: transcripts never come before the answer
         self.speech.spoken_turn = None
-        self._response = response
-        self._items[response.item_id] = response
-        while len(self._items) > KEPT_ITEMS:
-            self._items.popitem(last=False)
-        response.task = self._spawn(self._run_response(response, limits, held), "response")
+        self.replies.start(response, limits, held)
 
     def _limits(self, max_tokens: int, text: str | None, audio: Any, prompt: list[int] | None) -> dict:
         """`Session.respond`'s arguments for a reply (a speculative one is given the same)."""
@@ -513,7 +509,7 @@ class Peer:
         if (
             detection is None
             or not (detection.speculative_response and detection.create_response)
-            or self._response is not None
+            or self.replies.current is not None
             or self.session is None
             or self._closing
         ):
@@ -539,208 +535,17 @@ class Peer:
             messages = [("system", system), *messages]
         return self.engine.tokenizer.chat_prompt(messages)
 
-    async def _on_response_cancel(self, event: protocol.ResponseCancel) -> None:
-        response = self._response
-        # A response already cut is stopping: a second cancel has nothing active to cancel.
-        if response is None or response.cancelled or (event.response_id and event.response_id != response.id):
-            raise ProtocolError(
-                "response_cancel_not_active",
-                "there is no response in progress to cancel",
-                event_id=event.event_id,
-            )
-        await self._cancel_response(response, event.event_id)
-
-    async def _on_audio_clear(self, event: protocol.OutputAudioBufferClear) -> None:
-        """Silence the track now: the reply in progress is cancelled, or the one still playing cut off."""
-        if self.track is None:
-            raise ProtocolError(
-                "unsupported_event",
-                "output_audio_buffer.clear needs a WebRTC audio track",
-                event_id=event.event_id,
-            )
-        self._interrupt("client_cancelled")
-
-    def _interrupt(self, reason: CancelReason) -> None:
-        """Barge-in, at once: the reply in progress is cut and cancelled, or the one still playing cut
-        off. Nothing here waits, so the microphone keeps being read; the model stops in a task."""
-        response = self._response
-        if response is not None:
-            if self._cut(response, reason) and self.session is not None:
-                self._spawn(self._cancel_session(self.session), "barge-in")
-            return
-        playing = self.track.response_id if self.track is not None else None
-        if playing is not None:
-            self._record_played(next((r for r in self._items.values() if r.id == playing), None))
-        self._drop_queued_audio()
-        if playing is not None:
-            self.send(wire.output_audio_buffer("cleared", playing))
-
-    def _record_played(self, response: Response | None) -> None:
-        """A reply cut off on the track: the client heard what was sent of it, and the item says so,
-        as if the client had sent conversation.item.truncate (OpenAI's WebRTC sessions do the same)."""
-        track = self.track
-        if response is None or track is None or track.response_id is None or track.response_id != response.id:
-            return
-        response.played_ms = track.response_frames * 1000.0 * FRAME_SAMPLES / TRACK_RATE
-        self.send(wire.conversation_item_truncated(response.item_id, 0, round(response.played_ms)))
-
-    async def _cancel_session(self, session: Any, event_id: str | None = None) -> None:
-        try:
-            await session.cancel()
-        except OmniRtError as exc:  # the pipeline did not stop in time: the response.done says failed
-            log.warning("peer %s: cancel failed: %s", self.session_id, exc)
-            self.send(
-                protocol.error(
-                    ProtocolError(type(exc).__name__, str(exc), type="server_error", event_id=event_id)
-                )
-            )
-
     def _on_turn(self) -> None:
         """Server VAD committed a turn with create_response: answer it, now or when ready."""
-        if self._response is None and self.session is not None:
+        if self.replies.current is None and self.session is not None:
             self._start_response()
         else:  # still stopping (or not interrupted), or a new voice: answer when ready
-            self._respond_when_idle = True
+            self.replies.respond_when_idle = True
 
     def _max_tokens(self, asked: int | str | None = None) -> int:
         """A response's token limit: what it asks for, else the session's, never over the server's."""
         asked, limit = asked or self.max_output_tokens, self.settings.max_output_tokens
         return limit if asked == "inf" else max(1, min(int(asked), limit))
-
-    def _on_item_truncate(self, event: protocol.ConversationItemTruncate) -> None:
-        """Record how much of a reply the client played. The session keeps the whole reply in its
-        conversation (the model's context is not rewritten); the client's transcript is its own."""
-        response = self._items.get(event.item_id)
-        if response is None:
-            raise ProtocolError(
-                "invalid_value", f"no assistant item {event.item_id!r} with audio", param="item_id",
-                event_id=event.event_id,
-            )  # fmt: skip
-        if event.content_index != 0:
-            raise ProtocolError(
-                "invalid_value", "an assistant item has one content part (index 0)", param="content_index",
-                event_id=event.event_id,
-            )  # fmt: skip
-        if event.audio_end_ms > response.audio_ms + 1:  # + 1: the client's rounding
-            raise ProtocolError(
-                "invalid_value",
-                f"audio_end_ms {event.audio_end_ms} is past the item's audio ({response.audio_ms:.0f} ms)",
-                param="audio_end_ms",
-                event_id=event.event_id,
-            )
-        response.played_ms = float(event.audio_end_ms)
-        self.send(wire.conversation_item_truncated(event.item_id, event.content_index, event.audio_end_ms))
-
-    # -- responses --------------------------------------------------------------------------------------
-
-    async def _run_response(self, response: Response, limits: dict[str, Any], held: Any = None) -> None:
-        """`held`: the speculative reply started for this turn at its pause, released now."""
-        use_track = self.track is not None
-        try:
-            if held is not None:
-                replies = held.release()
-            else:
-                await self.speculator.settled()  # a dropped one first lets go of the session
-                replies = self.session.respond(**limits)
-            stopped = False
-            async for ev in replies:
-                kind = ev.type
-                if response.cancelled and not stopped and kind not in ("response.created", "response.done"):
-                    # Cut before the session had this response in hand (a barge-in while it was
-                    # starting): its cancel found nothing to stop, so stop it now.
-                    stopped = True
-                    self._spawn(self._cancel_session(self.session), "cancel")
-                if kind == "response.created":
-                    self.responses += 1
-                    response.created(ev.response_id)
-                elif response.id is None:
-                    continue  # nothing precedes response.created in a well-formed stream
-                elif kind == "response.output_text.delta":
-                    response.text_delta(ev.delta, ev.token_ids)
-                elif kind == "response.output_audio_transcript.delta":
-                    response.transcript_delta(ev.delta)
-                elif kind == "response.output_audio.delta":
-                    if not response.audio or response.cancelled or not response.speaking:
-                        continue
-                    response.audio_ms += 1000.0 * len(ev.pcm) / ev.sample_rate
-                    if response.spoken is not None:
-                        response.spoken.audio_out(time.monotonic())
-                    self.transcriber.release()
-                    if use_track:
-                        response.audio_started()
-                        await self.media.play(response, ev.pcm, ev.sample_rate)
-                    else:  # in deltas of at most 500 ms: a long chunk would not fit a data channel message
-                        step = ev.sample_rate // 2
-                        for start in range(0, len(ev.pcm), step):
-                            response.audio_delta(ev.pcm[start : start + step])
-                elif kind == "response.output_audio.done":
-                    if response.audio and not response.cancelled and response.speaking:
-                        if use_track:
-                            await self.media.end(response)
-                        response.audio_done()
-                elif kind == "error":
-                    self.send(protocol.error(_session_error(ev)))
-                elif kind == "response.done":
-                    response.done(ev)
-                    if response.in_conversation:
-                        self.conversation.remember(response.output_items())
-        except asyncio.CancelledError:
-            raise
-        except OmniRtError as exc:
-            self.send(protocol.error(ProtocolError(type(exc).__name__, str(exc), type="server_error")))
-        except Exception:
-            log.exception("peer %s: response failed", self.session_id)
-            self.send(
-                protocol.error(ProtocolError("server_error", "the response failed", type="server_error"))
-            )
-        finally:
-            self.transcriber.release()
-            if not self._closing:
-                response.broken()  # the Session promises response.done; if the stream broke anyway
-            if self._response is response:
-                self._response = None
-                if self._respond_when_idle and not self._closing:
-                    self._start_response()
-
-    async def _cancel_response(self, response: Response, event_id: str | None = None) -> None:
-        """Barge-in: stop the model, drop every sample not yet sent, keep the session."""
-        if self._cut(response) and self.session is not None:
-            await self._cancel_session(self.session, event_id)
-
-    def _cut(self, response: Response, reason: CancelReason = "client_cancelled") -> bool:
-        """Silence a response now: no more of its audio goes out. False if it was already cut."""
-        if response.cancelled:
-            return False
-        response.cancelled = True
-        response.reason = reason
-        self._record_played(response)
-        self._drop_queued_audio()
-        if response.id is not None and self.track is not None:
-            self.send(wire.output_audio_buffer("cleared", response.id))
-        return True
-
-    def _drop_queued_audio(self) -> None:
-        self.media.drop_queued()
-
-    async def _stop_response(self) -> None:
-        """On close: drop a held speculative reply and cancel the response in progress (which frees
-        their GPU work), and wait for them."""
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.speculator.close(), 5.0)
-        response = self._response
-        if response is None:
-            return
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._cancel_response(response), 5.0)
-        if response.task is not None:
-            try:
-                # Let it see its response.done (the session's promise); then stop it regardless.
-                await asyncio.wait_for(asyncio.shield(response.task), 2.0)
-            except TimeoutError:
-                response.task.cancel()
-                await asyncio.gather(response.task, return_exceptions=True)
-            except Exception:
-                pass
 
 
 def model_voice(engine: Any, name: str) -> str:
@@ -752,8 +557,3 @@ def model_voice(engine: Any, name: str) -> str:
         known = ", ".join(sorted(protocol.OPENAI_VOICES))
         raise ProtocolError("invalid_value", f"{exc} (or an OpenAI voice: {known})") from None
     return voice
-
-
-def _session_error(ev: Any) -> ProtocolError:
-    info = ev.error
-    return ProtocolError(info.code or "error", info.message, type=info.type)

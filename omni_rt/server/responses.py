@@ -14,7 +14,7 @@ The item is announced at the first delta (or at the end of a reply that produced
 and always closed before `response.done`, with the same ids throughout. A reply cut short keeps its
 item as `incomplete` (the item schema has no `cancelled`); the response says why in `status_details`.
 Out-of-band replies (`conversation: "none"`) send no `conversation.item.*`: they are not in the
-conversation. Nothing here awaits: `peer.py` drives it and owns the audio path.
+conversation. Nothing here awaits: `replies.py` drives it and owns the audio path.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["format_speech_table", "question_audio", "run_speech_rows", "speech_row_plan"]
+__all__ = ["format_speech_table", "question_audio", "run_speech_rows", "smart_turn_heard", "speech_row_plan"]
 
 RATE = 24000  # what the socket takes
 PIECE_MS = 20
@@ -244,9 +244,11 @@ def run_speech_rows(args: argparse.Namespace, make_engine: Any, plan: list | Non
     overrides)` gives an engine with every optimisation on but for `overrides`."""
     audio, source = question_audio(args.speech_seconds, args.seed, getattr(args, "speech_wav", None))
     print(f"[bench] spoken question: {len(audio) / RATE:.2f} s, {source}", file=sys.stderr, flush=True)
+    spoken = speech_row_plan() if plan is None else plan
+    heard = smart_turn_heard(audio, spoken)
     by_engine: dict[str, tuple[dict, list]] = {}
     by_engine["{}"] = ({}, [("text turn (all on)", None)])
-    for name, overrides, detection in speech_row_plan() if plan is None else plan:
+    for name, overrides, detection in spoken:
         by_engine.setdefault(json.dumps(overrides, sort_keys=True), (overrides, []))[1].append(
             (name, detection)
         )
@@ -259,7 +261,31 @@ def run_speech_rows(args: argparse.Namespace, make_engine: Any, plan: list | Non
         eot = r.get("median_end_of_turn_to_first_audio_ms")
         if eot is not None and text is not None:
             r["end_of_turn_vs_text_ttfa_ms"] = eot - text  # issue 12: <= 15 ms with everything on
+        r |= heard.get(r["row"], {})
     return rows
+
+
+def smart_turn_heard(audio: np.ndarray, plan: list) -> dict[str, dict[str, Any]]:
+    """Per semantic_vad row: Smart Turn's probability that the question is finished, heard as the
+    detector hears it after the last word (the voice at 16 kHz), and what its eagerness needs. Below
+    that, the row's figures are the eagerness' longest wait, not the engine (docs/turn-taking.md)."""
+    rows = {name: d for name, _, d in plan if d is not None and d.get("type") == "semantic_vad"}
+    if not rows:
+        return {}
+    from omni_rt.audio.resample import resample
+    from omni_rt.audio.semantic import EAGERNESS, SmartTurn
+
+    p = SmartTurn()(resample(audio, RATE, 16000).astype(np.float32))
+    heard = {}
+    for name, detection in rows.items():
+        need, wait = EAGERNESS[detection.get("eagerness", "auto")]
+        heard[name] = {"smart_turn_probability": p, "completion_threshold": need, "max_wait_ms": wait}
+        verdict = "finished" if p >= need else f"unfinished: the turn ends at the {wait} ms wait"
+        print(
+            f"[bench] {name}: Smart Turn hears the question {verdict} ({p:.2f}, needs {need})",
+            file=sys.stderr,
+        )
+    return heard
 
 
 def format_speech_table(rows: list[dict]) -> str:

@@ -11,7 +11,14 @@ pytest.importorskip("websockets")
 
 import omni_rt  # noqa: E402
 from omni_rt import bench  # noqa: E402
-from omni_rt.bench_speech import RATE, format_speech_table, question_audio, run_speech_rows, speech_row_plan  # noqa: E402
+from omni_rt.bench_speech import (  # noqa: E402
+    RATE,
+    format_speech_table,
+    question_audio,
+    run_speech_rows,
+    smart_turn_heard,
+    speech_row_plan,
+)
 
 
 def test_the_speech_flag_alone_runs_no_protocol_rows():
@@ -23,6 +30,17 @@ def test_the_speech_flag_alone_runs_no_protocol_rows():
 def test_the_question_is_about_as_long_as_asked():
     audio, source = question_audio(5.0, seed=0)
     assert audio.dtype.name == "float32" and 3.5 < len(audio) / RATE < 6.5, source
+
+
+def test_a_semantic_vad_row_says_whether_smart_turn_hears_the_question_finished():
+    # issue 12: the row's figures are the longest wait when the model hears the question unfinished
+    audio, _ = question_audio(5.0, seed=0)
+    heard = smart_turn_heard(audio, speech_row_plan())
+    (row,) = [name for name, _, d in speech_row_plan() if d["type"] == "semantic_vad"]
+    assert list(heard) == [row]
+    assert 0.0 <= heard[row]["smart_turn_probability"] <= 1.0
+    assert (heard[row]["completion_threshold"], heard[row]["max_wait_ms"]) == (0.5, 4000)  # auto
+    assert smart_turn_heard(audio, speech_row_plan()[:1]) == {}  # server_vad: no model asked
 
 
 def test_speech_rows_smoke_tiny_cpu():

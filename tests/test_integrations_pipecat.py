@@ -2,20 +2,13 @@
 the tiny preset, and the frames out are checked, the way pipecat's own test harness (`run_test`) does it.
 
 Steps are ordered by events, not sleeps or timeouts: an `Await` among the frames to send holds back the
-frames after it until the `Tap` at the pipeline's end has seen what it waits for. `run_pipeline` owns the
-pipeline's whole life: a step that never comes fails the test within `WAIT_S`, and the pipeline is
-cancelled through pipecat (a CancelFrame, then each processor's cleanup) before the test ends. pipecat's
-`run_test` leaves its runner running when it fails (its frame feeder gives up after a 1 s start timeout):
-the event loop's teardown then cancelled every task at once, and pipecat's worker, which answers
-cancellation by sending a CancelFrame and waiting for its own (already cancelled) tasks to carry it, waited
-forever.
+frames after it until the `Tap` at the pipeline's end has seen what it waits for; `run_pipeline`
+(`pipecat_support`) owns the pipeline's whole life and cancels it cleanly when a step never comes.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -23,7 +16,6 @@ from integrations_support import chunks, silence, spoken, tiny_engine
 from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
 from pipecat.audio.vad.silero import SileroVADAnalyzer
 from pipecat.frames.frames import (
-    EndFrame,
     ErrorFrame,
     Frame,
     InputAudioRawFrame,
@@ -40,19 +32,17 @@ from pipecat.frames.frames import (
 )
 from pipecat.metrics.metrics import TTFBMetricsData
 from pipecat.pipeline.pipeline import Pipeline
-from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+from pipecat.pipeline.worker import PipelineParams
 from pipecat.processors.audio.vad_processor import VADProcessor
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
-from pipecat.tests.utils import QueuedFrameProcessor
 from pipecat.turns.user_stop import TurnAnalyzerUserTurnStopStrategy
 from pipecat.turns.user_turn_processor import UserTurnProcessor
 from pipecat.turns.user_turn_strategies import UserTurnStrategies
-from pipecat.workers.runner import WorkerRunner
+from pipecat_support import WAIT_S, Await, run_pipeline, until
 
 from omni_rt.audio.resample import resample
 from omni_rt.integrations.pipecat import OmniRtService
 
-WAIT_S = 60.0  # a step that never comes fails the test instead of hanging it (a step takes < 3 s)
 # replies run to their limits (the tiny preset's random weights may say EOS at once): 32 codec frames, 2.56 s
 REPLY = dict(max_output_tokens=48, max_audio_frames=32, ignore_eos=True)
 
@@ -60,76 +50,6 @@ REPLY = dict(max_output_tokens=48, max_audio_frames=32, ignore_eos=True)
 @pytest.fixture
 def engine():
     return tiny_engine()
-
-
-@dataclass(frozen=True)
-class Await:
-    """A step among the frames to send: send nothing more until `event` is set (`what` names it)."""
-
-    event: asyncio.Event
-    what: str
-
-
-async def run_pipeline(
-    processor: FrameProcessor,
-    steps: Sequence[Frame | Await],
-    params: PipelineParams | None = None,
-    wait_s: float = WAIT_S,
-) -> tuple[list[Frame], list[Frame]]:
-    """Send `steps` through a pipeline of `processor`, then an EndFrame; the frames that came out at its
-    end (downstream) and at its head (upstream), StartFrame and EndFrame left out, as `run_test` returns.
-
-    The pipeline is one task that this function waits for: if a step does not come within `wait_s`, or the
-    pipeline does not start or end, it is cancelled and waited for before the TimeoutError goes up.
-    """
-    down: asyncio.Queue[Frame] = asyncio.Queue()
-    up: asyncio.Queue[Frame] = asyncio.Queue()
-    head = QueuedFrameProcessor(queue=up, queue_direction=FrameDirection.UPSTREAM)
-    end = QueuedFrameProcessor(queue=down, queue_direction=FrameDirection.DOWNSTREAM)
-    worker = PipelineWorker(
-        Pipeline([head, processor, end]), params=params or PipelineParams(), cancel_on_idle_timeout=False,
-        enable_rtvi=False,
-    )  # fmt: skip
-    started = asyncio.Event()
-
-    @worker.event_handler("on_pipeline_started")
-    async def _started(_worker, _frame) -> None:
-        started.set()
-
-    runner = WorkerRunner(handle_sigint=False)
-    await runner.add_workers(worker)
-    run = asyncio.create_task(runner.run(), name="run_pipeline")
-    try:
-        await _until(started, run, wait_s, "the pipeline to start")
-        for step in steps:
-            if isinstance(step, Await):
-                await _until(step.event, run, wait_s, step.what)
-            else:
-                await worker.queue_frame(step)
-        await worker.queue_frame(EndFrame())
-        if (await asyncio.wait({run}, timeout=wait_s))[0] == set():
-            raise TimeoutError(f"the pipeline did not end within {wait_s:g} s of its EndFrame")
-        run.result()
-    finally:
-        if not run.done():  # bounded by pipecat: 20 s for the CancelFrame, then each processor's cleanup
-            await runner.cancel(reason="the test failed")
-            await run
-    frames = [down.get_nowait() for _ in range(down.qsize())]
-    return [f for f in frames if not isinstance(f, EndFrame)], [up.get_nowait() for _ in range(up.qsize())]
-
-
-async def _until(event: asyncio.Event, run: asyncio.Task, wait_s: float, what: str) -> None:
-    """Wait for `event`; a pipeline that ends first, or `wait_s` without it, fails the test."""
-    waiter = asyncio.ensure_future(event.wait())
-    try:
-        await asyncio.wait({waiter, run}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()
-    if not event.is_set():
-        if run.done():
-            run.result()  # the pipeline's own error, if it had one
-            raise AssertionError(f"the pipeline ended while the test waited for {what}")
-        raise TimeoutError(f"no {what} within {wait_s:g} s")
 
 
 class Tap(FrameProcessor):
@@ -311,7 +231,7 @@ class HoldStart(FrameProcessor):
 async def cancel_at(event: asyncio.Event, what: str, run) -> None:
     """Run `run` (a coroutine) until `event`, then cancel it as a failing test's end does, and wait for it."""
     task = asyncio.ensure_future(run)
-    await _until(event, task, WAIT_S, what)
+    await until(event, task, WAIT_S, what)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -1,8 +1,11 @@
 """pipecat's OpenAI Realtime service, unmodified, against the server: a text turn, a spoken turn that
 barges in on a reply (server VAD), and a spoken turn after it. pipecat validates the server's events
-strictly: a status outside OpenAI's schema, or an unknown voice, once ended its session."""
+strictly: a status outside OpenAI's schema, or an unknown voice, once ended its session. Each step waits
+for the frames the one before it brings (`pipecat_support.run_pipeline`), not for a sleep."""
 
 from __future__ import annotations
+
+import asyncio
 
 import numpy as np
 import pytest
@@ -13,11 +16,13 @@ from pipecat.frames.frames import (  # noqa: E402
     ErrorFrame,
     InputAudioRawFrame,
     LLMContextFrame,
+    LLMFullResponseEndFrame,
     TTSAudioRawFrame,
 )
+from pipecat.pipeline.pipeline import Pipeline  # noqa: E402
 from pipecat.processors.aggregators.llm_context import LLMContext  # noqa: E402
 from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService  # noqa: E402
-from pipecat.tests.utils import SleepFrame, run_test  # noqa: E402
+from pipecat_support import Await, Count, run_pipeline  # noqa: E402
 from server_fakes import FRAME, FakeEngine, speech_like  # noqa: E402
 
 from omni_rt.server import Server, ServerSettings  # noqa: E402
@@ -40,15 +45,17 @@ async def test_pipecat_text_turn_barge_in_and_a_turn_after():
     async with Server(engine, ServerSettings(port=0, token="tk")) as server:
         llm = OpenAIRealtimeLLMService(api_key="tk", base_url=f"ws://127.0.0.1:{server.port}/v1/realtime")
         context = LLMContext(messages=[{"role": "user", "content": "Tell me a story."}])
+        count = Count()
+        ended = LLMFullResponseEndFrame  # one per response.done, the cancelled reply's too
         frames = [
             LLMContextFrame(context),
-            SleepFrame(sleep=0.5),  # the reply is under way
+            Await(count.nth(TTSAudioRawFrame, 1), "the story's first audio"),  # the reply is under way
             *speech_frames(1.0),  # server VAD: speech starts, the reply is cut (turn_detected)
-            SleepFrame(sleep=3.0),
+            Await(count.nth(ended, 2), "the reply to the speech that cut the story"),
             *speech_frames(0.8),  # a turn after the barge-in, once that reply is done
-            SleepFrame(sleep=3.0),
+            Await(count.nth(ended, 3), "the reply to the turn after it"),
         ]
-        down, up = await run_test(llm, frames_to_send=frames)
+        down, up = await run_pipeline(Pipeline([llm, count]), frames)
     errors = [f for f in [*down, *up] if isinstance(f, ErrorFrame)]
     assert errors == []
     assert sum(isinstance(f, TTSAudioRawFrame) for f in down) > 0
@@ -57,3 +64,21 @@ async def test_pipecat_text_turn_barge_in_and_a_turn_after():
     first = engine.sessions[0].pcm_samples  # by response id, in order
     assert list(first.values())[0] < 40 * FRAME  # the story was cut before its 40 words
     assert engine.sessions[-1] is engine.sessions[0]  # one session throughout: nothing restarted it
+
+
+async def test_a_step_that_never_comes_fails_the_run_and_leaves_no_task():
+    # What once hung the test run: pipecat's run_test left its pipeline running when the test failed.
+    engine = FakeEngine(step_s=0.05, reply="a short reply")
+    async with Server(engine, ServerSettings(port=0, token="tk")) as server:
+        before = asyncio.all_tasks()
+        llm = OpenAIRealtimeLLMService(api_key="tk", base_url=f"ws://127.0.0.1:{server.port}/v1/realtime")
+        count = Count()
+        frames = [
+            LLMContextFrame(LLMContext(messages=[{"role": "user", "content": "Hello."}])),
+            Await(count.nth(LLMFullResponseEndFrame, 2), "second reply"),  # nothing asks for one
+        ]
+        with pytest.raises(TimeoutError, match="no second reply within 2 s"):
+            await run_pipeline(Pipeline([llm, count]), frames, wait_s=2.0)
+        assert count.nth(LLMFullResponseEndFrame, 1).is_set()  # the first reply came and ended
+        assert [t for t in asyncio.all_tasks() if t not in before and not t.done()] == []
+    assert engine.requests == ["Hello."]

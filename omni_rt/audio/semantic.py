@@ -63,12 +63,16 @@ class SmartTurn:
         self._session = onnx_session(packaged_file(*self.FILE))
 
     def __call__(self, audio: np.ndarray) -> float:
-        x = np.asarray(audio, dtype=np.float32)[-self.WINDOW :]
-        x = np.pad(x, (self.WINDOW - len(x), 0))  # the model hears the end of the turn at its end
-        x = (x - x.mean()) / np.sqrt(x.var() + 1e-7)
-        feats = log_mel(x, n_mels=80).numpy()[None]  # [1, 80, 800]
-        (prob,) = self._session.run(None, {"input_features": feats})
+        (prob,) = self._session.run(None, {"input_features": self.features(audio)[None]})
         return float(np.asarray(prob).reshape(-1)[0])
+
+    @classmethod
+    def features(cls, audio: np.ndarray) -> np.ndarray:
+        """What the model hears of `audio`: [80, 800] log-mels of its last 8 s, zero-padded at the start."""
+        x = np.asarray(audio, dtype=np.float32)[-cls.WINDOW :]
+        x = np.pad(x, (cls.WINDOW - len(x), 0))  # the model hears the end of the turn at its end
+        x = (x - x.mean()) / np.sqrt(x.var() + 1e-7)
+        return log_mel(x, n_mels=80).numpy()  # [80, 800]
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,13 @@ class EngineSettings(_Settings):
         description="'event': each Thinker token goes to the Talker the moment it is sampled; "
         "'after_step': a step's tokens are handed over when the Thinker's next step completes (stock)",
     )
+    prefill_piece_tokens: int | None = Field(
+        256,
+        ge=16,
+        description="a text prompt longer than this is prefilled in pieces of this many tokens, one piece "
+        "between two decode steps of the other conversations, so that a long prompt never holds their text "
+        "(and their audio) for longer than one piece; None: every prompt in one call",
+    )
     first_chunk_frames: int = Field(1, ge=1, le=64, description="codec frames in the first Code2Wav chunk")
     chunk_growth: bool = Field(True, description="double the Code2Wav chunk after each chunk")
     max_chunk_frames: int = Field(16, ge=1, le=256, description="cap on a grown Code2Wav chunk")

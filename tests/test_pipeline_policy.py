@@ -526,3 +526,44 @@ def test_code2wav_serves_the_audio_that_runs_dry_first():
     b.t_first_pcm, b.samples = 11.0, 24_000 * 1  # runs dry at 12 s: first of those playing
     order = sorted([(a, 5.0), (b, 6.0), (new, 9.0)], key=lambda x: audio_urgency(*x))
     assert [r.id for r, _ in order] == ["new", "b", "a"]
+
+
+@pytest.mark.parametrize("piece", [64, None])
+def test_a_long_prompt_arriving_mid_stream_holds_the_others_for_one_piece(piece):
+    # B's 512-token prompt costs 0.5 ms a token (256 ms whole, 32 ms a 64-token piece). A is replying:
+    # with pieces its decode steps go on between B's pieces, so no gap between two of them is longer than
+    # about a piece; without, one gap holds the whole prefill.
+    p = make(
+        EngineSettings(prefill_piece_tokens=piece, yield_to_talker_ms=0),
+        FakeTimings(thinker_decode=0.002, thinker_prefill=0.002, thinker_prefill_token=0.0005),
+        reply_len=120,
+    )
+    filler = list(range(1000, 1000 + 512 - len(PROMPT)))
+    b, b_sink = request("b", slot=1, prompt=PROMPT[:3] + filler + PROMPT[3:])
+    a, a_sink = request("a", slot=0)
+    texts = []
+
+    def sink_a(msg):
+        a_sink(msg)
+        if isinstance(msg, TextOut):
+            texts.append(msg)
+            if len(texts) == 5:
+                p.submit(b)
+
+    a.sink = sink_a
+    try:
+        run(p, (a, a_sink))
+        assert b_sink.done.wait(20), "B never finished"
+    finally:
+        p.stop()
+    assert len(b.prompt_ids) == 512 and b_sink.of(TextOut), "B must get its reply"
+    b_calls = [s for s in p.steps if s.stage == "thinker" and s.kind != "decode" and "b" in s.request_ids]
+    assert [s.kind for s in b_calls] == (["piece"] * 7 + ["prefill"] if piece else ["prefill"])
+    a_decodes = [s for s in steps(p, "thinker", "decode") if "a" in s.request_ids]
+    during = [s for s in a_decodes if b_calls[0].t_start <= s.t_start <= b_calls[-1].t_end]
+    gaps = [y.t_start - x.t_end for x, y in zip(a_decodes, a_decodes[1:], strict=False)]
+    if piece:
+        assert len(during) >= 7  # A decoded between every two of B's pieces
+        assert max(gaps) < 0.128, f"A waited {max(gaps) * 1000:.0f} ms (a piece is 32 ms)"
+    else:
+        assert max(gaps) >= 0.25  # the whole prefill in one gap: what the pieces are for

@@ -434,3 +434,20 @@ def test_a_cut_spoken_turn_reaches_the_next_talker_prompt_through_carried_hidden
     with torch.no_grad():
         thinker._prefill_first([turn3])
     torch.testing.assert_close(turn3.thinker_hidden[: spoken.shape[0]], spoken)
+
+
+def test_a_prompt_prefilled_in_pieces_continues_as_the_whole_prompt(model, graphed):
+    """A long prompt written a piece at a time (each through the padded prefill graphs at its own
+    offset), then its last piece with the first draw: the same logits and tokens as one prefill."""
+    s = EngineSettings(**SETTINGS)
+    text = "Tell me a long story about the sea, the ships and the sailors, please."
+    for runner in (ThinkerRunner(model, s), ThinkerRunner(model, s.model_copy(update={"cuda_graphs": False}))):
+        whole, pieces = request(model, text, 0), request(model, text, 1)
+        assert len(pieces.new_prompt_ids) > 24
+        while len(pieces.pending_prompt_ids) > 8:
+            runner.prefill_piece(pieces, 8)
+        assert pieces.prefilled >= 16 and pieces.prefill_start == pieces.prefilled
+        logits_w, tokens_w = thinker_trace(runner, [whole], steps=4)
+        logits_p, tokens_p = thinker_trace(runner, [pieces], steps=4)
+        torch.testing.assert_close(logits_p, logits_w, rtol=1e-4, atol=1e-5)
+        assert tokens_p == tokens_w

@@ -24,6 +24,7 @@ class FakeTimings:
     """Seconds per call. Batched calls take the same time as single ones (decode is bandwidth-bound)."""
 
     thinker_prefill: float = 0.020
+    thinker_prefill_token: float = 0.0  # more per prompt token prefilled (a long prompt's cost)
     thinker_decode: float = 0.010
     talker_prefix: float = 0.005
     talker_last: float = 0.003
@@ -68,8 +69,13 @@ class FakeThinker(_Busy):
         return 33 + _h(*req.prompt_ids, i) % 90  # ids that the tiny byte-level tokenizer prints
 
     def prefill(self, reqs: list[Request]) -> list[int]:
-        self.work("prefill", self.t.thinker_prefill, reqs)
+        tokens = max(len(r.pending_prompt_ids) for r in reqs)
+        self.work("prefill", self.t.thinker_prefill + self.t.thinker_prefill_token * tokens, reqs)
         return [self._token(r, 0) for r in reqs]
+
+    def prefill_piece(self, req: Request, n: int) -> None:
+        self.work("piece", self.t.thinker_prefill_token * n, [req])
+        req.prefilled += n
 
     def decode(self, reqs: list[Request]) -> list[int]:
         self.work("decode", self.t.thinker_decode, reqs)

@@ -90,6 +90,7 @@ class Request:
     seed: int = field(init=False)  # every stage's draws of this response (model/sampling.py)
 
     # state written by the stages
+    prefilled: int = 0  # tokens of new_prompt_ids already in the Thinker's cache (a long prompt's pieces)
     tokens: list[int] = field(default_factory=list)  # generated text tokens, in order (Thinker)
     text_done: bool = False  # the Thinker will send no more tokens
     frames: int = 0  # codec frames emitted (Talker)
@@ -135,3 +136,14 @@ class Request:
     def new_prompt_ids(self) -> list[int]:
         """What the Thinker must prefill for this turn."""
         return self.prompt_ids[self.thinker_start :]
+
+    @property
+    def prefill_start(self) -> int:
+        """The position of the first prompt token the Thinker has not written yet."""
+        return self.thinker_start + self.prefilled
+
+    @property
+    def pending_prompt_ids(self) -> list[int]:
+        """The part of this turn's prompt the Thinker has still to prefill (all of it but for the pieces
+        of a long prompt already written)."""
+        return self.prompt_ids[self.prefill_start :]

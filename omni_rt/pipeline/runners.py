@@ -263,34 +263,54 @@ class ThinkerRunner:
             if not group:
                 continue
             rows = [reqs[i] for i in group]
-            ids = torch.zeros(len(rows), max(len(r.new_prompt_ids) for r in rows), dtype=torch.long)  # [B, t]
-            for j, r in enumerate(rows):
-                ids[j, : len(r.new_prompt_ids)] = torch.tensor(r.new_prompt_ids)
-            first, logits, _ = self._prefill_embeds(rows, self.thinker.embed(to_device(ids, self.device)))
+            first, logits, _ = self._prefill_text(rows, [r.pending_prompt_ids for r in rows])
             for j, i in enumerate(group):
                 out[i] = _kept(first[j : j + 1]), _kept(logits[j : j + 1])
         return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
 
-    def _prefill_shape(self, reqs: list[Request]) -> tuple[int, int, object] | None:
-        """`prefill_plan` of one right-padded prefill of `reqs`, or None when the padding of some row
-        would run past the cache's end unless they prefill one at a time."""
+    @stage_call
+    def prefill_piece(self, req: Request, n: int) -> None:
+        """Write the next `n` tokens of a text request's prompt into its cache, between decode steps (a
+        long prompt in pieces). The id the graph draws after them is dropped; the history it marks is
+        reset by `prefill`'s `assign`, which draws the reply's first id after the last piece."""
+        self._prefill_text([req], [req.pending_prompt_ids[:n]])
+        req.prefilled += n
+
+    def _prefill_text(self, rows: list[Request], ids: list[list[int]]):
+        """`ids[j]` fed at row j's `prefill_start`..., right-padded into one call: `_prefill_embeds`."""
+        padded = torch.zeros(len(rows), max(len(x) for x in ids), dtype=torch.long)  # [B, t]
+        for j, x in enumerate(ids):
+            padded[j, : len(x)] = torch.tensor(x)
+        embeds = self.thinker.embed(to_device(padded, self.device))
+        return self._prefill_embeds(rows, embeds, [len(x) for x in ids])
+
+    def _prefill_shape(
+        self, reqs: list[Request], lengths: list[int] | None = None
+    ) -> tuple[int, int, object] | None:
+        """`prefill_plan` of one right-padded prefill of `lengths` tokens (default: the whole pending
+        prompt) of each of `reqs`, or None when the padding of some row would run past the cache's end
+        unless they prefill one at a time."""
         if not reqs:
             return None
         max_len = self.cache.max_len
-        t = max(len(r.new_prompt_ids) for r in reqs)
-        start = max(r.thinker_start for r in reqs)
+        t = max(lengths or [len(r.pending_prompt_ids) for r in reqs])
+        start = max(r.prefill_start for r in reqs)
         plan = prefill_plan(self._prefill_graphs, len(reqs), t, start, self.settings.prefill_buckets, max_len)
         if plan[2] is None and len(reqs) > 1 and start + t > max_len:
             return None
         return plan  # one request out of range is its own error (the cache's check names it)
 
-    def _prefill_embeds(self, reqs: list[Request], embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The new prompt tokens of `reqs` as embeddings [B, t, H] (right-padded to the longest) in one
-        call, padded further to a captured bucket when a graph fits: (the id [B] sampled after each row's
-        last real token, the logits [B, V] there, hidden [B, T, H]). See the module doc for why the padding never changes a result."""
-        t, kv_len, graph = self._prefill_shape(reqs)
-        positions = torch.stack([torch.arange(r.thinker_start, r.thinker_start + t) for r in reqs])  # [B, T]
-        index = torch.tensor([len(r.new_prompt_ids) - 1 for r in reqs])  # [B]
+    def _prefill_embeds(
+        self, reqs: list[Request], embeds: torch.Tensor, lengths: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`lengths` prompt tokens (default: all pending) of `reqs` as embeddings [B, t, H] (right-padded to
+        the longest) in one call from each row's `prefill_start`, padded further to a captured bucket when
+        a graph fits: (the id [B] sampled after each row's last real token, the logits [B, V] there,
+        hidden [B, T, H]). See the module doc for why the padding never changes a result."""
+        lengths = lengths or [len(r.pending_prompt_ids) for r in reqs]
+        t, kv_len, graph = self._prefill_shape(reqs, lengths)
+        positions = torch.stack([torch.arange(r.prefill_start, r.prefill_start + t) for r in reqs])  # [B, T]
+        index = torch.tensor([n - 1 for n in lengths])  # [B]
         slots = torch.tensor([r.slot for r in reqs])  # [B]
         step = graph or self._prefill_fn(kv_len)
         dev = self.device

@@ -13,6 +13,9 @@ a Condition (`Inbox`); nothing sleeps on a timer or polls.
     Code2Wav thread  chunks of 1, 2, 4, ... frames → exact streaming decode → PCM → session
                      (its loop: `code2wav.py`)
 
+A text prompt longer than `prefill_piece_tokens` is prefilled a piece per Thinker iteration, each
+between two decode steps of the others, so a long prompt holds their text for one piece at most.
+
 Back from the Talker to the Thinker: "progress" (a frame was spoken: a Thinker held at its text lead may
 go on) and "spoken" (the audio has ended: so does the text). Audio comes before text (`pacing.py`): the
 Thinker keeps within a few tokens of the voice while the audio is not yet well ahead of real time, and
@@ -51,7 +54,7 @@ class StepRecord:
     """One stage call, for tests and the benchmark: which requests, when (pipeline clock)."""
 
     stage: str
-    kind: str  # thinker: prefill/decode; talker: prefix/last/step/predict; code2wav: chunk
+    kind: str  # thinker: prefill/piece/decode; talker: prefix/last/step/predict; code2wav: chunk
     t_start: float
     t_end: float
     request_ids: tuple[str, ...]
@@ -129,6 +132,7 @@ class Pipeline:
         self._lock = threading.Lock()
         self._inflight: set[Request] = set()  # submitted, not done yet
         self._text_waiting: set[Request] = set()  # held at max_text_lead until the Talker catches up
+        self._pieces: list[Request] = []  # long prompts being prefilled a piece at a time (Thinker thread)
         self._stopping = False
         self.running = False
         self.steps: list[StepRecord] = []  # bounded: see _log
@@ -262,14 +266,17 @@ class Pipeline:
                 # every active request held at its text lead (and no text held for hand-off, which the
                 # Talker may be waiting for): sleep until the Talker's progress wakes this thread
                 msgs = self.thinker_inbox.take(
-                    block=not held and not any(self._may_decode(r) for r in active)
+                    block=not held and not self._pieces and not any(self._may_decode(r) for r in active)
                 )
                 try:
                     active, held = self._thinker_iteration(msgs, active, held)
                 except Exception as e:  # a scheduler bug: fail what this stage holds, keep serving
                     # also what this iteration admitted and what waits in `held` (its Talker messages
                     # are lost): the Talker would wait for them forever
-                    held_reqs = active + [m[1] for m in msgs if m[0] == "admit"] + [m[1] for m in held]
+                    held_reqs = (
+                        active + self._pieces + [m[1] for m in msgs if m[0] == "admit"] + [m[1] for m in held]
+                    )
+                    self._pieces = []
                     err = self._stage_error("thinker", "loop", e)
                     for req in dict.fromkeys(held_reqs):
                         with self._lock:
@@ -279,9 +286,10 @@ class Pipeline:
                             self._release(req, "thinker")
                     active, held = [], []
         except InboxClosed:
-            for req in active:
+            for req in active + self._pieces:
                 self._fail(req, EngineClosedError("the engine stopped"))
                 self._release(req, "thinker")
+            self._pieces = []
 
     def _thinker_iteration(
         self, msgs: list[tuple], active: list[Request], held: list[tuple]
@@ -290,6 +298,9 @@ class Pipeline:
         out: list[tuple] = []  # messages for the Talker made in this iteration
         for req in [r for r in active if r.stopped]:
             active.remove(req)
+            self._release(req, "thinker")
+        for req in [r for r in self._pieces if r.stopped]:
+            self._pieces.remove(req)
             self._release(req, "thinker")
         admitted = []
         for kind, req in msgs:
@@ -309,23 +320,31 @@ class Pipeline:
             else:
                 out.append(("prefix", req))
             admitted.append(req)
+        # a long text prompt goes in pieces, one per iteration, between the others' decode steps
+        piece = s.prefill_piece_tokens
+        long = [
+            r for r in admitted if piece and not r.needs_thinker_hidden and len(r.pending_prompt_ids) > piece
+        ]
+        self._pieces += long
+        admitted = [r for r in admitted if r not in long]
         # requests that arrived together prefill together (one weight pass), unless switched off
         together = s.batch_prefill and not s.deterministic
         for group in [admitted] if together and admitted else [[r] for r in admitted]:
-            t0 = self.clock()
-            try:
-                tokens = self.thinker.prefill(group)
-            except Exception as e:
-                for req in group:
+            self._prefill(group, active, out)
+        if self._pieces:
+            req = self._pieces[0]
+            if len(req.pending_prompt_ids) > piece:
+                t0 = self.clock()
+                try:
+                    self.thinker.prefill_piece(req, piece)
+                except Exception as e:
+                    self._pieces.pop(0)
                     self._fail(req, self._stage_error("thinker", "prefill", e))
                     self._release(req, "thinker")
-                continue
-            self._record("thinker", "prefill", t0, group)
-            for req, token in zip(group, tokens, strict=True):
-                req.t_thinker_first = self.clock()
-                self._accept_token(req, token, out)
-                if not req.text_done:
-                    active.append(req)
+                else:
+                    self._record("thinker", "piece", t0, [req])
+            else:  # the last piece: it draws the first token
+                self._prefill([self._pieces.pop(0)], active, out)
 
         # Hand off what the prefills made before the decode step (event mode), so the Talker works on
         # frame 0 while the Thinker yields and decodes.
@@ -363,6 +382,24 @@ class Pipeline:
             return active, out
         self._deliver(out)
         return active, []
+
+    def _prefill(self, group: list[Request], active: list[Request], out: list[tuple]) -> None:
+        """Prefill `group` in one call (what is left of each prompt); each first token is accepted and its
+        request joins `active` unless that token ended it."""
+        t0 = self.clock()
+        try:
+            tokens = self.thinker.prefill(group)
+        except Exception as e:
+            for req in group:
+                self._fail(req, self._stage_error("thinker", "prefill", e))
+                self._release(req, "thinker")
+            return
+        self._record("thinker", "prefill", t0, group)
+        for req, token in zip(group, tokens, strict=True):
+            req.t_thinker_first = self.clock()
+            self._accept_token(req, token, out)
+            if not req.text_done:
+                active.append(req)
 
     def _may_decode(self, req: Request) -> bool:
         """Audio before text (`pacing.may_decode_text`): a request too far ahead of the Talker waits (it

@@ -14,7 +14,13 @@ from omni_rt.pipeline.request import Request
 
 class ThinkerStage(Protocol):
     def prefill(self, reqs: list[Request]) -> list[int]:
-        """Feed each request's `new_prompt_ids` at positions `thinker_start`...; return the first tokens."""
+        """Feed each request's `pending_prompt_ids` at positions `prefill_start`...; return the first
+        tokens."""
+        ...
+
+    def prefill_piece(self, req: Request, n: int) -> None:
+        """Feed the next `n` of a text request's `pending_prompt_ids` (a long prompt in pieces); advance
+        `req.prefilled`. The first token comes from `prefill`, of the rest."""
         ...
 
     def decode(self, reqs: list[Request]) -> list[int]:

@@ -39,6 +39,7 @@ from torch.nn import functional as F
 from omni_rt.errors import ConfigError, InvalidRequestError
 from omni_rt.model.config import DecoderConfig, OmniConfig, TokenIds
 from omni_rt.model.layers import DecoderLayer, KVCache, RMSNorm, Rotary, attention_mask
+from omni_rt.prompt_layout import talker_text_id  # noqa: F401 - the rule lives there; re-exported
 
 # `sample(logits[B, V]) -> ids[B]`: a pure function of logits (greedy, or sampling with its own generator)
 SampleFn = Callable[[torch.Tensor], torch.Tensor]
@@ -409,35 +410,6 @@ def talker_prompt(
     prefix = talker_prompt_prefix(talker, embed_text, prompt_ids, speaker_id, prompt_hidden)
     first = torch.as_tensor(first_token, dtype=torch.long, device=prefix.device).reshape(1)
     return torch.cat((prefix, talker_prompt_last(talker, embed_text, first)), dim=0)
-
-
-def talker_text_id(
-    text_tokens: Sequence[int], step: int, text_done: bool, ids: TokenIds, ignore_eos: bool = False
-) -> int | None:
-    """Which Thinker-vocabulary id the Talker reads at decode step `step` (>= 1), or None to wait for text.
-
-    Step k reads generated token k (token 0 went into the prefill). The text ends at the first
-    `<|im_end|>` (not spoken) or, once the Thinker is done, at its last token; the step right after the
-    text reads `tts_eos`, every later one `tts_pad`. While the Thinker is still running and token k is not
-    out yet, the answer is None: the Talker must wait for it. With `ignore_eos`, `<|im_end|>` is text too.
-
-    (The reference's `generate` reads the same stream, except that when the Thinker stops at its token
-    limit rather than at `<|im_end|>` it never speaks the last generated token: it builds the text from
-    the Thinker's input embeddings, which lack the final token. We speak every generated token.)
-    """
-    if step < 1:
-        raise ValueError(f"talker decode steps start at 1, got {step}")
-    n = len(text_tokens)
-    if not ignore_eos:
-        for j, tok in enumerate(text_tokens):
-            if tok == ids.im_end:
-                n, text_done = j, True
-                break
-    if step < n:
-        return int(text_tokens[step])
-    if not text_done:
-        return None
-    return ids.tts_eos if step == max(n, 1) else ids.tts_pad
 
 
 def talker_step_input(

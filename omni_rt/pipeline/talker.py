@@ -1,0 +1,218 @@
+"""The Talker thread of the scheduler: the prompt prefix, the last prompt position at the first text
+token (code 0, then frame 0), then one batched step plus code-predictor frame per text token.
+
+Plain Python, as the rest of the scheduler (`scheduler.py` wires this loop to its inbox and shares its
+helpers). Which text id a step reads is `omni_rt.prompt_layout.talker_text_id`, the model's own rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from omni_rt.errors import EngineClosedError
+from omni_rt.pipeline.inbox import InboxClosed
+from omni_rt.pipeline.pacing import may_decode_text
+from omni_rt.pipeline.request import Request, TranscriptOut
+from omni_rt.prompt_layout import talker_text_id
+
+if TYPE_CHECKING:
+    from omni_rt.pipeline.scheduler import Pipeline
+
+
+@dataclass(eq=False)
+class TalkerSeq:
+    """One response's Talker state: prefix, first token, steps, the text handed over, the pending code 0."""
+
+    req: Request
+    want_prefix: bool = False
+    prefix_done: bool = False
+    first: int | None = None
+    started: bool = False
+    step: int = 1  # next decode step (step k reads text token k)
+    text: list[int] = field(default_factory=list)  # text tokens handed over so far
+    text_done: bool = False
+    code0: int | None = None  # sampled code 0 whose residual codes are not predicted yet
+    codes_sampled: int = 0
+    last_frame: list[int] | None = None
+    done: bool = False
+
+
+class TalkerLoop:
+    """The Talker stage thread's loop (`loop`), over the pipeline's Talker stage and inbox."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.p = pipeline
+
+    def loop(self) -> None:
+        seqs: dict[Request, TalkerSeq] = {}
+        try:
+            while True:
+                msgs = self.p.talker_inbox.take(block=not self._has_work(seqs))
+                try:
+                    self._iteration(msgs, seqs)
+                except Exception as e:
+                    for s in list(seqs.values()):
+                        self.p._fail(s.req, self.p._stage_error("talker", "loop", e))
+                        self._drop(s, seqs)
+        except InboxClosed:
+            for s in list(seqs.values()):
+                self.p._fail(s.req, EngineClosedError("the engine stopped"))
+                self._drop(s, seqs)
+
+    def _next_text_id(self, s: TalkerSeq) -> int | None:
+        return talker_text_id(s.text, s.step, s.text_done, self.p.ids, s.req.ignore_eos)
+
+    def _has_work(self, seqs: dict[Request, TalkerSeq]) -> bool:
+        for s in seqs.values():
+            if s.req.stopped:
+                return True
+            if s.want_prefix and not s.prefix_done:
+                return True
+            if s.prefix_done and s.first is not None and not s.started:
+                return True
+            if s.started and not s.done and self._next_text_id(s) is not None:
+                return True
+        return False
+
+    def _iteration(self, msgs: list[tuple], seqs: dict[Request, TalkerSeq]) -> None:
+        for m in msgs:
+            kind, req = m[0], m[1]
+            s = seqs.get(req)
+            if s is None:
+                if "talker" not in req.holders:
+                    continue  # already finished here: late text for it
+                s = seqs[req] = TalkerSeq(req)
+            if kind == "prefix":
+                s.want_prefix = True
+            elif kind == "first":
+                s.first = m[2]
+                s.text.append(m[2])
+            elif kind == "text":
+                s.text.append(m[2])
+            elif kind == "text_end":
+                s.text_done = True
+        for s in [s for s in seqs.values() if s.req.stopped]:
+            self._drop(s, seqs)
+
+        # 1. prompt prefixes (during the Thinker's prefill when overlapped)
+        for s in [s for s in seqs.values() if s.want_prefix and not s.prefix_done]:
+            t0 = self.p.clock()
+            try:
+                self.p.talker.prefill_prefix(s.req)
+            except Exception as e:
+                self.p._fail(s.req, self.p._stage_error("talker", "prefix prefill", e))
+                self._drop(s, seqs)
+                continue
+            self.p._record("talker", "prefix", t0, [s.req])
+            s.prefix_done = True
+            s.req.talker_prefilled = True
+
+        # a reply that is only `<|im_end|>` has nothing to speak (as offline): no Talker work
+        for s in [s for s in seqs.values() if s.text_done and s.first is None]:
+            self._finish(s, seqs)
+
+        # 2. the last prompt position at the first text token → code 0 (→ frame 0 in the same step)
+        starting = [s for s in seqs.values() if s.prefix_done and s.first is not None and not s.started]
+        for s in starting:
+            t0 = self.p.clock()
+            try:
+                code0 = self.p.talker.prefill_last(s.req, s.first)
+            except Exception as e:
+                self.p._fail(s.req, self.p._stage_error("talker", "prefill", e))
+                self._drop(s, seqs)
+                continue
+            self.p._record("talker", "last", t0, [s.req])
+            s.req.t_talker_first_code = self.p.clock()
+            s.started = True
+            self.p._post(s.req, TranscriptOut(s.first))
+            self._take_code0(s, code0, seqs)
+        if self.p.settings.frame0_in_prefill:
+            self._predict([s for s in starting if s.code0 is not None], seqs)
+
+        # 3. one batched step for every started sequence whose next text input is there
+        ready = []
+        for s in seqs.values():
+            if s.started and not s.done:
+                text_id = self._next_text_id(s)
+                if text_id is not None:
+                    ready.append((s, text_id))
+        if not ready:
+            return
+        # frame0_in_prefill off: a frame's residual codes come at the start of the next step (stock)
+        self._predict([s for s, _ in ready if s.code0 is not None], seqs)
+        ready = [(s, t) for s, t in ready if not s.done and s.last_frame is not None]
+        if not ready:
+            return
+        reqs = [s.req for s, _ in ready]
+        t0 = self.p.clock()
+        try:
+            code0s = self.p.talker.step(reqs, [s.last_frame for s, _ in ready], [t for _, t in ready])
+        except Exception as e:
+            for s, _ in ready:
+                self.p._fail(s.req, self.p._stage_error("talker", "step", e))
+                self._drop(s, seqs)
+            return
+        self.p._record("talker", "step", t0, reqs)
+        for (s, text_id), code0 in zip(ready, code0s, strict=True):
+            s.step += 1
+            if text_id not in (self.p.ids.tts_eos, self.p.ids.tts_pad):
+                self.p._post(s.req, TranscriptOut(text_id))
+            self._take_code0(s, code0, seqs)
+        if self.p.settings.frame0_in_prefill:
+            self._predict([s for s, _ in ready if s.code0 is not None], seqs)
+
+    def _take_code0(self, s: TalkerSeq, code0: int, seqs: dict[Request, TalkerSeq]) -> None:
+        if code0 == self.p.ids.codec_eos and not s.req.ignore_eos:
+            self._finish(s, seqs)
+            return
+        s.code0 = code0
+        s.codes_sampled += 1
+
+    def _predict(self, batch: list[TalkerSeq], seqs: dict[Request, TalkerSeq]) -> None:
+        if not batch:
+            return
+        reqs = [s.req for s in batch]
+        t0 = self.p.clock()
+        try:
+            frames = self.p.talker.predict(reqs, [s.code0 for s in batch])
+        except Exception as e:
+            for s in batch:
+                self.p._fail(s.req, self.p._stage_error("talker", "code predictor", e))
+                self._drop(s, seqs)
+            return
+        self.p._record("talker", "predict", t0, reqs)
+        for s, codes in zip(batch, frames, strict=True):
+            s.code0 = None
+            s.last_frame = codes
+            index = s.req.frames
+            s.req.frames += 1
+            self._text_progress(s.req)
+            self.p.code2wav_inbox.put(("frame", s.req, codes, index))
+            if index == 0 and self.p.settings.yield_until == "frame0":
+                self.p._clear_frame0(s.req)  # wakes a Thinker yielding to this frame
+            if s.codes_sampled >= s.req.max_audio_frames:
+                self._finish(s, seqs)
+
+    def _text_progress(self, req: Request) -> None:
+        """A frame was spoken: wake the Thinker if it holds `req` at its text lead and may go on."""
+        with self.p._lock:
+            if req not in self.p._text_waiting or not may_decode_text(req, self.p.clock(), self.p.settings):
+                return
+            self.p._text_waiting.discard(req)
+        self.p.thinker_inbox.put(("progress", req))
+
+    def _finish(self, s: TalkerSeq, seqs: dict[Request, TalkerSeq]) -> None:
+        s.done = True
+        seqs.pop(s.req, None)
+        self.p.code2wav_inbox.put(("end", s.req))
+        # the audio ended first (codec end, audio cap): text nobody hears stops too; the benchmark's
+        # fixed lengths (ignore_eos) keep the Thinker to max_output_tokens
+        if not s.text_done and not s.req.ignore_eos:
+            self.p.thinker_inbox.put(("spoken", s.req))
+        self.p._release(s.req, "talker")
+
+    def _drop(self, s: TalkerSeq, seqs: dict[Request, TalkerSeq]) -> None:
+        s.done = True
+        seqs.pop(s.req, None)
+        self.p._release(s.req, "talker")

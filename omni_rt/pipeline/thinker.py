@@ -1,0 +1,241 @@
+"""The Thinker thread of the scheduler: admission, prefill (a long prompt a piece at a time), the batched
+decode step, the yield to a pending frame 0, the text lead, the hand-off of tokens to the Talker.
+
+Plain Python, as the rest of the scheduler (`scheduler.py` wires this loop to its inbox and shares its
+helpers: posting to the session, failing and releasing a request, the step and yield logs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from omni_rt.errors import EngineClosedError
+from omni_rt.pipeline.inbox import InboxClosed
+from omni_rt.pipeline.pacing import may_decode_text
+from omni_rt.pipeline.request import Request, TextOut
+
+if TYPE_CHECKING:
+    from omni_rt.pipeline.scheduler import Pipeline
+
+
+@dataclass(frozen=True)
+class YieldRecord:
+    """One wait of the Thinker for a pending frame 0."""
+
+    t_start: float
+    t_end: float
+    woke_by: str  # "frame0" | "cap" | "stop"
+
+
+class ThinkerLoop:
+    """The Thinker stage thread's loop (`loop`), over the pipeline's Thinker stage and inbox."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.p = pipeline
+        self._pieces: list[Request] = []  # long prompts being prefilled a piece at a time
+
+    def loop(self) -> None:
+        active: list[Request] = []
+        held: list[tuple] = []  # "after_step" hand-off: the previous iteration's messages to the Talker
+        try:
+            while True:
+                # every active request held at its text lead (and no text held for hand-off, which the
+                # Talker may be waiting for): sleep until the Talker's progress wakes this thread
+                msgs = self.p.thinker_inbox.take(
+                    block=not held and not self._pieces and not any(self._may_decode(r) for r in active)
+                )
+                try:
+                    active, held = self._iteration(msgs, active, held)
+                except Exception as e:  # a scheduler bug: fail what this stage holds, keep serving
+                    # also what this iteration admitted and what waits in `held` (its Talker messages
+                    # are lost): the Talker would wait for them forever
+                    held_reqs = (
+                        active + self._pieces + [m[1] for m in msgs if m[0] == "admit"] + [m[1] for m in held]
+                    )
+                    self._pieces = []
+                    err = self.p._stage_error("thinker", "loop", e)
+                    for req in dict.fromkeys(held_reqs):
+                        with self.p._lock:
+                            live = req in self.p._inflight
+                        if live:
+                            self.p._fail(req, err)
+                            self.p._release(req, "thinker")
+                    active, held = [], []
+        except InboxClosed:
+            for req in active + self._pieces:
+                self.p._fail(req, EngineClosedError("the engine stopped"))
+                self.p._release(req, "thinker")
+            self._pieces = []
+
+    def _iteration(
+        self, msgs: list[tuple], active: list[Request], held: list[tuple]
+    ) -> tuple[list[Request], list[tuple]]:
+        s = self.p.settings
+        out: list[tuple] = []  # messages for the Talker made in this iteration
+        for req in [r for r in active if r.stopped]:
+            active.remove(req)
+            self.p._release(req, "thinker")
+        for req in [r for r in self._pieces if r.stopped]:
+            self._pieces.remove(req)
+            self.p._release(req, "thinker")
+        admitted = []
+        for kind, req in msgs:
+            if kind == "spoken":  # the Talker has said its last: the spoken text is the reply, so it ends
+                if req in active and not req.text_done:
+                    req.text_done = True
+                    active.remove(req)
+                    self.p._release(req, "thinker")
+                continue
+            if kind != "admit":
+                continue  # "stop": the request is dropped above or at admission
+            if req.stopped:
+                self.p._release(req, "thinker")
+                continue
+            if s.talker_overlap_prefill and not req.needs_thinker_hidden:
+                self.p.talker_inbox.put(("prefix", req))  # the Talker prefills its prefix meanwhile
+            else:
+                out.append(("prefix", req))
+            admitted.append(req)
+        # a long text prompt goes in pieces, one per iteration, between the others' decode steps
+        piece = s.prefill_piece_tokens
+        long = [
+            r for r in admitted if piece and not r.needs_thinker_hidden and len(r.pending_prompt_ids) > piece
+        ]
+        self._pieces += long
+        admitted = [r for r in admitted if r not in long]
+        # requests that arrived together prefill together (one weight pass), unless switched off
+        together = s.batch_prefill and not s.deterministic
+        for group in [admitted] if together and admitted else [[r] for r in admitted]:
+            self._prefill(group, active, out)
+        if self._pieces:
+            req = self._pieces[0]
+            if len(req.pending_prompt_ids) > piece:
+                t0 = self.p.clock()
+                try:
+                    self.p.thinker.prefill_piece(req, piece)
+                except Exception as e:
+                    self._pieces.pop(0)
+                    self.p._fail(req, self.p._stage_error("thinker", "prefill", e))
+                    self.p._release(req, "thinker")
+                else:
+                    self.p._record("thinker", "piece", t0, [req])
+            else:  # the last piece: it draws the first token
+                self._prefill([self._pieces.pop(0)], active, out)
+
+        # Hand off what the prefills made before the decode step (event mode), so the Talker works on
+        # frame 0 while the Thinker yields and decodes.
+        if s.handoff == "event":
+            self._deliver(out)
+            out = []
+
+        batch = [r for r in active if not r.stopped and self._may_decode(r)]
+        if batch:
+            self._yield_to_talker(batch)
+            t0 = self.p.clock()
+            try:
+                tokens = self.p.thinker.decode(batch)
+            except Exception as e:
+                for req in batch:
+                    self.p._fail(req, self.p._stage_error("thinker", "decode", e))
+                    self.p._release(req, "thinker")
+                tokens = []
+                batch = []
+            else:
+                self.p._record("thinker", "decode", t0, batch)
+            for req, token in zip(batch, tokens, strict=True):
+                self._accept_token(req, token, out)
+        for req in active:
+            if req.stopped:  # cancelled or failed while this iteration ran
+                self.p._release(req, "thinker")
+        active = [r for r in active if not r.text_done and not r.stopped]
+
+        if s.handoff == "event":
+            self._deliver(out)
+            return active, []
+        # after_step: this iteration's output waits for the next iteration to finish, unless none follows
+        self._deliver(held)
+        if active:
+            return active, out
+        self._deliver(out)
+        return active, []
+
+    def _prefill(self, group: list[Request], active: list[Request], out: list[tuple]) -> None:
+        """Prefill `group` in one call (what is left of each prompt); each first token is accepted and its
+        request joins `active` unless that token ended it."""
+        t0 = self.p.clock()
+        try:
+            tokens = self.p.thinker.prefill(group)
+        except Exception as e:
+            for req in group:
+                self.p._fail(req, self.p._stage_error("thinker", "prefill", e))
+                self.p._release(req, "thinker")
+            return
+        self.p._record("thinker", "prefill", t0, group)
+        for req, token in zip(group, tokens, strict=True):
+            req.t_thinker_first = self.p.clock()
+            self._accept_token(req, token, out)
+            if not req.text_done:
+                active.append(req)
+
+    def _may_decode(self, req: Request) -> bool:
+        """Audio before text (`pacing.may_decode_text`): a request too far ahead of the Talker waits (it
+        goes in `_text_waiting`, and the Talker's next frame for it wakes this thread). A stopped request
+        never waits: it is released, not decoded."""
+        if req.stopped:
+            return True
+        with self.p._lock:
+            if may_decode_text(req, self.p.clock(), self.p.settings):
+                self.p._text_waiting.discard(req)
+                return True
+            self.p._text_waiting.add(req)
+            return False
+
+    def _accept_token(self, req: Request, token: int, out: list[tuple]) -> None:
+        first = not req.tokens
+        req.tokens.append(token)
+        req.t_thinker_last = self.p.clock()
+        self.p._post(req, TextOut(token))
+        eos = token == self.p.ids.im_end and not req.ignore_eos
+        if not (first and eos):  # an empty reply gets only "text_end": the Talker has nothing to say
+            out.append(("first", req, token) if first else ("text", req, token))
+        # the next decode would write this token at position len(prompt) + len(tokens) - 1
+        full = len(req.prompt_ids) + len(req.tokens) > self.p.settings.max_context
+        if eos or full or len(req.tokens) >= req.max_output_tokens:
+            req.text_done = True
+            out.append(("text_end", req))
+            self.p._release(req, "thinker")
+
+    def _deliver(self, msgs: list[tuple]) -> None:
+        for m in msgs:
+            if m[0] == "first" and self.p.settings.frame0_in_prefill:
+                # From here the Talker can make frame 0 with no more text: the Thinker may yield to it.
+                with self.p._frame0:
+                    m[1].frame0_pending = not m[1].stopped
+            self.p.talker_inbox.put(m)
+
+    def _yield_to_talker(self, batch: list[Request]) -> None:
+        """Let a pending frame 0 go first: wait for it (or for the first PCM chunk, `yield_until`), at most
+        `yield_to_talker_ms`, on a Condition."""
+        cap = self.p.settings.yield_to_talker_ms / 1000.0
+        if cap <= 0:
+            return
+        with self.p._frame0:
+            waiting = [r for r in batch if r.frame0_pending and not r.yielded]
+            if not waiting:
+                return
+            for r in waiting:
+                r.yielded = True  # one wait per response: the step right after its first token
+            t0 = self.p.clock()
+            deadline = t0 + cap
+            woke_by = "frame0"
+            while any(r.frame0_pending for r in waiting):
+                if self.p._stopping:
+                    woke_by = "stop"
+                    break
+                left = deadline - self.p.clock()
+                if left <= 0:
+                    woke_by = "cap"
+                    break
+                self.p._frame0.wait(left)  # notified when a frame 0 leaves the Talker
+            self.p._log(self.p.yields, YieldRecord(t0, self.p.clock(), woke_by))

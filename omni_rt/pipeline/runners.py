@@ -20,16 +20,12 @@ Sampling happens inside each step (graphed with it): `omni_rt.model.sampling.Sta
 slot's settings, seed and repetition history in device tensors that the step indexes with its `slots`
 input, and draws are keyed by (response seed, stage, position), so a request gets the same choices
 alone or in any batch, graphed or eager, and equal to the offline loop's. A step's choices for all its
-rows are read back to the host together (`_pick`): one host sync per step, not one per row.
+rows are read back to the host together (`host_ids`): one host sync per step, not one per row.
 """
 
 from __future__ import annotations
 
-import functools
-import threading
 import warnings
-import weakref
-from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -52,20 +48,15 @@ from omni_rt.pipeline.shapes import (
     prefill_shapes,
     right_pad,
 )
-
-
-def to_device(data, device: torch.device) -> torch.Tensor:
-    """Host ids (nested lists of ints, or a CPU tensor) on `device` without a host sync.
-
-    `torch.tensor(ids, device="cuda")` is a blocking copy, and PyTorch implements a blocking host-to-
-    device copy as an async copy plus a synchronize of the whole current stream: each one made the
-    stage's thread wait for every kernel it had queued (after a prefill launch, the whole prefill)
-    before it could launch anything else. Staged in pinned memory, the copy is queued like a kernel;
-    the caching host allocator keeps the pinned block until the copy has run."""
-    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=torch.long)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+from omni_rt.pipeline.stage_device import (
+    LaunchGate,
+    host_ids,
+    kept,
+    row_groups,
+    stage_call,
+    stage_stream,
+    to_device,
+)
 
 
 def graphs_on(settings: EngineSettings, device: torch.device) -> bool:
@@ -83,77 +74,6 @@ def _capture(fn, static_inputs, pool):
         return fn
 
 
-def _stream(device: torch.device, priority: int) -> torch.cuda.Stream | None:
-    """A stage's own CUDA stream (None on the CPU). Every stage runs off the legacy default stream,
-    which would serialise them; the Talker and Code2Wav get high priority, so that the Thinker's
-    weight streaming does not starve the small steps on the path to the first audio."""
-    return torch.cuda.Stream(device=device, priority=priority) if device.type == "cuda" else None
-
-
-def stage_call(fn):
-    """A runner method: no autograd, on the runner's stream (`self.stream`) when it has one."""
-
-    @functools.wraps(fn)
-    def call(self, *args, **kwargs):
-        with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            return fn(self, *args, **kwargs)
-
-    return call
-
-
-def _rows(n: int, deterministic: bool) -> list[slice]:
-    """Row groups to run: the whole batch, or one row at a time (batch-invariant) when deterministic."""
-    return [slice(i, i + 1) for i in range(n)] if deterministic else [slice(0, n)]
-
-
-def _pick(choices: list[torch.Tensor]) -> list[int]:
-    """Ids chosen on the device ([b] each, one per row group), read back in one host sync: every
-    group's step is enqueued before the host waits, so a step pays one device round trip, not one per
-    group. Each must be a copy (`_kept`) when a later group replays the graph that made it."""
-    return torch.cat(choices).tolist()
-
-
-def _kept(out: torch.Tensor) -> torch.Tensor:
-    """A copy of a step's output (a graph's output buffer is overwritten by its next replay)."""
-    return out.clone()
-
-
-class LaunchGate:
-    """Which requests have their Thinker prefill enqueued on the GPU; the Talker's prefix waits for it.
-
-    With `talker_overlap_prefill` the scheduler hands the Talker its prefix at admission, so both stage
-    threads prepare and launch their prefills at the same moment and contend for the GIL and the launch
-    queue: in eager mode the Thinker's 57-token prefill went from 70 ms alone to 180 ms with the Talker's
-    prefix launching beside it (docs/performance.md). The Thinker prefill is on the path to the first
-    token and the prefix is not (it is needed only at the first token), so the Talker waits here until
-    the Thinker's prefill is enqueued; then it builds and launches its prefix on its own high-priority
-    stream. Reasoning, not measured: with both graphed, each prefill is one launch from its thread, so
-    there is no GIL or launch-queue fight left; on the GPU the Thinker's prefill is a chain of small
-    kernels that leaves most SMs idle, and the prefix's kernels fill them. High priority lets the
-    prefix's blocks go first when both have blocks ready, so it can delay the Thinker by at most its
-    own GPU time (a graphed 20-layer Talker prefill of ~40 positions: a few ms, against the ~110 ms
-    the eager fight cost), and it is done before the first token needs it. A low-priority prefix would
-    cost the Thinker nothing, but the prefix shares the Talker's stream with the last prompt position
-    and every frame, which must stay high priority. The wait is bounded (`timeout_s`) because the
-    Talker thread also serves other sessions' frames.
-    """
-
-    def __init__(self, timeout_s: float = 0.02) -> None:
-        self.timeout_s = timeout_s
-        self._cond = threading.Condition()
-        self._launched: weakref.WeakSet[Request] = weakref.WeakSet()  # a done request needs no cleanup
-
-    def open(self, reqs: list[Request]) -> None:
-        with self._cond:
-            self._launched.update(reqs)
-            self._cond.notify_all()
-
-    def wait(self, req: Request) -> bool:
-        """Block until `req`'s Thinker prefill is enqueued (True) or the timeout passes (False)."""
-        with self._cond:
-            return self._cond.wait_for(lambda: req in self._launched, self.timeout_s)
-
-
 class ThinkerRunner:
     def __init__(self, model, settings: EngineSettings, gate: LaunchGate | None = None) -> None:
         self.thinker = model.thinker
@@ -163,7 +83,7 @@ class ThinkerRunner:
         self.settings = settings
         self.device = model.device
         self.gate = gate  # told when a prefill is enqueued (the Talker's prefix waits for it)
-        self.stream = _stream(self.device, priority=0)
+        self.stream = stage_stream(self.device, priority=0)
         self.scratch = settings.max_sessions  # the extra cache row graph capture writes into
         self.cache = self.thinker.allocate_cache(settings.max_sessions + 1, settings.max_context)
         self.vocab = self.thinker.cfg.vocab_size
@@ -247,7 +167,7 @@ class ThinkerRunner:
         finally:
             if self.gate is not None:  # enqueued (or failed): the Talker's prefixes may launch now
                 self.gate.open(reqs)
-        return _pick([first])
+        return host_ids([first])
 
     def _prefill_first(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's first reply id after its new prompt tokens [B] and the logits it was drawn
@@ -265,7 +185,7 @@ class ThinkerRunner:
             rows = [reqs[i] for i in group]
             first, logits, _ = self._prefill_text(rows, [r.pending_prompt_ids for r in rows])
             for j, i in enumerate(group):
-                out[i] = _kept(first[j : j + 1]), _kept(logits[j : j + 1])
+                out[i] = kept(first[j : j + 1]), kept(logits[j : j + 1])
         return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
 
     @stage_call
@@ -339,7 +259,7 @@ class ThinkerRunner:
             full[: req.carried_hidden.shape[0]] = req.carried_hidden
         full[req.thinker_start :] = hidden[0, : len(new)]  # a copy: a graph's output is reused
         req.thinker_hidden = full
-        return _kept(first), _kept(logits)
+        return kept(first), kept(logits)
 
     @stage_call
     def decode(self, reqs: list[Request]) -> list[int]:
@@ -349,10 +269,10 @@ class ThinkerRunner:
         slots = to_device([r.slot for r in reqs], self.device)  # [B]
         kv_len = kv_bucket(max(len(r.prompt_ids) + len(r.tokens) for r in reqs), self.cache.max_len)
         choices = [
-            _kept(self._decode_step(last[rows], positions[rows], slots[rows], kv_len))  # [b]
-            for rows in _rows(len(reqs), self.settings.deterministic)
+            kept(self._decode_step(last[rows], positions[rows], slots[rows], kv_len))  # [b]
+            for rows in row_groups(len(reqs), self.settings.deterministic)
         ]
-        return _pick(choices)
+        return host_ids(choices)
 
 
 class TalkerRunner:
@@ -363,7 +283,7 @@ class TalkerRunner:
         self.settings = settings
         self.device = model.device
         self.cfg = model.cfg
-        self.stream = _stream(self.device, priority=-1)
+        self.stream = stage_stream(self.device, priority=-1)
         self.scratch = settings.max_sessions  # the extra cache row graph capture writes into
         self.cache = self.talker.allocate_cache(settings.max_sessions + 1, settings.max_talker_context)
         self.talker.code_predictor.setup_cache(settings.max_sessions)
@@ -550,8 +470,8 @@ class TalkerRunner:
         slots = to_device([r.slot for r in reqs], self.device)  # [B]
         keys = to_device([self._position(r) for r in reqs], self.device)  # [B]
         frames = [
-            _kept(self._frame(hidden[rows], c0[rows], slots[rows], keys[rows]))  # [b, 16]
-            for rows in _rows(len(reqs), self.settings.deterministic)
+            kept(self._frame(hidden[rows], c0[rows], slots[rows], keys[rows]))  # [b, 16]
+            for rows in row_groups(len(reqs), self.settings.deterministic)
         ]
         return torch.cat(frames).tolist()
 
@@ -581,13 +501,13 @@ class TalkerRunner:
         slots = to_device([r.slot for r in reqs], self.device)  # [B]
         kv_len = kv_bucket(max(pos) + 1, self.cache.max_len)
         choices = []
-        for rows in _rows(len(reqs), self.settings.deterministic):
+        for rows in row_groups(len(reqs), self.settings.deterministic):
             code0, hidden = self._step(codes[rows], text[rows], positions[rows], slots[rows], kv_len)
             for i, r in enumerate(reqs[rows]):
                 # a copy: a graph's output buffer is overwritten by its next replay
                 self._hidden[r.slot] = hidden[i].clone()
-            choices.append(_kept(code0))
-        return _pick(choices)
+            choices.append(kept(code0))
+        return host_ids(choices)
 
 
 class Code2WavRunner:
@@ -599,7 +519,7 @@ class Code2WavRunner:
         self.code2wav = model.code2wav
         self.device = model.device
         self.samples_per_frame = self.code2wav.samples_per_frame
-        self.stream = _stream(self.device, priority=-1)
+        self.stream = stage_stream(self.device, priority=-1)
         self._graphs: dict[int, object] = {}  # chunk frames -> captured decode of the work state
         self._work = None
         if graphs_on(settings, self.device):

@@ -1,0 +1,102 @@
+"""What the stage runners share on the device side: host ids onto the device without a sync, each
+stage's own CUDA stream, the wrapper every runner method runs in, the one read-back per step, and the
+gate that orders the Thinker's and the Talker's prefill launches.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from contextlib import nullcontext
+
+import torch
+
+from omni_rt.pipeline.request import Request
+
+__all__ = ["LaunchGate", "host_ids", "kept", "row_groups", "stage_call", "stage_stream", "to_device"]
+
+
+def to_device(data, device: torch.device) -> torch.Tensor:
+    """Host ids (nested lists of ints, or a CPU tensor) on `device` without a host sync.
+
+    `torch.tensor(ids, device="cuda")` is a blocking copy, and PyTorch implements a blocking host-to-
+    device copy as an async copy plus a synchronize of the whole current stream: each one made the
+    stage's thread wait for every kernel it had queued (after a prefill launch, the whole prefill)
+    before it could launch anything else. Staged in pinned memory, the copy is queued like a kernel;
+    the caching host allocator keeps the pinned block until the copy has run."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=torch.long)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def stage_stream(device: torch.device, priority: int) -> torch.cuda.Stream | None:
+    """A stage's own CUDA stream (None on the CPU). Every stage runs off the legacy default stream,
+    which would serialise them; the Talker and Code2Wav get high priority, so that the Thinker's
+    weight streaming does not starve the small steps on the path to the first audio."""
+    return torch.cuda.Stream(device=device, priority=priority) if device.type == "cuda" else None
+
+
+def stage_call(fn):
+    """A runner method: no autograd, on the runner's stream (`self.stream`) when it has one."""
+
+    @functools.wraps(fn)
+    def call(self, *args, **kwargs):
+        with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            return fn(self, *args, **kwargs)
+
+    return call
+
+
+def row_groups(n: int, deterministic: bool) -> list[slice]:
+    """Row groups to run: the whole batch, or one row at a time (batch-invariant) when deterministic."""
+    return [slice(i, i + 1) for i in range(n)] if deterministic else [slice(0, n)]
+
+
+def host_ids(choices: list[torch.Tensor]) -> list[int]:
+    """Ids chosen on the device ([b] each, one per row group), read back in one host sync: every
+    group's step is enqueued before the host waits, so a step pays one device round trip, not one per
+    group. Each must be a copy (`kept`) when a later group replays the graph that made it."""
+    return torch.cat(choices).tolist()
+
+
+def kept(out: torch.Tensor) -> torch.Tensor:
+    """A copy of a step's output (a graph's output buffer is overwritten by its next replay)."""
+    return out.clone()
+
+
+class LaunchGate:
+    """Which requests have their Thinker prefill enqueued on the GPU; the Talker's prefix waits for it.
+
+    With `talker_overlap_prefill` the scheduler hands the Talker its prefix at admission, so both stage
+    threads prepare and launch their prefills at the same moment and contend for the GIL and the launch
+    queue: in eager mode the Thinker's 57-token prefill went from 70 ms alone to 180 ms with the Talker's
+    prefix launching beside it (docs/performance.md). The Thinker prefill is on the path to the first
+    token and the prefix is not (it is needed only at the first token), so the Talker waits here until
+    the Thinker's prefill is enqueued; then it builds and launches its prefix on its own high-priority
+    stream. Reasoning, not measured: with both graphed, each prefill is one launch from its thread, so
+    there is no GIL or launch-queue fight left; on the GPU the Thinker's prefill is a chain of small
+    kernels that leaves most SMs idle, and the prefix's kernels fill them. High priority lets the
+    prefix's blocks go first when both have blocks ready, so it can delay the Thinker by at most its
+    own GPU time (a graphed 20-layer Talker prefill of ~40 positions: a few ms, against the ~110 ms
+    the eager fight cost), and it is done before the first token needs it. A low-priority prefix would
+    cost the Thinker nothing, but the prefix shares the Talker's stream with the last prompt position
+    and every frame, which must stay high priority. The wait is bounded (`timeout_s`) because the
+    Talker thread also serves other sessions' frames.
+    """
+
+    def __init__(self, timeout_s: float = 0.02) -> None:
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._launched: weakref.WeakSet[Request] = weakref.WeakSet()  # a done request needs no cleanup
+
+    def open(self, reqs: list[Request]) -> None:
+        with self._cond:
+            self._launched.update(reqs)
+            self._cond.notify_all()
+
+    def wait(self, req: Request) -> bool:
+        """Block until `req`'s Thinker prefill is enqueued (True) or the timeout passes (False)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: req in self._launched, self.timeout_s)

@@ -2,7 +2,7 @@
 
 Plain Python, as the rest of the scheduler (`scheduler.py` wires this loop to its inbox and shares its
 helpers: posting to the session, failing and releasing a request, the step log). Chunks follow the
-planned sizes (1, 2, 4, ... frames, `EngineSettings.chunk_size`), or go early when the audio would run
+planned sizes (1, 2, 4, ... frames as `EngineSettings.chunk_size` plans them), or go early when the audio would run
 dry first (`pacing.chunk_to_decode`); at the end, the remainder. A request's end (`AudioDoneOut`) comes
 after its last PCM, and only if nothing stopped it meanwhile.
 """
@@ -30,7 +30,6 @@ class AudioSeq:
     req: Request
     pending: list[list[int]] = field(default_factory=list)
     next_frame: int = 0  # index of pending[0] in the response
-    chunk: int = 0  # chunks decoded so far
     opened: bool = False
     ended: bool = False
     t_first_frame: float | None = None  # arrival of frame 0 and of the latest frame (pipeline clock)
@@ -102,7 +101,13 @@ class Code2WavLoop:
         would run dry first (`pacing.chunk_to_decode`); at the end, the remainder too."""
         while a.pending:
             n = chunk_to_decode(
-                len(a.pending), a.chunk, a.ended, a.req, a.frame_interval(), self.p.clock(), self.p.settings
+                len(a.pending),
+                a.next_frame,
+                a.ended,
+                a.req,
+                a.frame_interval(),
+                self.p.clock(),
+                self.p.settings,
             )
             if n == 0:
                 return
@@ -127,7 +132,6 @@ class Code2WavLoop:
             if first:
                 self.p._clear_frame0(a.req)  # wakes a Thinker yielding until the first audio (yield_until)
             a.next_frame += n
-            a.chunk += 1
 
     def _close(self, a: AudioSeq, seqs: dict[Request, AudioSeq]) -> None:
         seqs.pop(a.req, None)

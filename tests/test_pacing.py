@@ -109,22 +109,30 @@ def played_dry_ms(chunks: list[tuple[float, AudioOut]], lead_s: float = 0.0) -> 
     return dry * 1000
 
 
+def played_reply(
+    s: EngineSettings, t: FakeTimings, frames: int, lead_s: float = 0.0
+) -> tuple[float, list[int]]:
+    """A reply of `frames` frames through fake stages of timings `t`: how long a player starting `lead_s`
+    after its first PCM ran dry (ms), and the reply's chunk sizes."""
+    p = make(s, t, reply_len=frames + 20)
+    try:
+        r, sink = request("r", max_audio_frames=frames)
+        run(p, (r, sink))
+    finally:
+        p.stop()
+    chunks = [(ts, m) for ts, m in sink.msgs if isinstance(m, AudioOut)]
+    assert sum(a.num_frames for _, a in chunks) == frames
+    return played_dry_ms(chunks, lead_s), [a.num_frames for _, a in chunks]
+
+
 @pytest.mark.parametrize("early", [True, False])
 def test_a_talker_slower_than_twice_real_time_never_runs_dry_with_early_chunks(early):
     """Frames every ~55 ms (faster than real time, slower than the 40 ms that doubling chunks need):
     with early chunks the playback never waits; with the plan alone it runs dry as the chunks double."""
     t = FakeTimings(thinker_decode=0.002, talker_step=0.025, predict=0.03, code2wav_chunk=0.002)
-    p = make(EngineSettings(early_chunks=early), t, reply_len=60)
-    try:
-        r, sink = request("r", max_audio_frames=40)
-        run(p, (r, sink))
-    finally:
-        p.stop()
-    chunks = [(ts, m) for ts, m in sink.msgs if isinstance(m, AudioOut)]
-    assert sum(a.num_frames for _, a in chunks) == 40
-    dry = played_dry_ms(chunks)
+    dry, sizes = played_reply(EngineSettings(early_chunks=early), t, 40)
     if early:
-        assert dry < 20, [a.num_frames for _, a in chunks]
+        assert dry < 20, sizes
     else:
         assert dry > 100  # the rule is what keeps it fed: this test can fail
 
@@ -135,17 +143,9 @@ def test_frames_at_1_3x_real_time_never_run_dry_with_the_cpu_plan_and_its_lead(c
     100 ms playout lead keeps the playback fed; doubling chunks run it dry (the issue 13 stutter)."""
     t = FakeTimings(thinker_decode=0.002, talker_step=0.012, predict=0.05, code2wav_chunk=0.01)
     s = EngineSettings().for_device("cpu" if cpu_plan else "cuda")
-    p = make(s, t, reply_len=80)
-    try:
-        r, sink = request("r", max_audio_frames=60)
-        run(p, (r, sink))
-    finally:
-        p.stop()
-    chunks = [(ts, m) for ts, m in sink.msgs if isinstance(m, AudioOut)]
-    assert sum(a.num_frames for _, a in chunks) == 60
-    dry = played_dry_ms(chunks, s.playout_lead_ms / 1000)
+    dry, sizes = played_reply(s, t, 60, s.playout_lead_ms / 1000)
     if cpu_plan:
-        assert dry < 20, [a.num_frames for _, a in chunks]
+        assert dry < 20, sizes
     else:
         assert dry > 200
 

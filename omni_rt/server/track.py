@@ -9,8 +9,8 @@ The buffer in front of `recv()` is small (about 100 ms) so that a barge-in drops
 is already committed to the wire; writers wait for room. With `start_lead_ms`, a response's first frame
 waits until that much of it is buffered (or all of it has come): a pipeline that makes audio barely
 faster than real time (a small CPU) then starts with a margin instead of running dry between its first
-chunks. Opus in aiortc always encodes 48 kHz, so
-audio at any other rate is resampled here once, streaming, before it is buffered.
+chunks. Opus in aiortc always encodes 48 kHz, so audio at any other rate is resampled here once,
+streaming, before it is buffered.
 """
 
 from __future__ import annotations

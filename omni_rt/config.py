@@ -65,8 +65,27 @@ class EngineSettings(_Settings):
         "(and their audio) for longer than one piece; None: every prompt in one call",
     )
     first_chunk_frames: int = Field(1, ge=1, le=64, description="codec frames in the first Code2Wav chunk")
-    chunk_growth: bool = Field(True, description="double the Code2Wav chunk after each chunk")
+    chunk_growth: bool = Field(True, description="let the Code2Wav chunk grow, doubling (`chunk_plan_rate`)")
     max_chunk_frames: int = Field(16, ge=1, le=256, description="cap on a grown Code2Wav chunk")
+    chunk_plan_rate: float | None = Field(
+        None,
+        ge=1.0,
+        le=2.0,
+        description="the rate of the Talker's frames (times real time) that the Code2Wav chunk plan counts on: "
+        "a chunk doubles only once its frames, arriving at that rate, are all there before the audio decoded "
+        "so far (and `playout_lead_ms`) has played (`chunk_size`). 2: plain doubling, 1, 2, 4, ... (a GPU makes "
+        "frames 10x faster than real time); None: 2, or 1.25 where Engine.load puts the model on the CPU, "
+        "whose frames come 1.1-1.45x real time on 2 cores (docs/performance.md)",
+    )
+    playout_lead_ms: int | None = Field(
+        None,
+        ge=0,
+        le=2000,
+        description="audio a player holds before it starts a reply; the chunk plan counts on it, and the "
+        "server's WebRTC track holds it (PeerSettings.start_lead_ms). None: 0, or 100 where Engine.load puts "
+        "the model on the CPU (the second chunk's frames come ~2 frame intervals after the first chunk's "
+        "57 ms of audio: docs/performance.md)",
+    )
     yield_to_talker_ms: float = Field(
         12.0,
         ge=0.0,
@@ -214,10 +233,32 @@ class EngineSettings(_Settings):
                 return sizes
             n = min(2 * n, self.max_chunk_frames)
 
-    def chunk_size(self, chunk_index: int) -> int:
-        """Frames in Code2Wav chunk number `chunk_index` of a response: 1, 2, 4, ... up to the cap."""
+    def for_device(self, kind: str) -> EngineSettings:
+        """These settings with the defaults that depend on the device (`chunk_plan_rate`,
+        `playout_lead_ms`) made concrete for a model on `kind` ("cpu", "cuda", ...)."""
+        cpu = kind == "cpu"
+        update: dict[str, object] = {}
+        if self.chunk_plan_rate is None:
+            update["chunk_plan_rate"] = 1.25 if cpu else 2.0
+        if self.playout_lead_ms is None:
+            update["playout_lead_ms"] = 100 if cpu else 0
+        return self.model_copy(update=update)
+
+    def chunk_size(self, decoded: int) -> int:
+        """Frames in a response's next Code2Wav chunk, after `decoded` frames: the first chunk size, then
+        the largest planned size whose frames are all there before the audio already decoded has played.
+
+        The plan's clock, in frames of audio (80 ms): frame 0 arrives at 0 and plays from 0 (after the
+        lead), frame i arrives at i / rate. A chunk of frames [decoded, decoded + n) is whole at
+        (decoded + n - 1) / rate, and what plays before it lasts until decoded + lead, so
+        n <= 1 + decoded * (rate - 1) + lead * rate. At rate 2 without a lead: 1, 2, 4, 8, ..."""
         sizes = self.chunk_sizes()
-        return sizes[min(chunk_index, len(sizes) - 1)]
+        if decoded == 0:
+            return sizes[0]
+        rate = 2.0 if self.chunk_plan_rate is None else self.chunk_plan_rate
+        lead = (self.playout_lead_ms or 0) / 80.0
+        most = 1 + decoded * (rate - 1) + lead * rate
+        return max((n for n in sizes if n <= most + 1e-9), default=sizes[0])
 
 
 class StageSampling(_Settings):

@@ -241,6 +241,7 @@ class Engine:
         if kind == "cuda" and not torch.cuda.is_available():
             why = "this PyTorch was built without CUDA" if torch.version.cuda is None else "no GPU is visible"
             raise ConfigError(f"device {device!r}: CUDA is not available here ({why}); use device='cpu'")
+        settings = settings.for_device(kind)  # the chunk plan and playout lead of a CPU
         dtype = dtype or ("float32" if kind == "cpu" else "bfloat16")
         resolved = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), None)
         if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:

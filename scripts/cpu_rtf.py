@@ -7,8 +7,11 @@
 One session per engine, the default `Sampling()` seeded per reply (the same seeds for every engine, so
 every engine speaks the same replies), 1024 text tokens and 100 frames (8 s) per reply, as the server's
 tiny demo. Per reply: RTF (respond() to response.done over the audio's seconds), the process's CPU
-seconds per audio second, and each stage thread's. Engines run their replies interleaved, so a
-neighbour's load on a shared machine falls on all of them alike; compare ratios within one run.
+seconds per audio second, and each stage thread's; and how a player that starts the engine's
+`playout_lead_ms` after the first PCM and plays in real time hears it: the share of its span audible
+(`audible`) and its longest silence (`gap_ms`), as tests/test_browser.py measures Chromium. Engines run
+their replies interleaved, so a neighbour's load on a shared machine falls on all of them alike; compare
+ratios within one run.
 """
 
 from __future__ import annotations
@@ -41,21 +44,35 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
+def played(chunks: list[tuple[float, int]], lead_s: float) -> tuple[float, float]:
+    """(share audible, longest silence in s) of a player that starts `lead_s` after the first of
+    `chunks` (arrival time, 24 kHz samples) and plays each in real time once it is there."""
+    t_play, dry, longest = chunks[0][0] + lead_s, 0.0, 0.0
+    for t, n in chunks:
+        if t > t_play:
+            dry, longest, t_play = dry + t - t_play, max(longest, t - t_play), t
+        t_play += n / 24000
+    audio = sum(n for _, n in chunks) / 24000
+    return audio / (audio + dry), longest
+
+
 async def reply(engine: omni_rt.Engine, seed: int, frames: int) -> dict[str, float]:
     async with engine.session(sampling=omni_rt.Sampling(seed=seed)) as s:
         before, c0, t0 = thread_cpu(), time.process_time(), time.perf_counter()
-        samples, ttfa = 0, None
+        chunks: list[tuple[float, int]] = []
         async for ev in s.respond(PROMPT, max_output_tokens=1024, max_audio_frames=frames):
             if ev.type == "response.output_audio.delta":
-                ttfa = ttfa if ttfa is not None else time.perf_counter() - t0
-                samples += len(ev.pcm)
+                chunks.append((time.perf_counter(), len(ev.pcm)))
         wall, cpu, after = time.perf_counter() - t0, time.process_time() - c0, thread_cpu()
-    audio = samples / 24000
+    audio = sum(n for _, n in chunks) / 24000
+    audible, gap = played(chunks, (engine.settings.playout_lead_ms or 0) / 1000)
     row = {
         "audio_s": audio,
         "rtf": wall / audio,
         "cpu_per_audio_s": cpu / audio,
-        "ttfa_ms": 1000 * (ttfa or 0),
+        "ttfa_ms": 1000 * (chunks[0][0] - t0),
+        "audible": audible,
+        "gap_ms": 1000 * gap,
     }
     for stage in ("thinker", "talker", "code2wav"):
         row[f"{stage}_cpu_per_audio_s"] = (after.get(stage, 0.0) - before.get(stage, 0.0)) / audio

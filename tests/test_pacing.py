@@ -42,21 +42,21 @@ def test_the_thinker_keeps_close_to_the_voice_until_the_audio_is_ahead():
 
 
 def test_chunks_go_early_only_when_the_audio_would_run_dry_first():
-    s = EngineSettings(early_chunks=True)  # planned 1, 2, 4, 8, 16, 16, ...
+    s = EngineSettings(early_chunks=True)  # planned 1, 2, 4, 8, 16, 16, ... (after 0, 1, 3, 7, 15 frames)
     slow = 0.06  # a frame every 60 ms
-    assert chunk_to_decode(4, 2, False, req(audio_s=1.0), slow, 10.5, s) == 4  # planned and whole
-    assert chunk_to_decode(3, 2, True, req(audio_s=1.0), slow, 10.5, s) == 3  # the remainder at the end
-    # chunk 3 plans 8 frames; 3 pending, 5 more take 300 ms (+ 60 for the decode): 0.5 s ahead is enough
-    assert chunk_to_decode(3, 3, False, req(audio_s=1.0), slow, 10.5, s) == 0
+    assert chunk_to_decode(4, 3, False, req(audio_s=1.0), slow, 10.5, s) == 4  # planned and whole
+    assert chunk_to_decode(3, 3, True, req(audio_s=1.0), slow, 10.5, s) == 3  # the remainder at the end
+    # after 7 frames the plan is 8; 3 pending, 5 more take 300 ms (+ 60 for the decode): 0.5 s ahead is enough
+    assert chunk_to_decode(3, 7, False, req(audio_s=1.0), slow, 10.5, s) == 0
     # 0.2 s ahead is not, nor for 4 frames (1 more + 1 interval = 120 ms) with 0.1 s: decode 2 now
-    assert chunk_to_decode(3, 3, False, req(audio_s=0.6), slow, 10.5, s) == 2
-    assert chunk_to_decode(3, 3, False, req(audio_s=0.7), slow, 10.5, s) == 0  # 0.2 s: wait for 4
-    assert chunk_to_decode(1, 3, False, req(audio_s=0.1), slow, 10.5, s) == 1
-    assert chunk_to_decode(3, 3, False, req(audio_s=0.7), None, 10.5, s) == 0  # no rate yet: wait
-    assert chunk_to_decode(3, 3, False, req(), slow, 10.5, s) == 0  # nothing played yet: the plan
+    assert chunk_to_decode(3, 7, False, req(audio_s=0.6), slow, 10.5, s) == 2
+    assert chunk_to_decode(3, 7, False, req(audio_s=0.7), slow, 10.5, s) == 0  # 0.2 s: wait for 4
+    assert chunk_to_decode(1, 7, False, req(audio_s=0.1), slow, 10.5, s) == 1
+    assert chunk_to_decode(3, 7, False, req(audio_s=0.7), None, 10.5, s) == 0  # no rate yet: wait
+    assert chunk_to_decode(3, 7, False, req(), slow, 10.5, s) == 0  # nothing played yet: the plan
     assert (
         chunk_to_decode(
-            3, 3, False, req(audio_s=0.7), slow, 10.5, s.model_copy(update={"early_chunks": False})
+            3, 7, False, req(audio_s=0.7), slow, 10.5, s.model_copy(update={"early_chunks": False})
         )
         == 0
     )
@@ -66,10 +66,41 @@ def test_chunks_go_early_only_when_the_audio_would_run_dry_first():
     assert chunk_to_decode(3, 1, False, req(audio_s=0.55), slow, 10.5, fixed) == 0
 
 
-def played_dry_ms(chunks: list[tuple[float, AudioOut]]) -> float:
-    """Total silence of a playback that starts at the first chunk's arrival and plays every chunk in real
-    time as soon as it is there: the time the track ran dry."""
-    t_play, dry = chunks[0][0], 0.0
+def plan(s: EngineSettings, frames: int = 100) -> list[int]:
+    """The chunk sizes of a response of `frames` frames when every planned chunk is decoded whole."""
+    sizes, decoded = [], 0
+    while decoded < frames:
+        sizes.append(min(s.chunk_size(decoded), frames - decoded))
+        decoded += sizes[-1]
+    return sizes
+
+
+def test_the_chunk_plan_doubles_only_when_the_frames_come_twice_as_fast_as_real_time():
+    assert plan(EngineSettings()) == [1, 2, 4, 8, 16, 16, 16, 16, 16, 5]  # the GPU's: plain doubling
+    assert plan(EngineSettings().for_device("cuda")) == plan(EngineSettings())
+    cpu = EngineSettings().for_device("cpu")
+    assert (cpu.chunk_plan_rate, cpu.playout_lead_ms) == (1.25, 100)
+    # frames at 1.25x real time: each size is held until the audio decoded covers the next chunk's wait
+    assert plan(cpu) == [1, 2, 2, 2, 4, 4, 4, 4, 8, 8, 8, 8, 16, 16, 13]
+    for s in (
+        cpu,
+        EngineSettings(chunk_plan_rate=1.5, playout_lead_ms=0),
+        EngineSettings(chunk_plan_rate=1.1, playout_lead_ms=300),
+    ):
+        rate, lead, decoded = s.chunk_plan_rate, s.playout_lead_ms / 80, 0
+        for n in plan(s)[:-1]:
+            # whole (its last frame there, at rate x real time) before the audio before it has played
+            assert decoded == 0 or (decoded + n - 1) / rate <= decoded + lead + 1e-9, (plan(s), decoded)
+            decoded += n
+    # explicit settings are kept; no growth keeps the first size
+    assert EngineSettings(chunk_plan_rate=2.0, playout_lead_ms=0).for_device("cpu").chunk_plan_rate == 2.0
+    assert set(plan(EngineSettings.all_off().for_device("cpu"))) == {4}
+
+
+def played_dry_ms(chunks: list[tuple[float, AudioOut]], lead_s: float = 0.0) -> float:
+    """Total silence of a playback that starts `lead_s` after the first chunk's arrival and plays every
+    chunk in real time as soon as it is there: the time the track ran dry."""
+    t_play, dry = chunks[0][0] + lead_s, 0.0
     for t, a in chunks:
         if t > t_play:
             dry += t - t_play
@@ -78,24 +109,45 @@ def played_dry_ms(chunks: list[tuple[float, AudioOut]]) -> float:
     return dry * 1000
 
 
+def played_reply(
+    s: EngineSettings, t: FakeTimings, frames: int, lead_s: float = 0.0
+) -> tuple[float, list[int]]:
+    """A reply of `frames` frames through fake stages of timings `t`: how long a player starting `lead_s`
+    after its first PCM ran dry (ms), and the reply's chunk sizes."""
+    p = make(s, t, reply_len=frames + 20)
+    try:
+        r, sink = request("r", max_audio_frames=frames)
+        run(p, (r, sink))
+    finally:
+        p.stop()
+    chunks = [(ts, m) for ts, m in sink.msgs if isinstance(m, AudioOut)]
+    assert sum(a.num_frames for _, a in chunks) == frames
+    return played_dry_ms(chunks, lead_s), [a.num_frames for _, a in chunks]
+
+
 @pytest.mark.parametrize("early", [True, False])
 def test_a_talker_slower_than_twice_real_time_never_runs_dry_with_early_chunks(early):
     """Frames every ~55 ms (faster than real time, slower than the 40 ms that doubling chunks need):
     with early chunks the playback never waits; with the plan alone it runs dry as the chunks double."""
     t = FakeTimings(thinker_decode=0.002, talker_step=0.025, predict=0.03, code2wav_chunk=0.002)
-    p = make(EngineSettings(early_chunks=early), t, reply_len=60)
-    try:
-        r, sink = request("r", max_audio_frames=40)
-        run(p, (r, sink))
-    finally:
-        p.stop()
-    chunks = [(ts, m) for ts, m in sink.msgs if isinstance(m, AudioOut)]
-    assert sum(a.num_frames for _, a in chunks) == 40
-    dry = played_dry_ms(chunks)
+    dry, sizes = played_reply(EngineSettings(early_chunks=early), t, 40)
     if early:
-        assert dry < 20, [a.num_frames for _, a in chunks]
+        assert dry < 20, sizes
     else:
         assert dry > 100  # the rule is what keeps it fed: this test can fail
+
+
+@pytest.mark.parametrize("cpu_plan", [True, False])
+def test_frames_at_1_3x_real_time_never_run_dry_with_the_cpu_plan_and_its_lead(cpu_plan):
+    """Frames every ~62 ms, as the tiny preset makes them on 2 cores: the CPU's chunk plan with its
+    100 ms playout lead keeps the playback fed; doubling chunks run it dry (the issue 13 stutter)."""
+    t = FakeTimings(thinker_decode=0.002, talker_step=0.012, predict=0.05, code2wav_chunk=0.01)
+    s = EngineSettings().for_device("cpu" if cpu_plan else "cuda")
+    dry, sizes = played_reply(s, t, 60, s.playout_lead_ms / 1000)
+    if cpu_plan:
+        assert dry < 20, sizes
+    else:
+        assert dry > 200
 
 
 def test_the_thinker_stays_within_the_urgent_lead_while_the_audio_catches_up():

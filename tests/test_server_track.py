@@ -98,6 +98,32 @@ async def test_idle_silence_keeps_time_with_silent_frames():
     assert all(f.to_ndarray().any() for _, f in audible)
 
 
+async def test_a_response_starts_once_its_lead_is_buffered():
+    started: list[str] = []
+    track = AudioOutputTrack(idle="silence", start_lead_ms=100, max_buffer_ms=60, on_started=started.append)
+    assert track.max_buffer_samples == SAMPLE_RATE // 10  # the lead fits, whatever the buffer's size
+    await track.write(sine(0.06, 48000), 48000, "r")  # 3 frames: less than the lead
+    waiting = await drain(track, 2)
+    assert started == [] and track.silent_frames_sent == 2  # silence while the lead builds up
+    assert track.buffered_ms == pytest.approx(60)
+    await track.write(sine(0.04, 48000), 48000, "r")  # 100 ms buffered: it starts
+    played = await drain(track, 5)
+    assert started == ["r"] and all(f.to_ndarray().any() for _, f in played)
+    sent = np.concatenate([f.to_ndarray().reshape(-1) for _, f in played])
+    assert np.array_equal(sent, np.concatenate([sine(0.06, 48000), sine(0.04, 48000)]))  # all, in order
+    assert all(not f.to_ndarray().any() for _, f in waiting)
+    # Once playing, a frame goes as soon as there is one (the lead is only the start's)
+    await track.write(sine(0.02, 48000), 48000, "r")
+    assert (await asyncio.wait_for(track.recv(), 1.0)).to_ndarray().any()
+    # A reply shorter than the lead plays when it ends.
+    await track.write(sine(0.04, 48000), 48000, "short")
+    assert not (await asyncio.wait_for(track.recv(), 1.0)).to_ndarray().any()
+    await track.end_response("short")
+    assert (await asyncio.wait_for(track.recv(), 1.0)).to_ndarray().any() and started == ["r", "short"]
+    with pytest.raises(ValueError, match="start_lead_ms"):
+        AudioOutputTrack(start_lead_ms=-1)
+
+
 async def test_buffer_is_bounded_and_writers_wait_for_room():
     track = AudioOutputTrack(max_buffer_ms=60)
     writer = asyncio.create_task(track.write(sine(0.5, 48000), 48000, "r"))

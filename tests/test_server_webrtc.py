@@ -477,3 +477,14 @@ def test_ice_candidates_follow_the_bind_address(monkeypatch):
     assert announced[0] == "c=IN IP4 203.0.113.7"
     assert announced[1] == "a=candidate:1 1 udp 2130706431 203.0.113.7 40000 typ host"
     assert announced[2].startswith("a=candidate:2 1 udp 1694498815 198.51.100.1")
+
+
+async def test_the_reply_track_holds_the_lead_the_engines_chunk_plan_counts_on():
+    from omni_rt.config import EngineSettings
+
+    engine = FakeEngine()  # no settings: no lead
+    assert Server(engine, ServerSettings(port=0)).settings.peer.start_lead_ms == 0
+    engine.settings = EngineSettings().for_device("cpu")
+    assert Server(engine, ServerSettings(port=0)).settings.peer.start_lead_ms == 100
+    chosen = ServerSettings(port=0, peer=PeerSettings(start_lead_ms=20))
+    assert Server(engine, chosen).settings.peer.start_lead_ms == 20

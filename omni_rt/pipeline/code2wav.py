@@ -2,7 +2,7 @@
 
 Plain Python, as the rest of the scheduler (`scheduler.py` wires this loop to its inbox and shares its
 helpers: posting to the session, failing and releasing a request, the step log). Chunks follow the
-planned sizes (1, 2, 4, ... frames, `EngineSettings.chunk_size`), or go early when the audio would run
+planned sizes (1, 2, 4, ... frames as `EngineSettings.chunk_size` plans them), or go early when the audio would run
 dry first (`pacing.chunk_to_decode`); at the end, the remainder. One chunk at a time, to the response whose
 audio runs dry first (`pacing.audio_urgency`): with many conversations, a new one's first chunk or one
 about to run dry never waits behind the chunks of those that are ahead. A request's end (`AudioDoneOut`)
@@ -32,7 +32,6 @@ class AudioSeq:
     req: Request
     pending: list[list[int]] = field(default_factory=list)
     next_frame: int = 0  # index of pending[0] in the response
-    chunk: int = 0  # chunks decoded so far
     opened: bool = False
     ended: bool = False
     t_first_frame: float | None = None  # arrival of frame 0 and of the latest frame (pipeline clock)
@@ -116,7 +115,7 @@ class Code2WavLoop:
         if not a.pending or a.req.stopped:
             return 0
         return chunk_to_decode(
-            len(a.pending), a.chunk, a.ended, a.req, a.frame_interval(), self.p.clock(), self.p.settings
+            len(a.pending), a.next_frame, a.ended, a.req, a.frame_interval(), self.p.clock(), self.p.settings
         )
 
     def _decode_chunk(self, a: AudioSeq) -> None:
@@ -142,7 +141,6 @@ class Code2WavLoop:
         if first:
             self.p._clear_frame0(a.req)  # wakes a Thinker yielding until the first audio (yield_until)
         a.next_frame += n
-        a.chunk += 1
 
     def _finish(self, a: AudioSeq, seqs: dict[Request, AudioSeq]) -> None:
         self.p._post(a.req, AudioDoneOut())

@@ -13,11 +13,16 @@ stage threads share the cores (and one interpreter lock), they keep the playback
 - Deadlines (`audio_urgency`): one Code2Wav chunk at a time goes to the response whose audio runs dry
   first, a response with no audio yet before all of them; between chunks the frames that came meanwhile are
   read, so a new conversation's first chunk waits for one chunk, not for every other conversation's.
-- Chunks (`chunk_to_decode`): Code2Wav decodes its planned chunk sizes (1, 2, 4, ... frames: few sizes,
-  so few graphs) once that many frames are pending; with `early_chunks`, when the audio sent would run
-  out before the planned chunk's frames arrive (at the rate this response's frames have been arriving),
-  it decodes a smaller planned size: the largest it can still wait for, or the largest pending now. Doubling chunks need frames made at twice
-  real time to keep up; where they come slower, the chunks stay small instead of the track running dry.
+- Chunks (`chunk_to_decode`): Code2Wav decodes its planned chunk sizes (`EngineSettings.chunk_size`:
+  1, 2, 4, ... frames, few sizes, so few graphs) once that many frames are pending. The plan doubles a
+  chunk only when its frames, coming at `chunk_plan_rate` times real time, are all there before the
+  audio already decoded (plus the player's `playout_lead_ms`) has played: at 2 (a GPU) that is plain
+  doubling; on a CPU whose frames come 1.1-1.45x real time it is 1, 2, 2, 2, 4, 4, 4, 4, 8, ... with a
+  100 ms lead, where doubling ran the track dry for 0.1-0.7 s before each new size. The plan depends on
+  the frame count alone, so a response's chunks, and so its PCM, are the same on every run. With
+  `early_chunks`, when the audio sent would run out before the planned chunk's frames arrive (at the rate
+  this response's frames have been arriving), it decodes a smaller planned size: the largest it can still
+  wait for, or the largest pending now.
 """
 
 from __future__ import annotations
@@ -66,16 +71,16 @@ def may_decode_text(req: Request, now: float, s: EngineSettings) -> bool:
 
 
 def chunk_to_decode(
-    pending: int, chunk_index: int, ended: bool, req: Request, frame_interval_s: float | None, now: float,
+    pending: int, decoded: int, ended: bool, req: Request, frame_interval_s: float | None, now: float,
     s: EngineSettings,
 ) -> int:  # fmt: skip
-    """Frames to decode now from `pending` (0: wait for more). `chunk_index`: chunks decoded so far;
+    """Frames to decode now from `pending` (0: wait for more). `decoded`: frames decoded so far;
     `frame_interval_s`: the mean time between this response's frames so far (None: fewer than two).
 
     Early (`early_chunks`): wait for the largest planned size, up to this chunk's, whose missing frames
     arrive (one interval more: the decode, and jitter) before the audio sent runs out; if none, decode the
     largest planned size pending now. Small chunks cost more per frame, so they are used only as needed."""
-    planned = s.chunk_size(chunk_index)
+    planned = s.chunk_size(decoded)
     if pending >= planned:
         return planned
     if ended:

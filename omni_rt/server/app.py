@@ -87,6 +87,11 @@ class Server:
             self.settings = dataclasses.replace(
                 self.settings, peer=dataclasses.replace(peer, ice_policy=policy)
             )
+        if peer.start_lead_ms is None:  # the lead the engine's chunk plan counts on
+            lead = getattr(getattr(engine, "settings", None), "playout_lead_ms", None) or 0
+            self.settings = dataclasses.replace(
+                self.settings, peer=dataclasses.replace(self.settings.peer, start_lead_ms=lead)
+            )
         self._allowed_origins = {normalize_origin(o) for o in self.settings.allowed_origins}
         self._loopback = is_loopback(self.settings.host)
         self.peers: set[Peer] = set()  # WebSocket connections and calls

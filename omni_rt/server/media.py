@@ -72,7 +72,10 @@ class Media:
                 self._shutdown()
 
         track = AudioOutputTrack(
-            idle=s.idle, on_started=self._on_audio_started, on_stopped=self._on_audio_stopped
+            idle=s.idle,
+            start_lead_ms=s.start_lead_ms or 0,
+            on_started=self._on_audio_started,
+            on_stopped=self._on_audio_stopped,
         )
         try:
             answer, sends = await webrtc.answer_offer(pc, sdp, track, policy)

@@ -58,6 +58,9 @@ class PeerSettings:
     # Where media may flow; the Server sets it from its bind address (None: every interface).
     ice_policy: webrtc.IcePolicy | None = None
     idle: Idle = "silence"  # see AudioOutputTrack: "nothing" grows the browser's jitter buffer
+    # Audio of a reply buffered before it starts playing (AudioOutputTrack); None: the engine's
+    # `EngineSettings.playout_lead_ms`, which its Code2Wav chunk plan counts on (0 without one).
+    start_lead_ms: int | None = None
     max_message_bytes: int = protocol.MAX_MESSAGE_BYTES
     max_output_tokens: int = 1024  # a client may ask for fewer, never more
     # The Talker stops at its end-of-speech code; this caps a reply that never gets there (random

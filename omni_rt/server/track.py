@@ -6,8 +6,11 @@ caller) the anchor moves forward instead of the frames going out as a burst; `pt
 so the receiver sees one unbroken stream.
 
 The buffer in front of `recv()` is small (about 100 ms) so that a barge-in drops almost nothing that
-is already committed to the wire; writers wait for room. Opus in aiortc always encodes 48 kHz, so
-audio at any other rate is resampled here once, streaming, before it is buffered.
+is already committed to the wire; writers wait for room. With `start_lead_ms`, a response's first frame
+waits until that much of it is buffered (or all of it has come): a pipeline that makes audio barely
+faster than real time (a small CPU) then starts with a margin instead of running dry between its first
+chunks. Opus in aiortc always encodes 48 kHz, so audio at any other rate is resampled here once,
+streaming, before it is buffered.
 """
 
 from __future__ import annotations
@@ -67,6 +70,9 @@ class AudioOutputTrack(MediaStreamTrack):
     ~0.7 s late; `tests/test_browser.py`). Advancing `pts` over the gap instead makes NetEq conceal the
     gap as loss, which is worse. Without DTX (aiortc has none) silence is what keeps playout prompt.
 
+    `start_lead_ms`: audio of a response buffered before its first frame goes out (0: at once). The
+    frames before it are silence (`idle="silence"`) or nothing, as between replies.
+
     `on_started(response_id)` is called when the first frame of a response goes out and
     `on_stopped(response_id)` when its last frame has gone out. They run inside `recv()`, so they must
     not block: send a message, set a flag.
@@ -79,6 +85,7 @@ class AudioOutputTrack(MediaStreamTrack):
         *,
         idle: Idle = "nothing",
         max_buffer_ms: int = 100,
+        start_lead_ms: int = 0,
         on_started: Callable[[str], None] | None = None,
         on_stopped: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -87,8 +94,12 @@ class AudioOutputTrack(MediaStreamTrack):
         if idle not in ("nothing", "silence"):
             raise ValueError(f"idle must be 'nothing' or 'silence', not {idle!r}")
         self.idle = idle
-        # At least one full frame must fit, or a writer could wait for room that never comes.
-        self.max_buffer_samples = max(FRAME_SAMPLES, max_buffer_ms * SAMPLE_RATE // 1000)
+        if start_lead_ms < 0:
+            raise ValueError(f"start_lead_ms must be at least 0, not {start_lead_ms}")
+        # A response starts once this much of it is buffered: at least a frame.
+        self.start_lead_samples = max(FRAME_SAMPLES, start_lead_ms * SAMPLE_RATE // 1000)
+        # The lead must fit, or a writer could wait for room that never comes.
+        self.max_buffer_samples = max(self.start_lead_samples, max_buffer_ms * SAMPLE_RATE // 1000)
         self._on_started = on_started
         self._on_stopped = on_stopped
         self._clock = clock
@@ -200,7 +211,7 @@ class AudioOutputTrack(MediaStreamTrack):
             self._buffer = np.concatenate([self._buffer, part])
             if self._buffer.size >= self.max_buffer_samples:
                 self._has_room.clear()
-            if self._buffer.size >= FRAME_SAMPLES:
+            if self._frame_ready():
                 self._has_data.set()
 
     # -- aiortc's side ----------------------------------------------------------------------------------
@@ -253,12 +264,16 @@ class AudioOutputTrack(MediaStreamTrack):
         self._has_room.set()
 
     def _frame_ready(self) -> bool:
-        return self._buffer.size >= FRAME_SAMPLES or (self._response_ending and self._response_id is not None)
+        """A frame of the response can go out: a whole one (its lead first), or the padded tail at its end."""
+        if self._response_id is None:
+            return False
+        need = FRAME_SAMPLES if self._response_started else self.start_lead_samples
+        return self._buffer.size >= need or self._response_ending
 
     def _take_frame(self) -> tuple[np.ndarray, str | None, bool, bool]:
         """Next 20 ms of samples; which response they belong to; first / last frame of that response."""
         response_id = self._response_id
-        if self._buffer.size >= FRAME_SAMPLES or (self._response_ending and response_id is not None):
+        if self._frame_ready():
             samples = self._buffer[:FRAME_SAMPLES]
             self._buffer = self._buffer[FRAME_SAMPLES:]
             if samples.size < FRAME_SAMPLES:

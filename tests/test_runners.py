@@ -83,7 +83,7 @@ def request(model, text: str, slot: int, history: list[int] | None = None) -> Re
 
 def thinker_trace(runner: ThinkerRunner, reqs: list[Request], steps: int) -> tuple[list, list]:
     """Prefill `reqs` together, then `steps` decode steps: (prefill logits [B, V], tokens per step)."""
-    with torch.no_grad():
+    with torch.inference_mode():  # as `stage_call` runs a CPU runner
         logits = runner._prefill_first(reqs)[1].clone()
     for r, t in zip(reqs, runner.prefill(reqs), strict=True):  # again: same rows, same cache writes
         r.tokens = [t]

@@ -93,6 +93,21 @@ def request(rid: str, slot: int = 0, prompt: list[int] = PROMPT, **kw) -> tuple[
     return req, sink
 
 
+def submit_at(req: Request, sink: Collector, kind: type, n: int, action) -> None:
+    """Run `action` from the stage thread that posts `req`'s `n`-th message of `kind` (an event, not a
+    sleep, starts the next request)."""
+    seen = []
+
+    def hook(msg):
+        sink(msg)
+        if isinstance(msg, kind):
+            seen.append(msg)
+            if len(seen) == n:
+                action()
+
+    req.sink = hook
+
+
 def run(p: Pipeline, *reqs: tuple[Request, Collector], timeout: float = 20.0) -> None:
     for req, _ in reqs:
         p.submit(req)
@@ -480,16 +495,8 @@ def test_a_new_conversations_first_chunk_waits_for_one_chunk_not_for_anothers_ba
     )
     b, b_sink = request("b", slot=1)
     a, a_sink = request("a", slot=0)
-    chunks_of_a = []
-
-    def sink_a(msg):
-        a_sink(msg)
-        if isinstance(msg, AudioOut):
-            chunks_of_a.append(msg)
-            if len(chunks_of_a) == 3:
-                p.submit(b)  # from the Code2Wav thread: B's request is in before A's next chunk
-
-    a.sink = sink_a
+    # from the Code2Wav thread: B's request is in before A's next chunk
+    submit_at(a, a_sink, AudioOut, 3, lambda: p.submit(b))
     try:
         run(p, (a, a_sink))
         assert b_sink.done.wait(20), "B never finished"
@@ -531,16 +538,7 @@ def test_a_long_prompt_arriving_mid_stream_holds_the_others_for_one_piece(piece)
     filler = list(range(1000, 1000 + 512 - len(PROMPT)))
     b, b_sink = request("b", slot=1, prompt=PROMPT[:3] + filler + PROMPT[3:])
     a, a_sink = request("a", slot=0)
-    texts = []
-
-    def sink_a(msg):
-        a_sink(msg)
-        if isinstance(msg, TextOut):
-            texts.append(msg)
-            if len(texts) == 5:
-                p.submit(b)
-
-    a.sink = sink_a
+    submit_at(a, a_sink, TextOut, 5, lambda: p.submit(b))
     try:
         run(p, (a, a_sink))
         assert b_sink.done.wait(20), "B never finished"

@@ -111,15 +111,8 @@ class ThinkerLoop:
         if self._pieces:
             req = self._pieces[0]
             if len(req.pending_prompt_ids) > piece:
-                t0 = self.p.clock()
-                try:
-                    self.p.thinker.prefill_piece(req, piece)
-                except Exception as e:
+                if not self._step("piece", [req], lambda: self.p.thinker.prefill_piece(req, piece)):
                     self._pieces.pop(0)
-                    self.p._fail(req, self.p._stage_error("thinker", "prefill", e))
-                    self.p._release(req, "thinker")
-                else:
-                    self.p._record("thinker", "piece", t0, [req])
             else:  # the last piece: it draws the first token
                 self._prefill([self._pieces.pop(0)], active, out)
 
@@ -132,19 +125,10 @@ class ThinkerLoop:
         batch = [r for r in active if not r.stopped and self._may_decode(r)]
         if batch:
             self._yield_to_talker(batch)
-            t0 = self.p.clock()
-            try:
-                tokens = self.p.thinker.decode(batch)
-            except Exception as e:
-                for req in batch:
-                    self.p._fail(req, self.p._stage_error("thinker", "decode", e))
-                    self.p._release(req, "thinker")
-                tokens = []
-                batch = []
-            else:
-                self.p._record("thinker", "decode", t0, batch)
-            for req, token in zip(batch, tokens, strict=True):
-                self._accept_token(req, token, out)
+            done = self._step("decode", batch, lambda: self.p.thinker.decode(batch))
+            if done:
+                for req, token in zip(batch, done[0], strict=True):
+                    self._accept_token(req, token, out)
         for req in active:
             if req.stopped:  # cancelled or failed while this iteration ran
                 self.p._release(req, "thinker")
@@ -163,20 +147,28 @@ class ThinkerLoop:
     def _prefill(self, group: list[Request], active: list[Request], out: list[tuple]) -> None:
         """Prefill `group` in one call (what is left of each prompt); each first token is accepted and its
         request joins `active` unless that token ended it."""
-        t0 = self.p.clock()
-        try:
-            tokens = self.p.thinker.prefill(group)
-        except Exception as e:
-            for req in group:
-                self.p._fail(req, self.p._stage_error("thinker", "prefill", e))
-                self.p._release(req, "thinker")
+        done = self._step("prefill", group, lambda: self.p.thinker.prefill(group))
+        if not done:
             return
-        self.p._record("thinker", "prefill", t0, group)
-        for req, token in zip(group, tokens, strict=True):
+        for req, token in zip(group, done[0], strict=True):
             req.t_thinker_first = self.p.clock()
             self._accept_token(req, token, out)
             if not req.text_done:
                 active.append(req)
+
+    def _step(self, kind: str, reqs: list[Request], call) -> tuple | None:
+        """One Thinker call over `reqs`, logged as `kind`: (its result,), or None when it raised, each of
+        `reqs` then failed with the error and let go of here."""
+        t0 = self.p.clock()
+        try:
+            result = call()
+        except Exception as e:
+            for req in reqs:
+                self.p._fail(req, self.p._stage_error("thinker", "prefill" if kind == "piece" else kind, e))
+                self.p._release(req, "thinker")
+            return None
+        self.p._record("thinker", kind, t0, reqs)
+        return (result,)
 
     def _may_decode(self, req: Request) -> bool:
         """Audio before text (`pacing.may_decode_text`): a request too far ahead of the Talker waits (it

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from omni_rt.errors import EngineClosedError
+from omni_rt.pipeline.handoff import AudioEnd, Frame, Handoff
 from omni_rt.pipeline.inbox import InboxClosed
 from omni_rt.pipeline.pacing import audio_urgency, chunk_to_decode
 from omni_rt.pipeline.request import AudioDoneOut, AudioOut, Request
@@ -68,22 +69,22 @@ class Code2WavLoop:
                 self.p._fail(a.req, EngineClosedError("the engine stopped"))
                 self._close(a, seqs)
 
-    def _iteration(self, msgs: list[tuple], seqs: dict[Request, AudioSeq]) -> None:
+    def _iteration(self, msgs: list[Handoff], seqs: dict[Request, AudioSeq]) -> None:
         """Take the messages, then decode one chunk: the most urgent response's (`pacing.audio_urgency`).
         One chunk per iteration, so frames that arrive while it decodes are read before the next choice."""
         for m in msgs:
-            kind, req = m[0], m[1]
+            req = m.req
             if "code2wav" not in req.holders:
                 continue
             a = seqs.get(req)
             if a is None:
                 a = seqs[req] = AudioSeq(req)
-            if kind == "frame":
-                a.pending.append(m[2])
+            if isinstance(m, Frame):
+                a.pending.append(m.codes)
                 a.t_last_frame = self.p.clock()
                 if a.t_first_frame is None:
                     a.t_first_frame = a.t_last_frame
-            elif kind == "end":
+            elif isinstance(m, AudioEnd):
                 a.ended = True
         for a in list(seqs.values()):
             if a.req.stopped:

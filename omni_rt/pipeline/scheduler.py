@@ -7,21 +7,22 @@ a Condition (`Inbox`); nothing sleeps on a timer or polls.
 
     Thinker thread   admit → prefill → first token ─┬─ text deltas → session         (its loop: `thinker.py`)
                      (wait ≤ yield_to_talker_ms for a pending frame 0) → batched decode step → ...
-                                                    ▼ "first", "text", "text_end"
+                                                    ▼ FirstToken, TextToken, TextEnd
     Talker thread    prefix prefill (during the Thinker prefill) → last position at the first token →
                      code 0 → code predictor → frame 0 → one frame per next text token (batched)
                      (its loop: `talker.py`)
-                                                    ▼ "frame", "end"
+                                                    ▼ Frame, AudioEnd
     Code2Wav thread  chunks of 1, 2, 4, ... frames → exact streaming decode → PCM → session
                      (its loop: `code2wav.py`)
 
 A text prompt longer than `prefill_piece_tokens` is prefilled a piece per Thinker iteration, each
 between two decode steps of the others, so a long prompt holds their text for one piece at most.
 
-Back from the Talker to the Thinker: "progress" (a frame was spoken: a Thinker held at its text lead may
-go on) and "spoken" (the audio has ended: so does the text). Audio comes before text (`pacing.py`): the
-Thinker keeps within a few tokens of the voice while the audio is not yet well ahead of real time, and
-Code2Wav decodes a smaller chunk early rather than let the audio run dry.
+Back from the Talker to the Thinker: `Progress` (a frame was spoken: a Thinker held at its text lead may
+go on) and `Spoken` (the audio has ended: so does the text); the messages are `handoff.py`'s. Audio
+comes before text (`pacing.py`): the Thinker keeps within a few tokens of the voice while the audio is
+not yet well ahead of real time, and Code2Wav decodes a smaller chunk early rather than let the audio run
+dry.
 
 A request is held by all three stages; the last stage to let go of it posts `DoneOut` to the session,
 after everything else it sent. A failing stage fails only the requests of the failing call.
@@ -38,6 +39,7 @@ from omni_rt.config import EngineSettings
 from omni_rt.errors import EngineClosedError, OmniRtError, StageError
 from omni_rt.model.config import TokenIds
 from omni_rt.pipeline.code2wav import Code2WavLoop
+from omni_rt.pipeline.handoff import Admit, Stop
 from omni_rt.pipeline.inbox import Inbox
 from omni_rt.pipeline.request import (
     DoneOut,
@@ -143,7 +145,7 @@ class Pipeline:
             raise EngineClosedError("the engine is not running: use `async with engine:`")
         with self._lock:
             self._inflight.add(req)
-        self.thinker_inbox.put(("admit", req))
+        self.thinker_inbox.put(Admit(req))
 
     def cancel(self, req: Request) -> None:
         """Stop a request at every stage's next step (within one codec frame)."""
@@ -156,7 +158,7 @@ class Pipeline:
     def _stop_everywhere(self, req: Request) -> None:
         """Tell every stage that `req` stopped: each lets go of it, even one that never saw it."""
         for inbox in (self.thinker_inbox, self.talker_inbox, self.code2wav_inbox):
-            inbox.put(("stop", req))
+            inbox.put(Stop(req))
         self._clear_frame0(req)
 
     def _post(self, req: Request, msg: Message) -> None:

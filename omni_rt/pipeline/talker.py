@@ -11,6 +11,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from omni_rt.errors import EngineClosedError
+from omni_rt.pipeline.handoff import (
+    AudioEnd,
+    FirstToken,
+    Frame,
+    Handoff,
+    Prefix,
+    Progress,
+    Spoken,
+    TextEnd,
+    TextToken,
+)
 from omni_rt.pipeline.inbox import InboxClosed
 from omni_rt.pipeline.pacing import may_decode_text
 from omni_rt.pipeline.request import Request, TranscriptOut
@@ -75,22 +86,22 @@ class TalkerLoop:
                 return True
         return False
 
-    def _iteration(self, msgs: list[tuple], seqs: dict[Request, TalkerSeq]) -> None:
+    def _iteration(self, msgs: list[Handoff], seqs: dict[Request, TalkerSeq]) -> None:
         for m in msgs:
-            kind, req = m[0], m[1]
+            req = m.req
             s = seqs.get(req)
             if s is None:
                 if "talker" not in req.holders:
                     continue  # already finished here: late text for it
                 s = seqs[req] = TalkerSeq(req)
-            if kind == "prefix":
+            if isinstance(m, Prefix):
                 s.want_prefix = True
-            elif kind == "first":
-                s.first = m[2]
-                s.text.append(m[2])
-            elif kind == "text":
-                s.text.append(m[2])
-            elif kind == "text_end":
+            elif isinstance(m, FirstToken):
+                s.first = m.token
+                s.text.append(m.token)
+            elif isinstance(m, TextToken):
+                s.text.append(m.token)
+            elif isinstance(m, TextEnd):
                 s.text_done = True
         for s in [s for s in seqs.values() if s.req.stopped]:
             self._drop(s, seqs)
@@ -188,7 +199,7 @@ class TalkerLoop:
             index = s.req.frames
             s.req.frames += 1
             self._text_progress(s.req)
-            self.p.code2wav_inbox.put(("frame", s.req, codes, index))
+            self.p.code2wav_inbox.put(Frame(s.req, codes, index))
             if index == 0 and self.p.settings.yield_until == "frame0":
                 self.p._clear_frame0(s.req)  # wakes a Thinker yielding to this frame
             if s.codes_sampled >= s.req.max_audio_frames:
@@ -200,16 +211,16 @@ class TalkerLoop:
             if req not in self.p._text_waiting or not may_decode_text(req, self.p.clock(), self.p.settings):
                 return
             self.p._text_waiting.discard(req)
-        self.p.thinker_inbox.put(("progress", req))
+        self.p.thinker_inbox.put(Progress(req))
 
     def _finish(self, s: TalkerSeq, seqs: dict[Request, TalkerSeq]) -> None:
         s.done = True
         seqs.pop(s.req, None)
-        self.p.code2wav_inbox.put(("end", s.req))
+        self.p.code2wav_inbox.put(AudioEnd(s.req))
         # the audio ended first (codec end, audio cap): text nobody hears stops too; the benchmark's
         # fixed lengths (ignore_eos) keep the Thinker to max_output_tokens
         if not s.text_done and not s.req.ignore_eos:
-            self.p.thinker_inbox.put(("spoken", s.req))
+            self.p.thinker_inbox.put(Spoken(s.req))
         self.p._release(s.req, "talker")
 
     def _drop(self, s: TalkerSeq, seqs: dict[Request, TalkerSeq]) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from omni_rt.errors import EngineClosedError
+from omni_rt.pipeline.handoff import Admit, FirstToken, Handoff, Prefix, Spoken, TextEnd, TextToken
 from omni_rt.pipeline.inbox import InboxClosed
 from omni_rt.pipeline.pacing import may_decode_text
 from omni_rt.pipeline.request import Request, TextOut
@@ -37,7 +38,7 @@ class ThinkerLoop:
 
     def loop(self) -> None:
         active: list[Request] = []
-        held: list[tuple] = []  # "after_step" hand-off: the previous iteration's messages to the Talker
+        held: list[Handoff] = []  # "after_step" hand-off: the previous iteration's messages to the Talker
         try:
             while True:
                 # every active request held at its text lead (and no text held for hand-off, which the
@@ -51,7 +52,10 @@ class ThinkerLoop:
                     # also what this iteration admitted and what waits in `held` (its Talker messages
                     # are lost): the Talker would wait for them forever
                     held_reqs = (
-                        active + self._pieces + [m[1] for m in msgs if m[0] == "admit"] + [m[1] for m in held]
+                        active
+                        + self._pieces
+                        + [m.req for m in msgs if isinstance(m, Admit)]
+                        + [m.req for m in held]
                     )
                     self._pieces = []
                     err = self.p._stage_error("thinker", "loop", e)
@@ -69,10 +73,10 @@ class ThinkerLoop:
             self._pieces = []
 
     def _iteration(
-        self, msgs: list[tuple], active: list[Request], held: list[tuple]
-    ) -> tuple[list[Request], list[tuple]]:
+        self, msgs: list[Handoff], active: list[Request], held: list[Handoff]
+    ) -> tuple[list[Request], list[Handoff]]:
         s = self.p.settings
-        out: list[tuple] = []  # messages for the Talker made in this iteration
+        out: list[Handoff] = []  # messages for the Talker made in this iteration
         for req in [r for r in active if r.stopped]:
             active.remove(req)
             self.p._release(req, "thinker")
@@ -80,22 +84,25 @@ class ThinkerLoop:
             self._pieces.remove(req)
             self.p._release(req, "thinker")
         admitted = []
-        for kind, req in msgs:
-            if kind == "spoken":  # the Talker has said its last: the spoken text is the reply, so it ends
+        for m in msgs:
+            req = m.req
+            if isinstance(
+                m, Spoken
+            ):  # the Talker has said its last: the spoken text is the reply, so it ends
                 if req in active and not req.text_done:
                     req.text_done = True
                     active.remove(req)
                     self.p._release(req, "thinker")
                 continue
-            if kind != "admit":
-                continue  # "stop": the request is dropped above or at admission
+            if not isinstance(m, Admit):
+                continue  # Stop: the request is dropped above or at admission; Progress only wakes this loop
             if req.stopped:
                 self.p._release(req, "thinker")
                 continue
             if s.talker_overlap_prefill and not req.needs_thinker_hidden:
-                self.p.talker_inbox.put(("prefix", req))  # the Talker prefills its prefix meanwhile
+                self.p.talker_inbox.put(Prefix(req))  # the Talker prefills its prefix meanwhile
             else:
-                out.append(("prefix", req))
+                out.append(Prefix(req))
             admitted.append(req)
         # a long text prompt goes in pieces, one per iteration, between the others' decode steps
         piece = s.prefill_piece_tokens
@@ -144,7 +151,7 @@ class ThinkerLoop:
         self._deliver(out)
         return active, []
 
-    def _prefill(self, group: list[Request], active: list[Request], out: list[tuple]) -> None:
+    def _prefill(self, group: list[Request], active: list[Request], out: list[Handoff]) -> None:
         """Prefill `group` in one call (what is left of each prompt); each first token is accepted and its
         request joins `active` unless that token ended it."""
         done = self._step("prefill", group, lambda: self.p.thinker.prefill(group))
@@ -183,27 +190,27 @@ class ThinkerLoop:
             self.p._text_waiting.add(req)
             return False
 
-    def _accept_token(self, req: Request, token: int, out: list[tuple]) -> None:
+    def _accept_token(self, req: Request, token: int, out: list[Handoff]) -> None:
         first = not req.tokens
         req.tokens.append(token)
         req.t_thinker_last = self.p.clock()
         self.p._post(req, TextOut(token))
         eos = token == self.p.ids.im_end and not req.ignore_eos
-        if not (first and eos):  # an empty reply gets only "text_end": the Talker has nothing to say
-            out.append(("first", req, token) if first else ("text", req, token))
+        if not (first and eos):  # an empty reply gets only TextEnd: the Talker has nothing to say
+            out.append(FirstToken(req, token) if first else TextToken(req, token))
         # the next decode would write this token at position len(prompt) + len(tokens) - 1
         full = len(req.prompt_ids) + len(req.tokens) > self.p.settings.max_context
         if eos or full or len(req.tokens) >= req.max_output_tokens:
             req.text_done = True
-            out.append(("text_end", req))
+            out.append(TextEnd(req))
             self.p._release(req, "thinker")
 
-    def _deliver(self, msgs: list[tuple]) -> None:
+    def _deliver(self, msgs: list[Handoff]) -> None:
         for m in msgs:
-            if m[0] == "first" and self.p.settings.frame0_in_prefill:
+            if isinstance(m, FirstToken) and self.p.settings.frame0_in_prefill:
                 # From here the Talker can make frame 0 with no more text: the Thinker may yield to it.
                 with self.p._frame0:
-                    m[1].frame0_pending = not m[1].stopped
+                    m.req.frame0_pending = not m.req.stopped
             self.p.talker_inbox.put(m)
 
     def _yield_to_talker(self, batch: list[Request]) -> None:

@@ -65,11 +65,6 @@ class Graphed:
             self.graph.register_generator_state(g)
         with torch.cuda.graph(self.graph, pool=None if pool is None else pool.handle, stream=side):
             self.static_outputs = fn(*self.static_inputs)
-        # The first replay of an instantiated graph uploads it to the device, milliseconds for a large
-        # one: here, not on the first request that needs it. The replay does what the warm-up calls did.
-        with torch.cuda.stream(side):
-            self.graph.replay()
-        torch.cuda.current_stream(device).wait_stream(side)
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         if len(inputs) != len(self.static_inputs):

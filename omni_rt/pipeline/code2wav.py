@@ -16,9 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from omni_rt.errors import EngineClosedError
 from omni_rt.pipeline.handoff import AudioEnd, Frame, Handoff
-from omni_rt.pipeline.inbox import InboxClosed
 from omni_rt.pipeline.pacing import audio_urgency, chunk_to_decode
 from omni_rt.pipeline.request import AudioDoneOut, AudioOut, Request
 
@@ -53,21 +51,11 @@ class Code2WavLoop:
         self.p = pipeline
 
     def loop(self) -> None:
-        seqs: dict[Request, AudioSeq] = {}
-        try:
-            while True:
-                # all its work arrives as messages: sleep only while no response has a chunk to decode
-                msgs = self.p.code2wav_inbox.take(block=not any(self._ready(a) for a in seqs.values()))
-                try:
-                    self._iteration(msgs, seqs)
-                except Exception as e:
-                    for a in list(seqs.values()):
-                        self.p._fail(a.req, self.p._stage_error("code2wav", "loop", e))
-                        self._close(a, seqs)
-        except InboxClosed:
-            for a in list(seqs.values()):
-                self.p._fail(a.req, EngineClosedError("the engine stopped"))
-                self._close(a, seqs)
+        # all its work arrives as messages: sleep only while no response has a chunk to decode
+        self.p._serve(
+            "code2wav", self.p.code2wav_inbox, lambda seqs: any(self._ready(a) for a in seqs.values()),
+            self._iteration, self._close,
+        )  # fmt: skip
 
     def _iteration(self, msgs: list[Handoff], seqs: dict[Request, AudioSeq]) -> None:
         """Take the messages, then decode one chunk: the most urgent response's (`pacing.audio_urgency`).
@@ -91,12 +79,12 @@ class Code2WavLoop:
                 self._close(a, seqs)
             elif a.ended and not a.pending:  # a response that ended with no frame, or after its last chunk
                 self._finish(a, seqs)
-        ready = [a for a in seqs.values() if self._chunk_now(a)]
+        ready = [(a, n) for a in seqs.values() if (n := self._chunk_now(a))]
         if not ready:
             return
-        a = min(ready, key=lambda a: audio_urgency(a.req, a.t_first_frame or 0.0))
+        a, n = min(ready, key=lambda an: audio_urgency(an[0].req, an[0].t_first_frame or 0.0))
         try:
-            self._decode_chunk(a)
+            self._decode_chunk(a, n)
         except Exception as e:
             self.p._fail(a.req, self.p._stage_error("code2wav", "decode", e))
             self._close(a, seqs)
@@ -119,8 +107,7 @@ class Code2WavLoop:
             len(a.pending), a.next_frame, a.ended, a.req, a.frame_interval(), self.p.clock(), self.p.settings
         )
 
-    def _decode_chunk(self, a: AudioSeq) -> None:
-        n = self._chunk_now(a)
+    def _decode_chunk(self, a: AudioSeq, n: int) -> None:
         frames, a.pending = a.pending[:n], a.pending[n:]
         if not a.opened:
             self.p.code2wav.open(a.req)

@@ -40,7 +40,7 @@ from omni_rt.errors import EngineClosedError, OmniRtError, StageError
 from omni_rt.model.config import TokenIds
 from omni_rt.pipeline.code2wav import Code2WavLoop
 from omni_rt.pipeline.handoff import Admit, Stop
-from omni_rt.pipeline.inbox import Inbox
+from omni_rt.pipeline.inbox import Inbox, InboxClosed
 from omni_rt.pipeline.request import (
     DoneOut,
     ErrorOut,
@@ -139,6 +139,26 @@ class Pipeline:
         if self.thread_init is not None:
             self.thread_init()
         loop()
+
+    def _serve(self, stage: str, inbox: Inbox, has_work, iteration, let_go) -> None:
+        """A stage thread's loop over its per-request states (`seqs`: request -> a state with `.req`):
+        take every message (sleeping only while `has_work(seqs)` is false), then `iteration(msgs, seqs)`.
+        If an iteration raises (a scheduler bug), every request the stage holds fails and is let go
+        (`let_go(state, seqs)`), and the stage keeps serving; at stop they end with EngineClosedError."""
+        seqs: dict = {}
+        try:
+            while True:
+                msgs = inbox.take(block=not has_work(seqs))
+                try:
+                    iteration(msgs, seqs)
+                except Exception as e:
+                    for state in list(seqs.values()):
+                        self._fail(state.req, self._stage_error(stage, "loop", e))
+                        let_go(state, seqs)
+        except InboxClosed:
+            for state in list(seqs.values()):
+                self._fail(state.req, EngineClosedError("the engine stopped"))
+                let_go(state, seqs)
 
     def submit(self, req: Request) -> None:
         if not self.running or self._stopping:

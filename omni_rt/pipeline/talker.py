@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from omni_rt.errors import EngineClosedError
 from omni_rt.pipeline.handoff import (
     AudioEnd,
     FirstToken,
@@ -22,7 +21,6 @@ from omni_rt.pipeline.handoff import (
     TextEnd,
     TextToken,
 )
-from omni_rt.pipeline.inbox import InboxClosed
 from omni_rt.pipeline.pacing import may_decode_text
 from omni_rt.pipeline.request import Request, TranscriptOut
 from omni_rt.prompt_layout import talker_text_id
@@ -56,20 +54,7 @@ class TalkerLoop:
         self.p = pipeline
 
     def loop(self) -> None:
-        seqs: dict[Request, TalkerSeq] = {}
-        try:
-            while True:
-                msgs = self.p.talker_inbox.take(block=not self._has_work(seqs))
-                try:
-                    self._iteration(msgs, seqs)
-                except Exception as e:
-                    for s in list(seqs.values()):
-                        self.p._fail(s.req, self.p._stage_error("talker", "loop", e))
-                        self._drop(s, seqs)
-        except InboxClosed:
-            for s in list(seqs.values()):
-                self.p._fail(s.req, EngineClosedError("the engine stopped"))
-                self._drop(s, seqs)
+        self.p._serve("talker", self.p.talker_inbox, self._has_work, self._iteration, self._drop)
 
     def _next_text_id(self, s: TalkerSeq) -> int | None:
         return talker_text_id(s.text, s.step, s.text_done, self.p.ids, s.req.ignore_eos)

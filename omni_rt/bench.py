@@ -342,6 +342,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--load-user-len", type=int, default=24, help="user-turn ids of the load prompt (57 ids)")
     ap.add_argument("--load-png", default="bench-load.png", help="where the load chart goes")
     ap.add_argument(
+        "--load-trace", action="store_true",
+        help="add each level's timeline to its JSON row (audio arrivals of every reply, the pipeline's steps): "
+        "what ran while a reply was late (omni_rt.bench_load.level_trace)",
+    )  # fmt: skip
+    ap.add_argument(
         "--speech-turn",
         action="store_true",
         help="the spoken-question rows, in real time (omni_rt.bench_speech)",

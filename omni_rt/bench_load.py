@@ -138,6 +138,8 @@ class Reply:
     audio_s: float = 0.0
     thinker_yield: str | None = None
     error: str | None = None
+    response_id: str | None = None
+    arrivals: list[tuple[float, int]] | None = None  # (s from the level's start, samples) per audio delta
 
     @property
     def late(self) -> bool:
@@ -151,8 +153,10 @@ async def play_reply(
     t0 = time.perf_counter()
     arrivals: list[tuple[float, int]] = []
     rate, done, error = 24000, None, None
+    rid = None
     async for ev in session.respond(**request):
         now = time.perf_counter()
+        rid = rid or getattr(ev, "response_id", None)
         if ev.type == "response.output_audio.delta" and len(ev.pcm):  # an empty delta plays nothing
             arrivals.append((now, len(ev.pcm)))
             rate = ev.sample_rate
@@ -160,7 +164,8 @@ async def play_reply(
             error = f"{ev.error.code}: {ev.error.message}"
         elif ev.type == "response.done":
             done = ev
-    reply = Reply(conv, turn, t0 - t_level, getattr(done, "status", "missing"), error=error)
+    reply = Reply(conv, turn, t0 - t_level, getattr(done, "status", "missing"), error=error, response_id=rid)
+    reply.arrivals = [(round(t - t_level, 5), n) for t, n in arrivals]
     metrics = getattr(done, "metrics", None)
     # the Thinker's yield outcome per response, once the engine reports it (read defensively: see
     # bench_measure.yield_outcome for the field)
@@ -273,6 +278,27 @@ def _pct(values: list[float]) -> dict[str, float] | None:
     return {"p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95)), "max": float(a.max())}
 
 
+def level_trace(replies: list[Reply], steps: Sequence[Any], t_level: float, t_end: float) -> dict[str, Any]:
+    """A level's timeline, for finding what ran while a reply was late (`--load-trace`): every reply's
+    audio arrivals, and the pipeline's step records in the level (times in s from the level's start;
+    requests as indices into `responses`)."""
+    ids = [r.response_id for r in replies]
+    index = {rid: k for k, rid in enumerate(ids) if rid is not None}
+    return {
+        "responses": [
+            {"id": r.response_id, "conversation": r.conversation, "turn": r.turn, "t_sent_s": round(r.t_sent, 5),
+             "lateness_ms": r.lateness_ms, "arrivals": r.arrivals}
+            for r in replies
+        ],  # fmt: skip
+        "steps": [
+            [s.stage, s.kind, round(s.t_start - t_level, 5), round(s.t_end - t_level, 5),
+             [index.get(i, -1) for i in s.request_ids]]
+            for s in steps
+            if t_level <= s.t_start <= t_end
+        ],  # fmt: skip
+    }
+
+
 def summarise_level(n: int, replies: list[Reply], wall_s: float, **extra: Any) -> dict[str, Any]:
     """One level's row: the replies that completed carry the measures; others are counted as failed."""
     ok = [r for r in replies if r.status == "completed"]
@@ -355,6 +381,8 @@ async def run_levels(
                     getattr(engine.settings, "yield_until", None),
                 ),
             )
+            if getattr(args, "load_trace", False):
+                row["trace"] = level_trace(replies, getattr(pipeline, "steps", []), t_level, t_end)
             rows.append(row)
             print("[bench] " + format_load_table([row]).splitlines()[-1], file=sys.stderr, flush=True)
     return rows

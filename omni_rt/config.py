@@ -244,20 +244,25 @@ class EngineSettings(_Settings):
             update["playout_lead_ms"] = 100 if cpu else 0
         return self.model_copy(update=update)
 
-    def chunk_size(self, decoded: int) -> int:
-        """Frames in a response's next Code2Wav chunk, after `decoded` frames: the first chunk size, then
-        the largest planned size whose frames are all there before the audio already decoded has played.
+    def chunk_size(self, decoded: int, held: float = 0.0) -> int:
+        """Frames in a response's next Code2Wav chunk, after `decoded` frames of which `held` (in frames)
+        are not out as audio yet: the first chunk size, then the largest planned size whose frames are
+        all there before the audio already out has played.
 
         The plan's clock, in frames of audio (80 ms): frame 0 arrives at 0 and plays from 0 (after the
         lead), frame i arrives at i / rate. A chunk of frames [decoded, decoded + n) is whole at
-        (decoded + n - 1) / rate, and what plays before it lasts until decoded + lead, so
-        n <= 1 + decoded * (rate - 1) + lead * rate. At rate 2 without a lead: 1, 2, 4, 8, ..."""
+        (decoded + n - 1) / rate, and what plays before it lasts until decoded - held + lead, so
+        n <= 1 + decoded * (rate - 1) + (lead - held) * rate. The streaming decoder holds back the end
+        of the latest frame (`held`: 555 of 1920 samples for the real model, so a first chunk of one
+        frame is 57 ms, not 80): at rate 2 without a lead the plan is 1, 1, 2, 4, 8, ... (counting whole
+        frames it was 1, 2, 4, ..., and a second chunk of two frames was due 57 ms after the first while
+        its frames came 80 ms later at that rate: under load on an H200 it was every late reply's gap)."""
         sizes = self.chunk_sizes()
         if decoded == 0:
             return sizes[0]
         rate = 2.0 if self.chunk_plan_rate is None else self.chunk_plan_rate
         lead = (self.playout_lead_ms or 0) / 80.0
-        most = 1 + decoded * (rate - 1) + lead * rate
+        most = 1 + decoded * (rate - 1) + (lead - held) * rate
         return max((n for n in sizes if n <= most + 1e-9), default=sizes[0])
 
 

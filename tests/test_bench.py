@@ -391,7 +391,7 @@ def test_load_smoke_tiny_cpu(tmp_path, monkeypatch):
     out, png = tmp_path / "l.json", tmp_path / "l.png"
     argv = [
         "--preset", "tiny", "--device", "cpu", "--text-tokens", "2", "--frames", "2", "--load", "2",
-        "--load-seconds", "2", "--json", str(out), "--load-png", str(png),
+        "--load-seconds", "2", "--json", str(out), "--load-png", str(png), "--load-trace",
     ]  # fmt: skip
     assert bench.main(argv) == 0
     d = json.loads(out.read_text())
@@ -404,6 +404,14 @@ def test_load_smoke_tiny_cpu(tmp_path, monkeypatch):
     assert row["audio_s"] == pytest.approx(row["replies"] * (2 * 1920 - 555) / 24000)  # every frame played
     assert d["meta"]["load_engine"]["max_sessions"] == 2
     assert png.stat().st_size > 10_000
+    # --load-trace: each reply's audio arrivals, and the pipeline's steps that served it
+    trace = row["trace"]
+    assert len(trace["responses"]) == row["replies"]
+    for k, r in enumerate(trace["responses"]):
+        assert r["id"].startswith("resp_") and sum(n for _, n in r["arrivals"]) == 2 * 1920 - 555
+        kinds = {(st[0], st[1]) for st in trace["steps"] if k in st[4]}
+        assert {("thinker", "prefill"), ("talker", "predict"), ("code2wav", "chunk")} <= kinds
+        assert all(0.0 <= st[2] <= st[3] for st in trace["steps"])
 
 
 def test_set_overrides_parse_as_json_and_reject_unknown_settings():

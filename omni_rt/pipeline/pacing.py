@@ -14,10 +14,11 @@ stage threads share the cores (and one interpreter lock), they keep the playback
   first, a response with no audio yet before all of them; between chunks the frames that came meanwhile are
   read, so a new conversation's first chunk waits for one chunk, not for every other conversation's.
 - Chunks (`chunk_to_decode`): Code2Wav decodes its planned chunk sizes (`EngineSettings.chunk_size`:
-  1, 2, 4, ... frames, few sizes, so few graphs) once that many frames are pending. The plan doubles a
+  1, 1, 2, 4, ... frames, few sizes, so few graphs) once that many frames are pending. The plan doubles a
   chunk only when its frames, coming at `chunk_plan_rate` times real time, are all there before the
-  audio already decoded (plus the player's `playout_lead_ms`) has played: at 2 (a GPU) that is plain
-  doubling; on a CPU whose frames come 1.1-1.45x real time it is 1, 2, 2, 2, 4, 4, 4, 4, 8, ... with a
+  audio already out (plus the player's `playout_lead_ms`) has played: at 2 (a GPU) that is doubling
+  after a second one-frame chunk (the first chunk is 57 ms of audio, the decoder holding back the rest of
+  its frame); on a CPU whose frames come 1.1-1.45x real time it is 1, 2, 2, 2, 4, 4, 4, 4, 8, ... with a
   100 ms lead, where doubling ran the track dry for 0.1-0.7 s before each new size. The plan depends on
   the frame count alone, so a response's chunks, and so its PCM, are the same on every run. With
   `early_chunks`, when the audio sent would run out before the planned chunk's frames arrive (at the rate
@@ -31,6 +32,7 @@ from omni_rt.config import EngineSettings
 from omni_rt.pipeline.request import Request
 
 PCM_RATE = 24_000  # Code2Wav's output (AudioOut.pcm, Request.samples)
+FRAME_SAMPLES = PCM_RATE * 80 // 1000  # one codec frame (12.5 Hz) of PCM
 
 
 def audio_runs_dry_at(req: Request) -> float | None:
@@ -80,7 +82,9 @@ def chunk_to_decode(
     Early (`early_chunks`): wait for the largest planned size, up to this chunk's, whose missing frames
     arrive (one interval more: the decode, and jitter) before the audio sent runs out; if none, decode the
     largest planned size pending now. Small chunks cost more per frame, so they are used only as needed."""
-    planned = s.chunk_size(decoded)
+    # the decoder holds back the end of the latest frame (less than one): what is out is req.samples
+    held = min(1.0, max(0.0, decoded - req.samples / FRAME_SAMPLES))
+    planned = s.chunk_size(decoded, held=held)
     if pending >= planned:
         return planned
     if ended:

@@ -293,7 +293,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--rows",
         default=None,
         help="'all' (the default without --load), 'none' (reference only) or comma-separated indices of the "
-        "rows; with --load and no --rows only the load protocol runs",
+        "rows (negative from the end: -1 is all on); with --load and no --rows only the load protocol runs",
     )
     ap.add_argument(
         "--concurrency", default="1,4,8", help="simultaneous sessions for the all-on rows; '' none"
@@ -378,7 +378,10 @@ def _select_rows(args: argparse.Namespace, plan: list[tuple[str, dict[str, Any]]
     spec = args.rows if args.rows is not None else ("none" if alone else "all")
     if spec == "all":
         return plan
-    keep = {int(i) for i in spec.split(",") if i and i != "none"}
+    try:  # negative indices count from the end: -1 is all on, whatever rows this version of the plan has
+        keep = {int(i) + (len(plan) if int(i) < 0 else 0) for i in spec.split(",") if i and i != "none"}
+    except ValueError:
+        keep = {-1}
     if keep - set(range(len(plan))):
         names = ", ".join(f"{i}: {n}" for i, (n, _) in enumerate(plan))
         raise SystemExit(f"--rows {spec}: this run's rows are {names}")

@@ -378,6 +378,7 @@ def test_select_rows_load_alone_runs_no_protocol_rows():
     sel = lambda rows, load: bench._select_rows(types.SimpleNamespace(rows=rows, load=load), plan)  # noqa: E731
     assert sel(None, "") == plan and sel(None, "1,8") == [] and sel("all", "1,8") == plan
     assert sel("0", "1,8") == plan[:1]
+    assert sel("-1", "") == plan[-1:] and sel("0,-1", "") == [plan[0], plan[-1]]  # -1: all on
     with pytest.raises(SystemExit, match="--load"):
         bench_load.parse_levels("1,x")
     with pytest.raises(SystemExit, match="1..256"):

@@ -25,7 +25,7 @@ import asyncio
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from omni_rt.errors import ConfigError, SessionLimitError
@@ -49,13 +49,7 @@ class Capacity:
     kv_bytes: int  # every row the caches hold, the capture row included
 
     def as_dict(self) -> dict[str, int]:
-        return {
-            "sessions": self.sessions,
-            "max_sessions": self.max_sessions,
-            "waiting": self.waiting,
-            "kv_bytes_per_slot": self.kv_bytes_per_slot,
-            "kv_bytes": self.kv_bytes,
-        }
+        return asdict(self)
 
 
 # -- sessions ------------------------------------------------------------------------------------------

@@ -398,18 +398,12 @@ class _Host:
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
+        self.settings = engine.settings
+        self.tokenizer = engine.tokenizer
         self.ids = engine.cfg.ids
         self.vocab_size = engine.cfg.thinker.vocab_size
         self.audio_window = int(engine.cfg.audio_config.get("n_window", 50))
         self.speaker_id = engine.speaker_id
-
-    @property
-    def settings(self) -> EngineSettings:
-        return self._engine.settings
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._engine.tokenizer
 
     @property
     def running(self) -> bool:

@@ -5,9 +5,9 @@ The Engine hands each Session a `SessionHost` (engine.py's `_Host`) and the `Tic
 engine.py nor the pipeline's scheduler, so there is no engine ↔ session import circle:
 
     engine.py ──→ session.py ──→ host.py (this Protocol), admission.py
-        └────────────────────────↗ (implements it)
+        └──────── implements SessionHost
 
-A fake host (tests) is any object with these members.
+A fake host (tests) is any object with these members. Methods are called on the session's event loop.
 """
 
 from __future__ import annotations
@@ -24,48 +24,18 @@ __all__ = ["SessionHost"]
 
 
 class SessionHost(Protocol):
-    """The engine as its sessions see it. Methods are called on the session's event loop."""
+    """The engine as its sessions see it."""
 
-    @property
-    def settings(self) -> EngineSettings:
-        """The engine's settings (context lengths, event queue bound)."""
-        ...
-
-    @property
-    def ids(self) -> TokenIds:
-        """The model's special token ids."""
-        ...
-
-    @property
-    def vocab_size(self) -> int:
-        """The Thinker's vocabulary: a verbatim prompt's ids are below it."""
-        ...
-
-    @property
-    def audio_window(self) -> int:
-        """The audio encoder's `n_window` (how many placeholders a spoken turn's features make)."""
-        ...
-
-    @property
-    def tokenizer(self) -> Any:
-        """The chat template and detokeniser (`omni_rt.tokenizer.Tokenizer`)."""
-        ...
-
-    @property
-    def running(self) -> bool:
-        """Whether the pipeline runs (a request can be submitted)."""
-        ...
-
-    @property
-    def generation(self) -> int:
-        """Which run of the pipeline this is: it grows at each start, whose caches are new and empty. A
-        session that cached its conversation in another generation must prefill it again."""
-        ...
-
-    @property
-    def speech_worker(self) -> SpeechWorker | None:
-        """The engine's live-speech encoder thread; None where there is none."""
-        ...
+    settings: EngineSettings  # the engine's (context lengths, the event queue's bound)
+    ids: TokenIds  # the model's special token ids
+    vocab_size: int  # the Thinker's vocabulary: a verbatim prompt's ids are below it
+    audio_window: int  # the audio encoder's `n_window` (a spoken turn's placeholder count)
+    tokenizer: Any  # the chat template and detokeniser (omni_rt.tokenizer.Tokenizer)
+    running: bool  # whether the pipeline runs (a request can be submitted)
+    # which run of the pipeline this is: it grows at each start, whose caches are new and empty; a
+    # session that cached its conversation in another generation prefills it again
+    generation: int
+    speech_worker: SpeechWorker | None  # the live-speech encoder thread; None where there is none
 
     def speaker_id(self, voice: str) -> int:
         """The codec id of a voice; InvalidRequestError for an unknown one."""
@@ -76,9 +46,9 @@ class SessionHost(Protocol):
         ...
 
     def cancel(self, req: Request) -> None:
-        """Stop a request; it ends with a `cancelled` DoneOut (nothing where the engine is stopped)."""
+        """Stop a request: it ends with a `cancelled` DoneOut (nothing where the engine is stopped)."""
         ...
 
     def fail(self, req: Request, exc: Exception) -> None:
-        """End a request with `exc` (an ErrorOut, then a `failed` DoneOut)."""
+        """End a request with `exc`: an ErrorOut, then a `failed` DoneOut."""
         ...

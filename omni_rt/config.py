@@ -36,6 +36,21 @@ class EngineSettings(_Settings):
     max_context: int = Field(4096, ge=16, description="Thinker KV cache length per session (tokens)")
     max_talker_context: int = Field(4096, ge=16, description="Talker KV cache length per session")
     event_queue_size: int = Field(4096, ge=16, description="events buffered per session before failing it")
+    admission_wait_s: float = Field(
+        0.0,
+        ge=0.0,
+        le=3600.0,
+        description="how long a session asked for beyond `max_sessions` waits (first come, first served) "
+        "for one that closes before it gets `SessionLimitError` (code `session_limit`); 0: at once",
+    )
+    kv_cache_gib: float | None = Field(
+        None,
+        gt=0.0,
+        description="ceiling of the stage caches' memory (GiB): the Thinker's at `max_context`, the Talker's "
+        "at `max_talker_context` and the code predictor's, for `max_sessions` slots plus the one graph "
+        "capture writes into, in the model's dtype; more is a ConfigError at load that says how many "
+        "sessions fit. None: no ceiling",
+    )
 
     # pipeline optimisations (each one can be turned off)
     encode_while_speaking: bool = Field(

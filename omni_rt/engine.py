@@ -8,6 +8,9 @@
 
 Model work runs in the pipeline's threads, never on the caller's event loop. Caches are allocated when
 the engine starts (one slot per session, `EngineSettings.max_sessions`) and dropped when it stops.
+Admission (omni_rt.admission): beyond `max_sessions` a session is refused at once with
+`SessionLimitError`, or waits its turn for up to `admission_wait_s`; `kv_cache_gib` caps the caches'
+memory at load. Sessions reach the engine only through a `SessionHost` (omni_rt.host).
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
+from omni_rt.admission import Capacity, Slots, check_kv_ceiling, kv_bytes_per_slot, kv_cache_bytes
 from omni_rt.config import EngineSettings, Sampling, SessionSettings
-from omni_rt.errors import CapacityError, ConfigError, EngineClosedError, InvalidRequestError
+from omni_rt.errors import ConfigError, EngineClosedError, InvalidRequestError
 from omni_rt.model.config import PRESETS, OmniConfig, load_hf_config, preset
 from omni_rt.pipeline.request import Request
 from omni_rt.pipeline.scheduler import Pipeline
-from omni_rt.session import Session, check_sample_rate
+from omni_rt.session import Session
+from omni_rt.turn_input import check_sample_rate
 
 # builds (thinker, talker, code2wav) stage runners at engine start
 StageFactory = Callable[[EngineSettings], tuple[Any, Any, Any]]
@@ -184,7 +189,12 @@ class Engine:
         self._stages = stages
         self._pipeline: Pipeline | None = None
         self._lifecycle = asyncio.Lock()  # start and stop run one at a time, in the order called
-        self._free_slots = list(range(self.settings.max_sessions))
+        # the caches' items: the model's dtype, or float32 (the CPU's) for stages made without a model
+        self._kv_itemsize = model.dtype.itemsize if model is not None else 4
+        check_kv_ceiling(cfg, self.settings, self._kv_itemsize)
+        self._slots = Slots(self.settings.max_sessions, self.settings.admission_wait_s)
+        self._generation = 0  # runs of the pipeline so far: each start has new, empty caches
+        self._host = _Host(self)
         self._speech_worker: Any = None  # made at the first live turn (omni_rt.live_speech)
 
     # -- loading ---------------------------------------------------------------------------------------
@@ -248,6 +258,7 @@ class Engine:
             raise ConfigError(
                 f"dtype must name a floating-point torch dtype (float32, bfloat16, ...), got {dtype!r}"
             )
+        check_kv_ceiling(cfg, settings, resolved.itemsize)  # before the build, which takes minutes
         if kind == "cpu":
             _check_fits_in_memory(cfg, resolved, name)
         # a kernel the settings demand where it cannot run: fail before the build, not after
@@ -282,6 +293,7 @@ class Engine:
                 thinker, talker, code2wav, self.settings, self.cfg.ids, thread_init=self._stage_thread_init()
             )
             self._pipeline.start()
+            self._generation += 1
 
     def _stage_thread_init(self) -> Callable[[], None] | None:
         """What each stage thread runs first: on the CPU, its torch intra-op thread count
@@ -344,7 +356,13 @@ class Engine:
         sampling: Sampling | None = None,
         **kwargs: Any,
     ) -> Session:
-        """Open a conversation (holds one cache slot until closed). Bad settings raise InvalidRequestError."""
+        """Open a conversation; it holds one cache slot from its admission until it is closed.
+
+        Bad settings raise InvalidRequestError. With every slot taken, `SessionLimitError` (code
+        `session_limit`) at once; or, where `EngineSettings.admission_wait_s` > 0, the session is
+        queued (first come, first served) and admitted when another closes: `async with` (or its first
+        `respond()`) waits for that, up to `admission_wait_s` from this call, then raises
+        SessionLimitError. Cancelling the wait, or closing the session, gives its place back."""
         if not self.running:
             raise EngineClosedError("the engine is not running: use `async with engine:`")
         speaker = self.speaker_id(voice)
@@ -359,24 +377,56 @@ class Engine:
             )
         except ValueError as e:
             raise InvalidRequestError(f"bad session settings: {e}") from None
-        if not self._free_slots:
-            raise CapacityError(f"all {self.settings.max_sessions} session slots are in use")
-        return Session(self, self._free_slots.pop(0), settings, speaker)
+        return Session(self._host, self._slots.request(), settings, speaker)
 
-    def _release_slot(self, slot: int) -> None:
-        if slot not in self._free_slots:
-            self._free_slots.append(slot)
-            self._free_slots.sort()
+    @property
+    def capacity(self) -> Capacity:
+        """Sessions admitted and waiting, the ceiling, and the caches' bytes (per slot and in all)."""
+        itemsize, s = self._kv_itemsize, self.settings
+        return Capacity(
+            sessions=self._slots.in_use,
+            max_sessions=s.max_sessions,
+            waiting=self._slots.waiting,
+            kv_bytes_per_slot=kv_bytes_per_slot(self.cfg, s, itemsize),
+            kv_bytes=kv_cache_bytes(self.cfg, s, itemsize),
+        )
 
-    def _submit(self, req: Request) -> None:
-        if self._pipeline is None:
+
+class _Host:
+    """The engine as its sessions see it (omni_rt.host.SessionHost): a narrow view, so the Session
+    never reaches into the Engine or the pipeline."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.settings = engine.settings
+        self.tokenizer = engine.tokenizer
+        self.ids = engine.cfg.ids
+        self.vocab_size = engine.cfg.thinker.vocab_size
+        self.audio_window = int(engine.cfg.audio_config.get("n_window", 50))
+        self.speaker_id = engine.speaker_id
+
+    @property
+    def running(self) -> bool:
+        return self._engine.running
+
+    @property
+    def generation(self) -> int:
+        return self._engine._generation
+
+    @property
+    def speech_worker(self) -> Any:
+        return self._engine.speech_worker
+
+    def submit(self, req: Request) -> None:
+        p = self._engine.pipeline
+        if p is None:
             raise EngineClosedError("the engine is not running: use `async with engine:`")
-        self._pipeline.submit(req)
+        p.submit(req)
 
-    def _pipeline_cancel(self, req: Request) -> None:
-        if self._pipeline is not None:
-            self._pipeline.cancel(req)
+    def cancel(self, req: Request) -> None:
+        if (p := self._engine.pipeline) is not None:
+            p.cancel(req)
 
-    def _pipeline_cancel_with_error(self, req: Request, exc: Exception) -> None:
-        if self._pipeline is not None:
-            self._pipeline._fail(req, exc)
+    def fail(self, req: Request, exc: Exception) -> None:
+        if (p := self._engine.pipeline) is not None:
+            p._fail(req, exc)

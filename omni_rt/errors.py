@@ -2,7 +2,12 @@
 
 
 class OmniRtError(Exception):
-    """Base class of every omni_rt error."""
+    """Base class of every omni_rt error. `code` is its `error.code` in error events: the class name,
+    unless a class documents a wire code of its own."""
+
+    @property
+    def code(self) -> str:
+        return type(self).__name__
 
 
 class ConfigError(OmniRtError, ValueError):
@@ -22,6 +27,14 @@ class InvalidRequestError(OmniRtError, ValueError):
 
 class CapacityError(OmniRtError):
     """No free session slot or cache room for this request."""
+
+
+class SessionLimitError(CapacityError):
+    """The engine's ceiling of sessions (`EngineSettings.max_sessions`) is reached: raised at once by
+    `Engine.session()`, or, where `EngineSettings.admission_wait_s` > 0, when a session has waited that
+    long for one to close. Its code is `session_limit`, as the server's (close 1013, HTTP 503)."""
+
+    code = "session_limit"  # type: ignore[assignment]  # a class constant over the base's property
 
 
 class EngineClosedError(OmniRtError, RuntimeError):

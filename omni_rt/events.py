@@ -203,12 +203,11 @@ class ErrorEvent(Event):
 
     @classmethod
     def from_exception(cls, exc: BaseException, response_id: str | None = None) -> ErrorEvent:
-        from omni_rt.errors import InvalidRequestError
+        from omni_rt.errors import InvalidRequestError, OmniRtError
 
         kind = "invalid_request_error" if isinstance(exc, InvalidRequestError) else "server_error"
-        return cls(
-            error=ErrorInfo(type=kind, code=type(exc).__name__, message=str(exc)), response_id=response_id
-        )
+        code = exc.code if isinstance(exc, OmniRtError) else type(exc).__name__
+        return cls(error=ErrorInfo(type=kind, code=code, message=str(exc)), response_id=response_id)
 
 
 AnyEvent = Annotated[

@@ -6,6 +6,9 @@ plain messages with `loop.call_soon_threadsafe`; the session turns them into Rea
 detokenised, PCM resampled to the session's rate as int16) when the caller reads them. It keeps the
 conversation and which part of it the stage caches already hold, so a second turn prefills only its
 new tokens.
+
+It reaches the engine only through a `SessionHost` (omni_rt.host) and the `Ticket` of its slot
+(omni_rt.admission); it imports no engine.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import asyncio
 import contextlib
 import inspect
 import itertools
-import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,8 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from omni_rt.audio.resample import StreamingResampler
-from omni_rt.config import OUTPUT_SAMPLE_RATES, Sampling, SessionSettings
+from omni_rt.config import Sampling, SessionSettings
 from omni_rt.conversation import (
     TALKER_PROMPT_EXTRA,
     Truncation,
@@ -43,7 +44,7 @@ from omni_rt.events import (
     ResponseCreated,
     ResponseDone,
 )
-from omni_rt.live_speech import LiveSpeech, SpeechClip
+from omni_rt.live_speech import LiveSpeech
 from omni_rt.pipeline.request import (
     DoneOut,
     ErrorOut,
@@ -51,12 +52,12 @@ from omni_rt.pipeline.request import (
     Request,
 )
 from omni_rt.response_stream import response_events
+from omni_rt.turn_input import audio_token_count, check_types, turn_audio
 
 if TYPE_CHECKING:
-    from omni_rt.engine import Engine
+    from omni_rt.admission import Ticket
+    from omni_rt.host import SessionHost
     from omni_rt.speculation import Hold, Speculation
-
-log = logging.getLogger("omni_rt")
 
 STOP_TIMEOUT_S = 60.0  # the longest a stopping response may take before the pipeline counts as stuck
 _response_ids = itertools.count(1)
@@ -82,14 +83,16 @@ class _Starting:
 
 
 class Session:
-    """One conversation. Make it with `engine.session(...)`; use it as `async with` or call `close()`."""
+    """One conversation. Make it with `engine.session(...)`; use it as `async with` or call `close()`.
+    `async with` waits for its admission where the engine queues sessions (`admission_wait_s`); so does
+    the first `respond()` of a session used without it."""
 
-    def __init__(self, engine: Engine, slot: int, settings: SessionSettings, speaker_id: int) -> None:
-        self.engine = engine
-        self.slot = slot
+    def __init__(self, host: SessionHost, ticket: Ticket, settings: SessionSettings, speaker_id: int) -> None:
+        self._host = host
+        self._ticket = ticket  # its cache slot, or its place in the engine's queue for one
         self.settings = settings
         self.speaker_id = speaker_id
-        self.ids = engine.cfg.ids
+        self.ids = host.ids
         self.conversation: list[int] = []  # every token so far, ending with the last reply
         self._thinker_cached = 0  # conversation[:n] is in the Thinker's cache
         self._talker_cached = 0  # user-turn tokens in the Talker's cache (its positions 0..n-1)
@@ -99,7 +102,7 @@ class Session:
         # log-mel features of every clip in the conversation, in order: a prefill of turns the Thinker has
         # not cached (kept without a reply, or kept by a truncation) encodes them again
         self._clips: list[Any] = []
-        self._caches_of = engine.pipeline  # the run whose caches hold them (a restart starts empty)
+        self._caches_of = host.generation  # the run whose caches hold them (a restart starts empty)
         self._current: _Response | None = None
         self._last: _Response | None = None  # the previous response, until the pipeline lets go of it
         self._starting: set[_Starting] = set()  # responses created but not submitted yet
@@ -108,21 +111,27 @@ class Session:
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
+    @property
+    def slot(self) -> int | None:
+        """Its row of every stage cache; None until it is admitted."""
+        return self._ticket.slot
+
     async def __aenter__(self) -> Session:
+        await self._ticket.wait()  # SessionLimitError after admission_wait_s; cancelled: no slot kept
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     async def close(self) -> None:
-        """Cancel any running response and give the slot back to the engine."""
+        """Cancel any running response and give the slot (or the place in the queue) back to the engine."""
         if self._closed:
             return
         if self._held is not None:  # a speculative reply nobody will hear
             await self._held.speculation.drop()
-        await self.cancel()
+        await self.cancel()  # a response that will not stop keeps the slot: its request still writes it
         self._closed = True
-        self.engine._release_slot(self.slot)
+        self._ticket.close()
 
     # -- responses -------------------------------------------------------------------------------------
 
@@ -192,7 +201,7 @@ class Session:
     def live_speech(self) -> LiveSpeech | None:
         """A turn to encode as it is spoken (`omni_rt.live_speech`): push its audio, then respond with
         its `clip()`; None where the engine does not (no audio encoder, or `encode_while_speaking` off)."""
-        worker = self.engine.speech_worker
+        worker = self._host.speech_worker
         return None if worker is None else LiveSpeech(worker)
 
     async def run(self, text: str | None = None, **kwargs: Any) -> ResponseDone:
@@ -222,8 +231,10 @@ class Session:
         try:
             yield ResponseCreated(response_id=rid)
             try:
+                if not self._closed:  # a session used without `async with` is admitted here
+                    await self._ticket.wait()
                 # features (and encoder tokens, if it was encoded as it was spoken) of a spoken turn
-                audio, encoded = await _turn_audio(*audio)
+                audio, encoded = await turn_audio(*audio)
                 # the last await before _build: a previous response that is still stopping can commit
                 # its turn only until here, so this turn builds on the conversation as it ends up
                 await self._settle_last()
@@ -256,13 +267,13 @@ class Session:
             if hold.released_at is not None:  # released while its turn was still being encoded
                 resp.held_ms = (hold.released_at - t0) * 1000.0
         loop = asyncio.get_running_loop()
-        bound = self.engine.settings.event_queue_size
+        bound = self._host.settings.event_queue_size
 
         def on_message(msg: Message) -> None:  # on the loop thread, in the pipeline's order
             terminal = isinstance(msg, ErrorOut | DoneOut)
             # held messages are bounded by the response's own limits: the caller cannot read them yet
             if not terminal and not resp.held and resp.queue.qsize() >= bound:
-                self.engine._pipeline_cancel_with_error(
+                self._host.fail(
                     req, CapacityError(f"the caller did not read this response's events ({bound} queued)")
                 )
                 return
@@ -280,7 +291,7 @@ class Session:
 
         req.sink = sink
         try:
-            self.engine._submit(req)
+            self._host.submit(req)
         except OmniRtError as e:  # never in the pipeline: nothing for cancel() to wait for
             yield ErrorEvent.from_exception(e, rid)
             yield ResponseDone(response_id=rid, status="failed", error=ErrorEvent.from_exception(e).error)
@@ -289,12 +300,12 @@ class Session:
         try:
             if hold is not None:
                 await hold.released.wait()
-            async for ev in response_events(resp, rid, rate, t0, self.engine.tokenizer, self.ids):
+            async for ev in response_events(resp, rid, rate, t0, self._host.tokenizer, self.ids):
                 yield ev
         finally:
             if not resp.done.is_set():  # the caller stopped reading: stop generating
                 resp.cancel_requested = True
-                self.engine._pipeline_cancel(req)
+                self._host.cancel(req)
             if self._current is resp:
                 self._current = None
 
@@ -308,10 +319,7 @@ class Session:
             for _ in range(3):  # finalizer callback → aclose task → its first step
                 await asyncio.sleep(0)
         if last is not None and last.cancel_requested and not last.done.is_set():
-            try:
-                await asyncio.wait_for(last.done.wait(), timeout=STOP_TIMEOUT_S)
-            except TimeoutError:
-                raise StageError(f"the previous response did not stop within {STOP_TIMEOUT_S:g} s") from None
+            await self._stop(last, "the previous response")
 
     async def cancel(self) -> None:
         """Barge-in: stop the current response now (within one codec frame) and keep the session.
@@ -321,14 +329,18 @@ class Session:
         for starting in self._starting:  # a response not submitted yet (its spoken turn's features)
             starting.cancelled = True
         resp = self._last  # also a response whose iterator the caller dropped: it may still be stopping
-        if resp is None or resp.done.is_set():
-            return
-        resp.cancel_requested = True
-        self.engine._pipeline_cancel(resp.req)
+        if resp is not None and not resp.done.is_set():
+            await self._stop(resp, "the response")
+
+    async def _stop(self, resp: _Response, what: str) -> None:
+        """Cancel `resp` in the pipeline (once) and wait until it is done; StageError if it is stuck."""
+        if not resp.cancel_requested:
+            resp.cancel_requested = True
+            self._host.cancel(resp.req)
         try:
             await asyncio.wait_for(resp.done.wait(), timeout=STOP_TIMEOUT_S)
         except TimeoutError:
-            raise StageError(f"the pipeline did not stop the response within {STOP_TIMEOUT_S:g} s") from None
+            raise StageError(f"{what} did not stop within {STOP_TIMEOUT_S:g} s") from None
 
     # -- internals -------------------------------------------------------------------------------------
 
@@ -350,11 +362,11 @@ class Session:
             raise InvalidRequestError("this session is closed")
         if self._held is not None and self._held is not hold:
             raise InvalidRequestError("a speculative response is held: release or drop it first")
-        if not self.engine.running:
+        if not self._host.running:
             raise EngineClosedError("the engine is not running: use `async with engine:`")
         if self._current is not None and not self._current.done.is_set():
             raise InvalidRequestError("a response is already in progress in this session: cancel() it first")
-        if self._caches_of is not self.engine.pipeline:  # the engine restarted: its caches are new
+        if self._caches_of != self._host.generation:  # the engine restarted: its caches are new
             if self.ids.audio in self.conversation:
                 raise InvalidRequestError(
                     "this session's spoken turns were encoded into the stopped engine's caches and cannot "
@@ -362,24 +374,22 @@ class Session:
                 )
             self._thinker_cached = self._talker_cached = 0
             self._talker_hidden = None
-            self._caches_of = self.engine.pipeline
+            self._caches_of = self._host.generation
         if (text is None and audio is None) == (input_ids is None):
             raise InvalidRequestError("give text and/or audio, or input_ids")
-        _check_types(text, voice, sampling, max_output_tokens, max_audio_frames)
-        cfg = self.engine.cfg
+        check_types(text, voice, sampling, max_output_tokens, max_audio_frames)
         history = [] if self.conversation else self._system_turn()
         if audio is not None:
             # the spoken turn: the clip's placeholders, then any text, then the assistant header
             from omni_rt.model.speech_input import speech_prompt
 
-            n_window = int(cfg.audio_config.get("n_window", 50))
-            count = _audio_token_count(audio.shape[1], n_window)
-            text_ids = self.engine.tokenizer.encode(text) if text else []
+            count = audio_token_count(audio.shape[1], self._host.audio_window)
+            text_ids = self._host.tokenizer.encode(text) if text else []
             new = speech_prompt(self.ids, [count], text_ids=text_ids, history=history)
         elif text is not None:
             if not text.strip():
                 raise InvalidRequestError("empty input: text must contain something to respond to")
-            new = history + self.engine.tokenizer.chat_prompt([("user", text)])
+            new = history + self._host.tokenizer.chat_prompt([("user", text)])
         else:
             try:
                 new = list(input_ids)
@@ -387,8 +397,9 @@ class Session:
                 raise InvalidRequestError("input_ids must be a sequence of token ids") from None
             if not new:
                 raise InvalidRequestError("empty input: input_ids is empty")
-            if not all(isinstance(t, int | np.integer) and 0 <= t < cfg.thinker.vocab_size for t in new):
-                raise InvalidRequestError(f"input_ids must be token ids in [0, {cfg.thinker.vocab_size})")
+            vocab = self._host.vocab_size
+            if not all(isinstance(t, int | np.integer) and 0 <= t < vocab for t in new):
+                raise InvalidRequestError(f"input_ids must be token ids in [0, {vocab})")
             new = [int(t) for t in new]
             if any(t in (self.ids.audio, self.ids.image, self.ids.video) for t in new):
                 # a clip's encoder output fills these; a verbatim prompt brings none (send audio=...)
@@ -400,7 +411,7 @@ class Session:
                 "the prompt must end with the assistant header [<|im_start|>, assistant, \\n] "
                 f"= {[self.ids.im_start, self.ids.assistant, self.ids.newline]}"
             )
-        speaker = self.speaker_id if voice is None else self.engine.speaker_id(voice)
+        speaker = self.speaker_id if voice is None else self._host.speaker_id(voice)
         rate = self.settings.output_sample_rate
         max_tokens = self.settings.max_output_tokens if max_output_tokens is None else int(max_output_tokens)
         max_frames = self.settings.max_audio_frames if max_audio_frames is None else int(max_audio_frames)
@@ -411,7 +422,7 @@ class Session:
             new, max_tokens, max_frames, dry_run=hold is not None and not hold.released.is_set()
         )
         prompt = self.conversation + close_turn(self.conversation, self.ids) + new
-        s = self.engine.settings
+        s = self._host.settings
         if len(prompt) >= s.max_context:
             raise InvalidRequestError(
                 f"the prompt ({len(prompt)} tokens with the conversation so far) is longer than the "
@@ -480,7 +491,7 @@ class Session:
         for the reply in both stages' caches), as the session's `truncation` says. Applied at once: the
         dropped turns are gone whatever becomes of this response. None: nothing dropped."""
         ratio = retention_ratio(self.settings.truncation)
-        s = self.engine.settings
+        s = self._host.settings
         limits = (input_limit(s.max_context, max_tokens), input_limit(s.max_talker_context, max_frames))
 
         def fits(conv: list[int], share: float) -> bool:
@@ -514,7 +525,7 @@ class Session:
         """The instructions as a system turn (first turn only), chat-formatted."""
         if not self.settings.instructions:
             return []
-        return self.engine.tokenizer.chat_prompt(
+        return self._host.tokenizer.chat_prompt(
             [("system", self.settings.instructions)], add_generation_prompt=False
         )
 
@@ -542,65 +553,3 @@ class Session:
         """This turn's clip, if it was spoken, joins the clips of the conversation."""
         if req.audio_features and spoken_clips(req.prompt_ids, self.ids) > len(self._clips):
             self._clips.append(req.audio_features[-1])
-
-
-def _check_types(text, voice, sampling, max_output_tokens, max_audio_frames) -> None:
-    """Argument types of `respond()` that nothing downstream checks before a stage runner reads them."""
-    for name, v in (("text", text), ("voice", voice)):
-        if v is not None and not isinstance(v, str):
-            raise InvalidRequestError(f"{name} must be a str, got {type(v).__name__}")
-    if sampling is not None and not isinstance(sampling, Sampling):
-        raise InvalidRequestError(f"sampling must be an omni_rt.Sampling, got {type(sampling).__name__}")
-    for name, v in (("max_output_tokens", max_output_tokens), ("max_audio_frames", max_audio_frames)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int | np.integer)):
-            raise InvalidRequestError(f"{name} must be an int, got {v!r}")
-
-
-async def _turn_audio(audio: Any, rate: int) -> tuple[Any, Any]:
-    """(log-mel features, encoder tokens or None) of a spoken turn, off the event loop: a `SpeechClip`'s
-    encoding as it was made while the user spoke, else features of the whole clip (the Thinker encodes
-    them). A clip whose stream failed is encoded whole, so nothing is lost."""
-    if audio is None:
-        return None, None
-    if isinstance(audio, SpeechClip):
-        try:
-            return await audio.encoding()
-        except Exception:
-            log.warning("live speech encoding failed; the turn is encoded whole", exc_info=True)
-            audio, rate = audio.audio, 16000
-    return await asyncio.to_thread(_speech_features, audio, rate), None
-
-
-def _speech_features(audio: Any, rate: int):
-    """Log-mel features [128, F] of a spoken turn (16 kHz; 24 and 48 kHz are resampled first)."""
-    from omni_rt.audio.features import SAMPLE_RATE, log_mel
-
-    if rate != SAMPLE_RATE:
-        if rate not in OUTPUT_SAMPLE_RATES:
-            raise InvalidRequestError(f"unsupported audio sample rate {rate}; send 16, 24 or 48 kHz PCM")
-        try:
-            pcm = np.asarray(audio)
-        except (TypeError, ValueError, RuntimeError) as e:  # e.g. a tensor on a GPU
-            raise InvalidRequestError(f"audio must be a numpy array of PCM samples: {e}") from None
-        if pcm.dtype == np.int16:
-            pcm = pcm.astype(np.float32) / 32768.0
-        elif not np.issubdtype(pcm.dtype, np.floating):  # as log_mel checks 16 kHz input
-            raise InvalidRequestError(f"audio must be float or int16 PCM, got dtype {pcm.dtype}")
-        if pcm.ndim != 1:
-            raise InvalidRequestError(f"audio must be mono [samples], got shape {pcm.shape}")
-        audio = StreamingResampler(rate, SAMPLE_RATE).push(pcm)
-    return log_mel(audio, SAMPLE_RATE)
-
-
-def _audio_token_count(n_frames: int, n_window: int) -> int:
-    from omni_rt.audio.features import audio_token_count
-
-    return int(audio_token_count(n_frames, n_window))
-
-
-def check_sample_rate(rate: int) -> int:
-    if rate not in OUTPUT_SAMPLE_RATES:
-        raise InvalidRequestError(
-            f"unsupported output sample rate {rate}; choose one of {list(OUTPUT_SAMPLE_RATES)}"
-        )
-    return rate

@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from omni_rt.errors import StageError
 from omni_rt.events import ErrorEvent, Event
 
 if TYPE_CHECKING:
@@ -31,7 +30,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Hold", "Speculation"]
 
-STOP_TIMEOUT_S = 60.0  # as the session's: the longest a cancelled request may take to let go
 _END = object()
 
 
@@ -101,14 +99,7 @@ class Speculation:
         resp = hold.resp
         try:
             if resp is not None and not resp.done.is_set():
-                resp.cancel_requested = True
-                session.engine._pipeline_cancel(resp.req)
-                try:
-                    await asyncio.wait_for(resp.done.wait(), timeout=STOP_TIMEOUT_S)
-                except TimeoutError:
-                    raise StageError(
-                        f"a dropped speculative response did not stop within {STOP_TIMEOUT_S:g} s"
-                    ) from None
+                await session._stop(resp, "a dropped speculative response")
         finally:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

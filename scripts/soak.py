@@ -264,7 +264,7 @@ async def soak(
             s = Sample(
                 t_s=round(time.monotonic() - t0, 1), rss_mb=round(rss_mb(), 1), fds=fd_count(),
                 threads=threading.active_count(), tasks=len(asyncio.all_tasks()), sessions=len(server.peers),
-                free_slots=len(engine._free_slots),
+                free_slots=conversations - engine.capacity.sessions,
             )  # fmt: skip
             report.samples.append(s)
             if not warm_marked and s.t_s >= warmup_s:
@@ -277,14 +277,14 @@ async def soak(
             c.result()  # a client's own bug surfaces here
         # every socket is closed: the server must give every session, slot and task back, soon
         settle = time.monotonic() + stuck_s
-        while time.monotonic() < settle and (server.peers or len(engine._free_slots) < conversations):
+        while time.monotonic() < settle and (server.peers or engine.capacity.sessions):
             await asyncio.sleep(0.1)
         for _ in range(50):  # tasks that end with their peers finish within a few loop turns
             if len(asyncio.all_tasks()) <= baseline_tasks:
                 break
             await asyncio.sleep(0.1)
         report.left_sessions = len(server.peers)
-        report.left_slots = conversations - len(engine._free_slots)
+        report.left_slots = engine.capacity.sessions
         report.left_tasks = max(0, len(asyncio.all_tasks()) - baseline_tasks)
         report.end_rss_mb = round(rss_mb(), 1)
         if not warm_marked:

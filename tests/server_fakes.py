@@ -24,7 +24,7 @@ import pytest
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
-from omni_rt.errors import CapacityError, InvalidRequestError, StageError
+from omni_rt.errors import InvalidRequestError, SessionLimitError, StageError
 from omni_rt.events import (
     Metrics,
     ResponseCreated,
@@ -163,7 +163,7 @@ class FakeEngine:
         if voice not in VOICES:
             raise InvalidRequestError(f"unknown voice {voice!r}; known: {', '.join(VOICES)}")
         if self.open_sessions >= self.max_sessions:
-            raise CapacityError("no free session slot")
+            raise SessionLimitError(f"all {self.max_sessions} session slots are in use")  # as the Engine
         self.open_sessions += 1
         self.instructions.append(instructions)
         s = FakeSession(self, voice, instructions, output_sample_rate)

@@ -253,11 +253,11 @@ async def test_a_run_cancelled_mid_reply_stops_the_reply_and_gives_the_session_b
         *audio_frames(np.concatenate([hello, silence(1.0, rate)]), rate),
         Await(asyncio.Event(), "the end"),
     ]
-    before, slots = asyncio.all_tasks(), len(engine._free_slots)
+    before, slots = asyncio.all_tasks(), engine.capacity.sessions
     async with engine:
         await cancel_at(tap.audio[0], "reply 1's first audio", run_pipeline(Pipeline([service, tap]), frames))
         assert tasks_left(before) == []
-        assert service.session is None and len(engine._free_slots) == slots
+        assert service.session is None and engine.capacity.sessions == slots
     assert [d.status for d in done] == ["cancelled"]
 
 
@@ -266,20 +266,20 @@ async def test_a_run_cancelled_before_the_pipeline_started_gives_the_session_bac
     whose StartFrame has not reached its end, only cleans it up: the cleanup gives the session back."""
     service = OmniRtService(engine, **REPLY)
     hold = HoldStart()
-    before, slots = asyncio.all_tasks(), len(engine._free_slots)
+    before, slots = asyncio.all_tasks(), engine.capacity.sessions
     async with engine:
         await cancel_at(hold.reached, "the service's start", run_pipeline(Pipeline([service, hold]), []))
         assert tasks_left(before) == []
-        assert service.session is None and len(engine._free_slots) == slots
+        assert service.session is None and engine.capacity.sessions == slots
 
 
 async def test_a_pipeline_that_does_not_start_in_time_fails_the_run_and_leaves_no_task(engine) -> None:
     """The failure that once hung the test run (pipecat's run_test gave up on a slow start and left its
     pipeline running): the run fails with a TimeoutError, and nothing of the pipeline is left behind."""
     service = OmniRtService(engine, **REPLY)
-    before, slots = asyncio.all_tasks(), len(engine._free_slots)
+    before, slots = asyncio.all_tasks(), engine.capacity.sessions
     async with engine:
         with pytest.raises(TimeoutError, match="the pipeline to start"):
             await run_pipeline(Pipeline([service, HoldStart()]), [], wait_s=0.5)
         assert tasks_left(before) == []
-        assert service.session is None and len(engine._free_slots) == slots
+        assert service.session is None and engine.capacity.sessions == slots

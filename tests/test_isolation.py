@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import omni_rt
-from omni_rt.errors import CapacityError
+from omni_rt.errors import SessionLimitError
 from omni_rt.pipeline.runners import build_runners
 
 TEXTS = [
@@ -77,8 +77,9 @@ async def test_eight_staggered_conversations_each_get_what_they_get_alone(tiny):
     async with engine:
         sessions = [engine.session() for _ in TEXTS]
         try:
-            with pytest.raises(CapacityError, match="all 8 session slots are in use"):
+            with pytest.raises(SessionLimitError, match="all 8 session slots are in use") as refused:
                 engine.session()  # the ninth: refused at once, nothing queued
+            assert refused.value.code == "session_limit" and engine.capacity.waiting == 0
             together = await asyncio.gather(*(conversation(k, s) for k, s in enumerate(sessions)))
         finally:
             for s in sessions:

@@ -217,6 +217,19 @@ async def test_session_limit():
         await assert_serves(server)
 
 
+async def test_the_engines_own_session_limit_has_the_same_code_and_close():
+    # the engine full before the server is (e.g. another connection's transcription took a slot):
+    # the engine's SessionLimitError reaches the client as the server's own limit does
+    async with Server(FakeEngine(step_s=0, max_sessions=1), ServerSettings(port=0, max_sessions=4)) as server:
+        async with websockets.connect(url(server)) as a:
+            assert (await recv_json(a))["type"] == "session.created"
+            async with websockets.connect(url(server)) as b:
+                event = await recv_json(b)
+                assert event["type"] == "error" and event["error"]["code"] == "session_limit", event
+                assert await closed_with(b) == 1013
+        await assert_serves(server)
+
+
 async def test_static_files_and_no_traversal():
     async with Server(FakeEngine(step_s=0), ServerSettings(port=0)) as server:
         base = f"http://127.0.0.1:{server.port}"
@@ -370,6 +383,8 @@ async def test_serve_command_starts_prints_its_url_and_stops_on_ctrl_c():
 
         status, body = await asyncio.to_thread(get, "/health")
         assert status == 200 and json.loads(body)["ok"] is True
+        engine = json.loads(body)["engine"]  # the engine's capacity: sessions, ceiling, cache bytes
+        assert engine["sessions"] == 0 and engine["max_sessions"] >= 1 and engine["kv_bytes_per_slot"] > 0
         async with websockets.connect(f"ws://127.0.0.1:{port}/ws?token=tk") as ws:
             assert (await recv_json(ws, 10))["type"] == "session.created"
         proc.send_signal(signal.SIGINT)

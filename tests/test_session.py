@@ -306,9 +306,9 @@ async def test_bad_argument_types_fail_the_response_not_the_caller():
 async def test_cancel_while_a_spoken_turn_is_still_being_prepared(monkeypatch):
     # cancel() after response.created, while the clip's features are computed off the loop: the
     # response must end cancelled (it used to go on, un-cancellable, once its features were ready)
-    from omni_rt import session as session_module
+    from omni_rt import turn_input
 
-    real = session_module._speech_features
+    real = turn_input.speech_features
     started = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -317,7 +317,7 @@ async def test_cancel_while_a_spoken_turn_is_still_being_prepared(monkeypatch):
         time.sleep(0.2)
         return real(*args)
 
-    monkeypatch.setattr(session_module, "_speech_features", slow)
+    monkeypatch.setattr(turn_input, "speech_features", slow)
     clip = np.zeros(16000, np.float32)
     async with fake_engine(reply_len=40) as engine, engine.session() as s:
         task = asyncio.create_task(collect(s, audio=clip, max_output_tokens=40))
@@ -383,7 +383,7 @@ async def test_a_response_the_pipeline_refused_does_not_block_cancel_or_close(mo
         def refuse(req):
             raise omni_rt.EngineClosedError("the engine is stopping")
 
-        monkeypatch.setattr(engine, "_submit", refuse)
+        monkeypatch.setattr(s._host, "submit", refuse)
         events = await collect(s, "hi")
         assert events[-1].status == "failed" and events[1].error.code == "EngineClosedError"
         await asyncio.wait_for(s.close(), 2.0)  # nothing is running: it used to wait 60 s, then raise
@@ -578,7 +578,7 @@ async def test_a_reply_the_pipeline_cancelled_before_its_first_token_keeps_the_t
     async with counting_engine() as engine, engine.session() as s:
         await s.run("Hello")
         clip = np.zeros(16000, np.float32)
-        from omni_rt.session import _speech_features
+        from omni_rt.turn_input import speech_features as _speech_features
 
         req, *_ = s._build("r", 0.0, "and this", None, _speech_features(clip, 16000), None, None, 4, 4, False)
         before = len(s.conversation)

@@ -86,7 +86,7 @@ async def test_no_free_session_slot_is_a_failed_transcription_and_off_means_none
             events = await until(ws, f"{T}.completed", f"{T}.failed")
             failed = events[-1]
             assert failed["type"] == f"{T}.failed"
-            assert failed["error"]["code"] == "CapacityError" and failed["error"]["message"]
+            assert failed["error"]["code"] == "session_limit" and failed["error"]["message"]
             if not any(e["type"] == "response.done" for e in events):
                 await until(ws, "response.done")  # the reply itself was not affected
 

@@ -217,9 +217,12 @@ class Server:
         if is_realtime_path(url.path):
             return self._check_ws(connection, url.query, origin, host, bearer)
         if url.path == "/health":
-            body = json.dumps(
-                {"ok": True, "sessions": len(self.peers), "max_sessions": self.settings.max_sessions}
-            )
+            health: dict[str, Any] = {
+                "ok": True, "sessions": len(self.peers), "max_sessions": self.settings.max_sessions,
+            }  # fmt: skip
+            if (capacity := getattr(self.engine, "capacity", None)) is not None:  # the engine's own ceiling
+                health["engine"] = capacity.as_dict()
+            body = json.dumps(health)
             return _response(HTTPStatus.OK, body.encode(), "application/json")
         if url.path == "/metrics" and hasattr(self.engine, "metrics"):  # a MeteredEngine (server/metrics.py)
             return _response(HTTPStatus.OK, *self.engine.metrics.exposition())

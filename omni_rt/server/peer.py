@@ -160,7 +160,7 @@ class Peer:
                 await self.open()
             except OmniRtError as exc:
                 await self.transport.fail(
-                    ProtocolError("session_unavailable", str(exc), type="server_error"), 1013
+                    ProtocolError(protocol.unopened_code(exc), str(exc), type="server_error"), 1013
                 )
                 return
             self.send(wire.session_created(self.session_object()))
@@ -406,7 +406,11 @@ class Peer:
                 await self._open_session()
             except OmniRtError as exc:  # the engine stopped, or lost its slot to another client
                 raise ProtocolError(
-                    "session_unavailable", str(exc), type="server_error", event_id=event.event_id, fatal=True
+                    protocol.unopened_code(exc),
+                    str(exc),
+                    type="server_error",
+                    event_id=event.event_id,
+                    fatal=True,
                 ) from None
         self.send(wire.session_updated(self.session_object()))
         if self.replies.respond_when_idle and self.replies.current is None:

@@ -15,6 +15,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from omni_rt import wire
+from omni_rt.errors import OmniRtError, SessionLimitError
 from omni_rt.server.tools import ToolChoice, Tools, tool_call_text, tool_response
 
 MAX_MESSAGE_BYTES = 256 * 1024  # an SDP offer is a few kB; a text message far less
@@ -23,6 +24,12 @@ INPUT_SAMPLE_RATE = wire.INPUT_SAMPLE_RATE
 MAX_APPEND_MS = 2_000  # audio in one append; clients send 20-100 ms at a time
 # base64 of MAX_APPEND_MS of PCM16: 4 characters per 3 bytes
 MAX_APPEND_CHARS = -(-INPUT_SAMPLE_RATE * MAX_APPEND_MS // 1000 * 2 // 3) * 4
+
+
+def unopened_code(exc: OmniRtError) -> str:
+    """The error code for a session the engine did not open: `session_limit` at the engine's ceiling
+    (as at the server's own), else `session_unavailable` (the engine stopped, ...)."""
+    return exc.code if isinstance(exc, SessionLimitError) else "session_unavailable"
 
 
 class ProtocolError(Exception):

@@ -217,7 +217,9 @@ class RealtimeHttp:
             self.server.peers.discard(peer)
             if isinstance(exc, ProtocolError):
                 return _error(HTTPStatus.BAD_REQUEST, exc.message, exc.code)
-            return _error(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), "session_unavailable", "server_error")
+            return _error(
+                HTTPStatus.SERVICE_UNAVAILABLE, str(exc), protocol.unopened_code(exc), "server_error"
+            )
         call_id = f"rtc_{peer.session_id.partition('_')[2]}"
         self.calls[call_id] = peer
         self.server.run_peer(peer, on_end=lambda: self.calls.pop(call_id, None))

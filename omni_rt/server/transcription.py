@@ -132,7 +132,7 @@ class InputTranscriber:
         except asyncio.CancelledError:
             raise
         except OmniRtError as exc:  # no free slot, the engine stopped, a bad request
-            reason = (type(exc).__name__, str(exc))
+            reason = (exc.code, str(exc))
         except Exception as exc:  # a bug costs this transcript, never the connection
             log.exception("transcription of %s failed", item_id)
             reason = ("server_error", f"transcription failed: {type(exc).__name__}")

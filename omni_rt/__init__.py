@@ -20,6 +20,7 @@ from omni_rt.errors import (
     EngineClosedError,
     InvalidRequestError,
     OmniRtError,
+    SessionLimitError,
     StageError,
     WeightError,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "WeightError",
     "InvalidRequestError",
     "CapacityError",
+    "SessionLimitError",
     "EngineClosedError",
     "StageError",
 ]

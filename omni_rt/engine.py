@@ -429,4 +429,4 @@ class _Host:
 
     def fail(self, req: Request, exc: Exception) -> None:
         if (p := self._engine.pipeline) is not None:
-            p._fail(req, exc)
+            p.fail(req, exc)

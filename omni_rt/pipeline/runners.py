@@ -48,6 +48,7 @@ from omni_rt.pipeline.shapes import (
     prefill_shapes,
     right_pad,
 )
+from omni_rt.admission import CAPTURE_ROWS  # the caches' extra row, which graph capture writes into
 from omni_rt.pipeline.stage_device import (
     LaunchGate,
     host_ids,
@@ -85,9 +86,9 @@ class ThinkerRunner:
         self.gate = gate  # told when a prefill is enqueued (the Talker's prefix waits for it)
         self.stream = stage_stream(self.device, priority=0)
         self.scratch = settings.max_sessions  # the extra cache row graph capture writes into
-        self.cache = self.thinker.allocate_cache(settings.max_sessions + 1, settings.max_context)
+        self.cache = self.thinker.allocate_cache(settings.max_sessions + CAPTURE_ROWS, settings.max_context)
         self.vocab = self.thinker.cfg.vocab_size
-        self.sampler = StageSampler("thinker", settings.max_sessions + 1, self.vocab, self.device)
+        self.sampler = StageSampler("thinker", settings.max_sessions + CAPTURE_ROWS, self.vocab, self.device)
         self._graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> captured decode step
         self._prefill_graphs: dict[tuple[int, int, int], object] = {}  # (batch, padded T, kv_len) -> prefill
         if graphs_on(settings, self.device):
@@ -295,9 +296,9 @@ class TalkerRunner:
         self.cfg = model.cfg
         self.stream = stage_stream(self.device, priority=-1)
         self.scratch = settings.max_sessions  # the extra cache row graph capture writes into
-        self.cache = self.talker.allocate_cache(settings.max_sessions + 1, settings.max_talker_context)
+        self.cache = self.talker.allocate_cache(settings.max_sessions + CAPTURE_ROWS, settings.max_talker_context)
         self.talker.code_predictor.setup_cache(settings.max_sessions)
-        slots, vocab = settings.max_sessions + 1, self.cfg.talker.vocab_size
+        slots, vocab = settings.max_sessions + CAPTURE_ROWS, self.cfg.talker.vocab_size
         suppress = codec_suppress_ids(vocab, self.cfg.ids.codec_eos)
         fused = getattr(model, "fused_sampling", False)  # `engine.apply_kernels` sets it
         self.code0 = StageSampler("talker", slots, vocab, self.device, suppress=suppress, fused=fused)

@@ -173,6 +173,11 @@ class Pipeline:
             req.cancelled = True
         self._stop_everywhere(req)
 
+    def fail(self, req: Request, exc: BaseException) -> None:
+        """End `req` with `exc` (its error event and done), and stop it at every stage: a session's own
+        verdict on its response (e.g. the caller stopped reading its events)."""
+        self._fail(req, exc)
+
     # -- helpers ---------------------------------------------------------------------------------------
 
     def _stop_everywhere(self, req: Request) -> None:

@@ -286,13 +286,24 @@ def level_trace(replies: list[Reply], steps: Sequence[Any], t_level: float, t_en
     index = {rid: k for k, rid in enumerate(ids) if rid is not None}
     return {
         "responses": [
-            {"id": r.response_id, "conversation": r.conversation, "turn": r.turn, "t_sent_s": round(r.t_sent, 5),
-             "lateness_ms": r.lateness_ms, "arrivals": r.arrivals}
+            {
+                "id": r.response_id,
+                "conversation": r.conversation,
+                "turn": r.turn,
+                "t_sent_s": round(r.t_sent, 5),
+                "lateness_ms": r.lateness_ms,
+                "arrivals": r.arrivals,
+            }
             for r in replies
         ],  # fmt: skip
         "steps": [
-            [s.stage, s.kind, round(s.t_start - t_level, 5), round(s.t_end - t_level, 5),
-             [index.get(i, -1) for i in s.request_ids]]
+            [
+                s.stage,
+                s.kind,
+                round(s.t_start - t_level, 5),
+                round(s.t_end - t_level, 5),
+                [index.get(i, -1) for i in s.request_ids],
+            ]
             for s in steps
             if t_level <= s.t_start <= t_end
         ],  # fmt: skip

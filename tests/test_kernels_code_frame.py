@@ -35,7 +35,10 @@ def predictor(dtype: torch.dtype, seed: int = 0) -> CodePredictor:
 
 def inputs(batch: int, width: int, dtype: torch.dtype):
     g = torch.Generator().manual_seed(7)
-    return (torch.randn(batch, width, generator=g).to(dtype), torch.randn(batch, width, generator=g).to(dtype))
+    return (
+        torch.randn(batch, width, generator=g).to(dtype),
+        torch.randn(batch, width, generator=g).to(dtype),
+    )
 
 
 def run(cp: CodePredictor, fused: bool, hidden, code0, sample=greedy):

@@ -10,8 +10,8 @@ from test_pipeline_policy import make, request, run, steps
 
 from omni_rt.bench_load import LATE_MS, playback_lateness
 from omni_rt.config import EngineSettings
-from omni_rt.pipeline.fake import FakeCode2Wav, FakeTimings
 from omni_rt.pipeline import pacing
+from omni_rt.pipeline.fake import FakeCode2Wav, FakeTimings
 from omni_rt.pipeline.pacing import PCM_RATE, audio_ahead_s, chunk_to_decode, may_decode_text
 from omni_rt.pipeline.request import AudioOut, Request
 
@@ -99,7 +99,10 @@ def test_the_chunk_plan_doubles_only_when_the_frames_come_twice_as_fast_as_real_
         rate, lead, decoded = s.chunk_plan_rate or 2.0, (s.playout_lead_ms or 0) / 80, 0
         for n in plan(s)[:-1]:
             # whole (its last frame there, at rate x real time) before the audio out before it has played
-            assert decoded == 0 or (decoded + n - 1) / rate <= decoded - HELD + lead + 1e-9, (plan(s), decoded)
+            assert decoded == 0 or (decoded + n - 1) / rate <= decoded - HELD + lead + 1e-9, (
+                plan(s),
+                decoded,
+            )
             decoded += n
     # explicit settings are kept; no growth keeps the first size
     assert EngineSettings(chunk_plan_rate=2.0, playout_lead_ms=0).for_device("cpu").chunk_plan_rate == 2.0

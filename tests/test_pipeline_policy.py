@@ -323,6 +323,35 @@ def test_two_requests_at_once_get_what_they_get_alone():
     assert any(len(s.request_ids) == 2 for s in steps(p, "thinker", "decode"))  # they were batched
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_code2wav_batches_same_size_chunks_of_conversations_and_each_gets_its_own_audio(deterministic):
+    # Code2Wav (20 ms a call) is slower than the frames (one per 2 ms), so both conversations have a
+    # chunk of the planned size waiting whenever a chunk is chosen: with code2wav_batch they go in one
+    # call; each conversation's PCM is what it gets alone. Deterministic mode decodes one at a time.
+    s = EngineSettings(code2wav_batch=True, deterministic=deterministic, yield_to_talker_ms=0)
+    t = FakeTimings(thinker_decode=0.001, talker_step=0.001, predict=0.001, code2wav_chunk=0.02)
+    prompts = [PROMPT, PROMPT[:3] + [99, 98] + PROMPT[3:]]
+    pcm = lambda sink: np.concatenate([a.pcm for a in sink.of(AudioOut)]).tolist()  # noqa: E731
+    alone = []
+    for i, prompt in enumerate(prompts):
+        p = make(s, t, reply_len=30)
+        try:
+            r = request(f"alone{i}", prompt=prompt, max_audio_frames=24)
+            run(p, r)
+            alone.append(pcm(r[1]))
+        finally:
+            p.stop()
+    p = make(s, t, reply_len=30)
+    try:
+        both = [request(f"both{i}", slot=i, prompt=pr, max_audio_frames=24) for i, pr in enumerate(prompts)]
+        run(p, *both)
+    finally:
+        p.stop()
+    assert [pcm(sink) for _, sink in both] == alone
+    batched = [c for c in steps(p, "code2wav", "chunk") if len(c.request_ids) == 2]
+    assert (not batched) if deterministic else batched, steps(p, "code2wav", "chunk")
+
+
 def test_stage_failure_fails_only_that_request():
     p = make(talker={"prefix:bad"})
     try:

@@ -414,6 +414,44 @@ def test_every_code2wav_call_that_touches_its_state_runs_on_its_stream(model, mo
     assert resets and all(resets)  # open, flush (the stream starts afresh), close
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_code2wav_chunks_of_several_responses_in_one_call_are_each_its_own_stream(model, graphed, graphs):
+    # three responses at different points of their streams (first chunk, a few frames in, further on),
+    # their next 2-frame chunks decoded in one call: each is what its own stream alone decodes (within
+    # float rounding: a batched conv sums in another order; deterministic mode decodes one at a time)
+    from omni_rt.model.code2wav import Code2WavStream
+
+    s = EngineSettings(max_sessions=4, code2wav_batch=True, cuda_graphs=graphs)
+    batched = runners.Code2WavRunner(model, s)
+    if graphs:
+        assert runners.code2wav_buckets(4) == [1, 2, 4] and (4, 2) in batched._graphs
+    gen = torch.Generator().manual_seed(3)
+    codes = lambda n: torch.randint(0, 2048, (n, 16), generator=gen).tolist()  # noqa: E731
+    reqs = [request(model, "Hi", slot=k) for k in (0, 2, 3)]
+    alone = [Code2WavStream(model.code2wav) for _ in reqs]  # the oracle: the model's own streams
+    pcm = lambda stream, frames: stream.push(torch.tensor(frames).T).numpy()  # noqa: E731
+    for r, stream, history in zip(reqs, alone, [[], codes(1), codes(5)], strict=True):
+        batched.open(r)
+        if history:
+            batched.push(r, history)
+            pcm(stream, history)
+    nxt = [codes(2) for _ in reqs]
+    together = batched.push_many(reqs, nxt)
+    assert [len(x) for x in together] == [2 * 1920 - 555, 3840, 3840]
+    for got, stream, frames in zip(together, alone, nxt, strict=True):
+        torch.testing.assert_close(
+            torch.from_numpy(got), torch.from_numpy(pcm(stream, frames)), rtol=0, atol=1e-6
+        )
+    if graphs:
+        assert batched._graphs[(4, 2)].replays == 1  # 3 rows padded to 4, one replay
+    # and they go on as their own streams: one more frame each, alone
+    for r, stream in zip(reqs, alone, strict=True):
+        more = codes(1)
+        torch.testing.assert_close(
+            torch.from_numpy(batched.push(r, more)), torch.from_numpy(pcm(stream, more)), rtol=0, atol=1e-6
+        )
+
+
 def test_a_cut_spoken_turn_reaches_the_next_talker_prompt_through_carried_hidden(model):
     """A spoken turn whose reply was cut before the Talker prefilled it: the next (text) turn's Talker
     prompt must read that turn's audio positions from the Thinker's hidden states carried over, exactly
@@ -463,7 +501,10 @@ def test_a_prompt_prefilled_in_pieces_continues_as_the_whole_prompt(model, graph
     offset), then its last piece with the first draw: the same logits and tokens as one prefill."""
     s = EngineSettings(**SETTINGS)
     text = "Tell me a long story about the sea, the ships and the sailors, please."
-    for runner in (ThinkerRunner(model, s), ThinkerRunner(model, s.model_copy(update={"cuda_graphs": False}))):
+    for runner in (
+        ThinkerRunner(model, s),
+        ThinkerRunner(model, s.model_copy(update={"cuda_graphs": False})),
+    ):
         whole, pieces = request(model, text, 0), request(model, text, 1)
         assert len(pieces.new_prompt_ids) > 24
         while len(pieces.pending_prompt_ids) > 8:

@@ -68,6 +68,13 @@ class Code2WavState:
         for buf in self.conv.values():
             buf[rows] = 0
 
+    def row(self, i: int) -> Code2WavState:
+        """Stream `i` alone, as a one-stream state of views (writes to it go to this state)."""
+        return Code2WavState(
+            pos=self.pos[i : i + 1], k=self.k[:, i : i + 1], v=self.v[:, i : i + 1],
+            key_pos=self.key_pos[i : i + 1], conv={m: buf[i : i + 1] for m, buf in self.conv.items()},
+        )  # fmt: skip
+
     def started(self, rate: int, lag: int, length: int) -> torch.Tensor:
         """[B, 1, length] bool: which samples of this chunk (at `rate` samples per frame, running `lag`
         samples behind the frames) lie at or after the stream's first sample. Only a stream's first
@@ -75,6 +82,17 @@ class Code2WavState:
         first = self.pos * rate - lag  # [B] global index of the chunk's first sample
         idx = first[:, None] + torch.arange(length, device=self.pos.device)  # [B, length]
         return (idx >= 0).unsqueeze(1)
+
+
+def copy_states(dst: list[Code2WavState], src: list[Code2WavState]) -> None:
+    """Copy stream states into others of the same shapes (in place, on the device), in one multi-tensor
+    copy: at real shapes a state is 24 tensors (20 conv buffers), and a copy each, in and out around
+    every chunk, was ~50 launches on the path to the first audio."""
+    pairs = list(zip(dst, src, strict=True))
+    torch._foreach_copy_(
+        [t for d, _ in pairs for t in (d.pos, d.k, d.v, d.key_pos, *(d.conv[m] for m in d.conv))],
+        [t for d, s in pairs for t in (s.pos, s.k, s.v, s.key_pos, *(s.conv[m] for m in d.conv))],
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -552,13 +570,16 @@ class Code2WavStream:
         n = codes.shape[-1]
         # a copy: a graph-replaying `step` returns its static output buffer, which the next replay reuses
         wav = self.step(codes.to(self.state.pos.device), self.state)[:, 0].to(torch.float32, copy=True)
-        out = []
-        for b in range(self.batch_size):
-            # samples before the stream's first one (its first chunk only) are not part of the decode
-            skip = max(self.shortfall - self.samples_per_frame * self.frames[b], 0)
-            out.append(wav[b, skip:])
-            self.frames[b] += n
+        out = [self.take(b, wav[b], n) for b in range(self.batch_size)]
         return out[0] if single else out
+
+    def take(self, row: int, wav: torch.Tensor, n: int) -> torch.Tensor:
+        """Stream `row`'s PCM of a decoded chunk of `n` frames (`wav`: the step's samples for that row),
+        and count the frames: the samples before the stream's first one (its first chunk only) are not
+        part of the decode. For a caller that steps this stream's state itself (batched with others)."""
+        skip = max(self.shortfall - self.samples_per_frame * self.frames[row], 0)
+        self.frames[row] += n
+        return wav[skip:]
 
     def flush(self) -> torch.Tensor | list[torch.Tensor]:
         """End every stream: return what is left (nothing: see the class doc) and reset for reuse."""

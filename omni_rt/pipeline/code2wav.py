@@ -5,7 +5,8 @@ helpers: posting to the session, failing and releasing a request, the step log).
 planned sizes (1, 2, 4, ... frames as `EngineSettings.chunk_size` plans them), or go early when the audio would run
 dry first (`pacing.chunk_to_decode`); at the end, the remainder. One chunk at a time, to the response whose
 audio runs dry first (`pacing.audio_urgency`): with many conversations, a new one's first chunk or one
-about to run dry never waits behind the chunks of those that are ahead. A request's end (`AudioDoneOut`)
+about to run dry never waits behind the chunks of those that are ahead; with `code2wav_batch` every other
+response with a chunk of that size ready goes in the same call. A request's end (`AudioDoneOut`)
 comes after its last PCM, and only if nothing stopped it meanwhile.
 """
 
@@ -83,16 +84,21 @@ class Code2WavLoop:
         if not ready:
             return
         a, n = min(ready, key=lambda an: audio_urgency(an[0].req, an[0].t_first_frame or 0.0))
+        batch = [a]
+        if self.p.settings.code2wav_batch and not self.p.settings.deterministic:
+            batch += [b for b, m in ready if m == n and b is not a]  # they ride along: one call's cost
         try:
-            self._decode_chunk(a, n)
+            self._decode_chunks(batch, n)
         except Exception as e:
-            self.p._fail(a.req, self.p._stage_error("code2wav", "decode", e))
-            self._close(a, seqs)
+            for b in batch:
+                self.p._fail(b.req, self.p._stage_error("code2wav", "decode", e))
+                self._close(b, seqs)
             return
-        if a.req.stopped:  # while its chunk decoded: the chunk was dropped, and so is the end
-            self._close(a, seqs)
-        elif a.ended and not a.pending:
-            self._finish(a, seqs)
+        for b in batch:
+            if b.req.stopped:  # while its chunk decoded: the chunk was dropped, and so is the end
+                self._close(b, seqs)
+            elif b.ended and not b.pending:
+                self._finish(b, seqs)
 
     def _ready(self, a: AudioSeq) -> bool:
         """Has `a` work now: a chunk to decode, an end to send, or a stop to act on?"""
@@ -107,18 +113,30 @@ class Code2WavLoop:
             len(a.pending), a.next_frame, a.ended, a.req, a.frame_interval(), self.p.clock(), self.p.settings
         )
 
-    def _decode_chunk(self, a: AudioSeq, n: int) -> None:
-        frames, a.pending = a.pending[:n], a.pending[n:]
-        if not a.opened:
-            self.p.code2wav.open(a.req)
-            a.opened = True
+    def _decode_chunks(self, batch: list[AudioSeq], n: int) -> None:
+        """The next `n` frames of each response in `batch`, in one stage call, then each one's PCM out."""
+        chunks = []
+        for a in batch:
+            frames, a.pending = a.pending[:n], a.pending[n:]
+            chunks.append(frames)
+            if not a.opened:
+                self.p.code2wav.open(a.req)
+                a.opened = True
         t0 = self.p.clock()
-        pcm = self.p.code2wav.push(a.req, frames)
-        if a.ended and not a.pending:
-            tail = self.p.code2wav.flush(a.req)
-            if len(tail):
-                pcm = np.concatenate([pcm, tail])
-        self.p._record("code2wav", "chunk", t0, [a.req])
+        if len(batch) == 1:
+            pcms = [self.p.code2wav.push(batch[0].req, chunks[0])]
+        else:
+            pcms = self.p.code2wav.push_many([a.req for a in batch], chunks)
+        for k, a in enumerate(batch):
+            if a.ended and not a.pending:
+                tail = self.p.code2wav.flush(a.req)
+                if len(tail):
+                    pcms[k] = np.concatenate([pcms[k], tail])
+        self.p._record("code2wav", "chunk", t0, [a.req for a in batch])
+        for a, pcm in zip(batch, pcms, strict=True):
+            self._post_pcm(a, pcm, n)
+
+    def _post_pcm(self, a: AudioSeq, pcm: np.ndarray, n: int) -> None:
         if a.req.stopped:
             return  # cancelled while decoding: drop the chunk
         first = a.req.t_first_pcm is None

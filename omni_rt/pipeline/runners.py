@@ -30,9 +30,10 @@ import warnings
 import numpy as np
 import torch
 
+from omni_rt.admission import CAPTURE_ROWS  # the caches' extra row, which graph capture writes into
 from omni_rt.config import EngineSettings
 from omni_rt.errors import InvalidRequestError
-from omni_rt.model.code2wav import Code2WavStream
+from omni_rt.model.code2wav import Code2WavStream, copy_states
 from omni_rt.model.sampling import StageSampler, codec_suppress_ids, frame_sampler, residual_code_sampling
 from omni_rt.model.speech_input import build_speech_input
 from omni_rt.model.talker import talker_prompt_last, talker_prompt_prefix, talker_step_input
@@ -41,6 +42,7 @@ from omni_rt.pipeline.request import Request
 from omni_rt.pipeline.shapes import (
     batch_bucket,
     batch_buckets,
+    code2wav_buckets,
     kv_bucket,
     kv_buckets,
     pad_rows,
@@ -48,7 +50,6 @@ from omni_rt.pipeline.shapes import (
     prefill_shapes,
     right_pad,
 )
-from omni_rt.admission import CAPTURE_ROWS  # the caches' extra row, which graph capture writes into
 from omni_rt.pipeline.stage_device import (
     LaunchGate,
     host_ids,
@@ -296,7 +297,9 @@ class TalkerRunner:
         self.cfg = model.cfg
         self.stream = stage_stream(self.device, priority=-1)
         self.scratch = settings.max_sessions  # the extra cache row graph capture writes into
-        self.cache = self.talker.allocate_cache(settings.max_sessions + CAPTURE_ROWS, settings.max_talker_context)
+        self.cache = self.talker.allocate_cache(
+            settings.max_sessions + CAPTURE_ROWS, settings.max_talker_context
+        )
         self.talker.code_predictor.setup_cache(settings.max_sessions)
         slots, vocab = settings.max_sessions + CAPTURE_ROWS, self.cfg.talker.vocab_size
         suppress = codec_suppress_ids(vocab, self.cfg.ids.codec_eos)
@@ -522,40 +525,52 @@ class TalkerRunner:
 
 
 class Code2WavRunner:
-    """One exact streaming decoder state per session slot. With graphs, one CUDA graph per chunk size
-    decodes a shared work state: a slot's state is copied in before the replay and out after it (a few
-    MB at real shapes: microseconds), so the graphs need not be captured per slot."""
+    """One exact streaming decoder state per session slot. With graphs, one CUDA graph per (rows, chunk
+    size) decodes a shared work state: the slots' states are copied into its rows before the replay and
+    out after it (one multi-tensor copy each way: a few MB a slot at real shapes), so the graphs need not
+    be captured per slot. Responses whose next chunks have the same size decode in one batched call
+    (`push_many`, with `code2wav_batch`), each row exactly its own stream's decode."""
 
     def __init__(self, model, settings: EngineSettings) -> None:
         self.code2wav = model.code2wav
         self.device = model.device
         self.samples_per_frame = self.code2wav.samples_per_frame
         self.stream = stage_stream(self.device, priority=-1)
-        self._graphs: dict[int, object] = {}  # chunk frames -> captured decode of the work state
-        self._work = None
+        self.batch = settings.code2wav_batch and not settings.deterministic
+        self._graphs: dict[tuple[int, int], object] = {}  # (rows bucket, chunk frames) -> captured decode
+        self._work: dict[int, object] = {}  # rows bucket -> the work state its graphs decode
+        self._rows = code2wav_buckets(settings.max_sessions if self.batch else 1)
         if graphs_on(settings, self.device):
             self._capture_all(settings.chunk_sizes())
         # one exact streaming state per session slot, allocated once
-        self._streams = [Code2WavStream(self.code2wav, step=self._step) for _ in range(settings.max_sessions)]
+        step = lambda codes, state: self._decode(codes, [state])  # noqa: E731 - one stream's chunk
+        self._streams = [Code2WavStream(self.code2wav, step=step) for _ in range(settings.max_sessions)]
 
     @torch.no_grad()
     def _capture_all(self, chunk_sizes: list[int]) -> None:
         pool = GraphPool()
-        self._work = self.code2wav.new_state(1)
         q = self.code2wav.cfg.num_quantizers
-        for n in chunk_sizes:
-            codes = torch.zeros(1, q, n, dtype=torch.long, device=self.device)  # [1, Q, n]
-            self._graphs[n] = _capture(lambda c: self.code2wav.step(c, self._work), (codes,), pool)
+        for b in self._rows:
+            work = self._work[b] = self.code2wav.new_state(b)
+            for n in chunk_sizes:
+                codes = torch.zeros(b, q, n, dtype=torch.long, device=self.device)  # [b, Q, n]
+                self._graphs[(b, n)] = _capture(lambda c, w=work: self.code2wav.step(c, w), (codes,), pool)
 
-    def _step(self, codes: torch.Tensor, state) -> torch.Tensor:
-        """`Code2Wav.step` for one stream: codes [1, Q, n] -> wav [1, 1, spf n]; graphed sizes replay."""
-        graph = self._graphs.get(codes.shape[-1])
-        if graph is None:  # the last chunk of a response can have any size: eager
-            return self.code2wav.step(codes, state)
-        _copy_state(self._work, state)
-        wav = graph(codes)
-        _copy_state(state, self._work)
-        return wav
+    def _decode(self, codes: torch.Tensor, states: list) -> torch.Tensor:
+        """One chunk of each of len(states) streams in one call: codes [B, Q, n] -> wav [B, 1, spf n],
+        each state advanced as its own stream's decode would. A graphed (rows bucket, size) replays over
+        its work state's first B rows (padding rows' outputs and states are never read); else eager (the
+        last chunk of a response can have any size)."""
+        rows, n = codes.shape[0], codes.shape[-1]
+        b = next((r for r in self._rows if r >= rows), None)
+        graph = self._graphs.get((b, n))
+        if graph is None and rows == 1:
+            return self.code2wav.step(codes, states[0])
+        work = self._work[b] if graph is not None else self.code2wav.new_state(rows)
+        copy_states([work.row(i) for i in range(rows)], states)
+        wav = graph(pad_rows(codes, b, 0)) if graph is not None else self.code2wav.step(codes, work)
+        copy_states(states, [work.row(i) for i in range(rows)])
+        return wav[:rows]
 
     @stage_call  # a reset writes the slot's device state: in stream order with the pushes around it
     def open(self, req: Request) -> None:
@@ -568,24 +583,25 @@ class Code2WavRunner:
         return self._streams[req.slot].push(codes, check=False).float().cpu().numpy()
 
     @stage_call
+    def push_many(self, reqs: list[Request], frames: list[list[list[int]]]) -> list[np.ndarray]:
+        """The next chunk of each request, all of the same size, in one call: PCM per request, each
+        exactly what `push` gives it alone (up to float rounding of a batched kernel on a GPU)."""
+        if len(reqs) == 1:
+            return [self.push(reqs[0], frames[0])]
+        codes = to_device(frames, self.device).transpose(1, 2)  # [B, 16, n]
+        streams = [self._streams[r.slot] for r in reqs]
+        # a copy: a graph's output buffer is the next replay's
+        wav = self._decode(codes, [s.state for s in streams])[:, 0].to(torch.float32, copy=True)
+        pcm = [s.take(0, wav[i], codes.shape[-1]) for i, s in enumerate(streams)]
+        return [x.cpu().numpy() for x in pcm]
+
+    @stage_call
     def flush(self, req: Request) -> np.ndarray:
         return self._streams[req.slot].flush().float().cpu().numpy()
 
     @stage_call
     def close(self, req: Request) -> None:
         self._streams[req.slot].reset()
-
-
-def _copy_state(dst, src) -> None:
-    """Copy one Code2Wav stream state into another of the same shapes (in place, on the device).
-
-    One multi-tensor copy: at real shapes a state is 24 tensors (20 conv buffers), and a copy each,
-    in and out around every chunk, was ~50 launches on the path to the first audio."""
-    modules = list(dst.conv)
-    torch._foreach_copy_(
-        [dst.pos, dst.k, dst.v, dst.key_pos, *(dst.conv[m] for m in modules)],
-        [src.pos, src.k, src.v, src.key_pos, *(src.conv[m] for m in modules)],
-    )
 
 
 def build_runners(model, settings: EngineSettings) -> tuple[ThinkerRunner, TalkerRunner, Code2WavRunner]:

@@ -99,3 +99,12 @@ def right_pad(x: torch.Tensor, t: int) -> torch.Tensor:
     out = x.new_zeros(x.shape[0], t, x.shape[2])
     out[:, : x.shape[1]] = x
     return out
+
+
+def code2wav_buckets(max_rows: int) -> list[int]:
+    """Rows a batched Code2Wav call is padded to: powers of two, and `max_rows` (a padding row costs a
+    small conv stack's work, not, as a Thinker row does, MoE experts of its own)."""
+    sizes = [1]
+    while sizes[-1] < max_rows:
+        sizes.append(min(2 * sizes[-1], max_rows))
+    return sizes

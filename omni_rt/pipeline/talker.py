@@ -8,6 +8,7 @@ helpers). Which text id a step reads is `omni_rt.prompt_layout.talker_text_id`, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING
 
 from omni_rt.pipeline.handoff import (
@@ -29,22 +30,29 @@ if TYPE_CHECKING:
     from omni_rt.pipeline.scheduler import Pipeline
 
 
+class TalkerPhase(Enum):
+    """Where one response is in the Talker, in this order (a response may skip to DONE at any point)."""
+
+    WAITING = "waiting"  # seen (its text may come), its prompt prefix not asked for yet
+    PREFIX = "prefix"  # its prompt prefix is to be prefilled (during the Thinker's prefill when overlapped)
+    READY = "ready"  # the prefix is in the cache: the first text token makes code 0 and frame 0
+    SPEAKING = "speaking"  # one batched step and code-predictor frame per text token
+    DONE = "done"  # finished, failed or cancelled: let go
+
+
 @dataclass(eq=False)
 class TalkerSeq:
     """One response's Talker state: prefix, first token, steps, the text handed over, the pending code 0."""
 
     req: Request
-    want_prefix: bool = False
-    prefix_done: bool = False
+    phase: TalkerPhase = TalkerPhase.WAITING
     first: int | None = None
-    started: bool = False
     step: int = 1  # next decode step (step k reads text token k)
     text: list[int] = field(default_factory=list)  # text tokens handed over so far
     text_done: bool = False
     code0: int | None = None  # sampled code 0 whose residual codes are not predicted yet
     codes_sampled: int = 0
     last_frame: list[int] | None = None
-    done: bool = False
 
 
 class TalkerLoop:
@@ -63,11 +71,11 @@ class TalkerLoop:
         for s in seqs.values():
             if s.req.stopped:
                 return True
-            if s.want_prefix and not s.prefix_done:
+            if s.phase is TalkerPhase.PREFIX:
                 return True
-            if s.prefix_done and s.first is not None and not s.started:
+            if s.phase is TalkerPhase.READY and s.first is not None:
                 return True
-            if s.started and not s.done and self._next_text_id(s) is not None:
+            if s.phase is TalkerPhase.SPEAKING and self._next_text_id(s) is not None:
                 return True
         return False
 
@@ -79,8 +87,8 @@ class TalkerLoop:
                 if "talker" not in req.holders:
                     continue  # already finished here: late text for it
                 s = seqs[req] = TalkerSeq(req)
-            if isinstance(m, Prefix):
-                s.want_prefix = True
+            if isinstance(m, Prefix) and s.phase is TalkerPhase.WAITING:
+                s.phase = TalkerPhase.PREFIX
             elif isinstance(m, FirstToken):
                 s.first = m.token
                 s.text.append(m.token)
@@ -92,7 +100,7 @@ class TalkerLoop:
             self._drop(s, seqs)
 
         # 1. prompt prefixes (during the Thinker's prefill when overlapped)
-        for s in [s for s in seqs.values() if s.want_prefix and not s.prefix_done]:
+        for s in [s for s in seqs.values() if s.phase is TalkerPhase.PREFIX]:
             t0 = self.p.clock()
             try:
                 self.p.talker.prefill_prefix(s.req)
@@ -101,7 +109,7 @@ class TalkerLoop:
                 self._drop(s, seqs)
                 continue
             self.p._record("talker", "prefix", t0, [s.req])
-            s.prefix_done = True
+            s.phase = TalkerPhase.READY
             s.req.talker_prefilled = True
 
         # a reply that is only `<|im_end|>` has nothing to speak (as offline): no Talker work
@@ -109,7 +117,7 @@ class TalkerLoop:
             self._finish(s, seqs)
 
         # 2. the last prompt position at the first text token → code 0 (→ frame 0 in the same step)
-        starting = [s for s in seqs.values() if s.prefix_done and s.first is not None and not s.started]
+        starting = [s for s in seqs.values() if s.phase is TalkerPhase.READY and s.first is not None]
         for s in starting:
             t0 = self.p.clock()
             try:
@@ -120,7 +128,7 @@ class TalkerLoop:
                 continue
             self.p._record("talker", "last", t0, [s.req])
             s.req.t_talker_first_code = self.p.clock()
-            s.started = True
+            s.phase = TalkerPhase.SPEAKING
             self.p._post(s.req, TranscriptOut(s.first))
             self._take_code0(s, code0, seqs)
         if self.p.settings.frame0_in_prefill:
@@ -129,7 +137,7 @@ class TalkerLoop:
         # 3. one batched step for every started sequence whose next text input is there
         ready = []
         for s in seqs.values():
-            if s.started and not s.done:
+            if s.phase is TalkerPhase.SPEAKING:
                 text_id = self._next_text_id(s)
                 if text_id is not None:
                     ready.append((s, text_id))
@@ -137,7 +145,7 @@ class TalkerLoop:
             return
         # frame0_in_prefill off: a frame's residual codes come at the start of the next step (stock)
         self._predict([s for s, _ in ready if s.code0 is not None], seqs)
-        ready = [(s, t) for s, t in ready if not s.done and s.last_frame is not None]
+        ready = [(s, t) for s, t in ready if s.phase is TalkerPhase.SPEAKING and s.last_frame is not None]
         if not ready:
             return
         reqs = [s.req for s, _ in ready]
@@ -199,7 +207,7 @@ class TalkerLoop:
         self.p.thinker_inbox.put(Progress(req))
 
     def _finish(self, s: TalkerSeq, seqs: dict[Request, TalkerSeq]) -> None:
-        s.done = True
+        s.phase = TalkerPhase.DONE
         seqs.pop(s.req, None)
         self.p.code2wav_inbox.put(AudioEnd(s.req))
         # the audio ended first (codec end, audio cap): text nobody hears stops too; the benchmark's
@@ -209,6 +217,6 @@ class TalkerLoop:
         self.p._release(s.req, "talker")
 
     def _drop(self, s: TalkerSeq, seqs: dict[Request, TalkerSeq]) -> None:
-        s.done = True
+        s.phase = TalkerPhase.DONE
         seqs.pop(s.req, None)
         self.p._release(s.req, "talker")

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from omni_rt.bench_measure import Pass, Sample, bench_engine, chat_prompt, sampling_label, summarise
+from omni_rt.bench_plan import _greedy_name, _select_rows, _settings, parse_sets, parse_variants, row_plan
 from omni_rt.bench_reference import reference_model, reference_samples
 from omni_rt.model.config import TokenIds
 
@@ -48,75 +49,6 @@ __all__ = ["chat_prompt", "format_table", "main", "reference_model", "reference_
 
 # ------------------------------------------------------------------------------------------------------
 # Rows
-
-
-def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
-    """Cumulative settings: every optimisation off, then each one added in turn; the last is all on.
-
-    The switches come from `EngineSettings`: every field where the defaults differ from `all_off()`
-    is one step (known ones in a meaningful order, any newer ones after them), so a new optimisation
-    setting gets its own row without touching the benchmark.
-    """
-    from omni_rt.config import EngineSettings
-
-    on, off = EngineSettings().model_dump(), EngineSettings.all_off().model_dump()
-    differ = {k for k in on if on[k] != off[k]}
-    known: list[tuple[str, tuple[str, ...]]] = [
-        ("+ cuda graphs", ("cuda_graphs",)),
-        ("+ prefill graphs", ("prefill_graphs",)),
-        ("+ triton MoE decode", ("moe_backend",)),
-        ("+ triton MoE prefill", ("moe_prefill_kernel",)),
-        ("+ fused kernels", ("fused_kernels",)),
-        ("+ packed projections", ("packed_projections",)),
-        ("+ event hand-off", ("handoff",)),
-        ("+ talker prefill overlap", ("talker_overlap_prefill",)),
-        ("+ frame 0 in prefill", ("frame0_in_prefill",)),
-        ("+ 1-frame first chunk", ("first_chunk_frames", "chunk_growth", "max_chunk_frames")),
-        ("+ yield to talker", ("yield_to_talker_ms",)),
-        ("+ yield until first audio", ("yield_until",)),
-    ]
-    # CUDA graphs and packed projections: off on a CPU by default (nothing to show there)
-    gpu_only = {("cuda_graphs",), ("prefill_graphs",), ("packed_projections",)}
-    # Triton kernels: a row only where they run
-    needs_kernels = {("moe_backend",), ("moe_prefill_kernel",), ("fused_kernels",)}
-    covered = {f for _, fields in known for f in fields}
-    steps: list[tuple[str, dict[str, Any]]] = []
-    for name, fields in known:
-        change = {f: on[f] for f in fields if f in differ}
-        if fields in needs_kernels and not kernel_ok:
-            continue
-        if change and not (device == "cpu" and fields in gpu_only):
-            steps.append((name, change))
-    steps += [(f"+ {f.replace('_', ' ')}", {f: on[f]}) for f in sorted(differ - covered)]
-    plan, acc = [("all off", {})], {}
-    for name, change in steps:
-        acc = acc | change
-        plan.append((name, dict(acc)))
-    plan[-1] = (plan[-1][0] + " (all on)", plan[-1][1])
-    return plan
-
-
-def _settings(base: dict[str, Any], overrides: dict[str, Any]) -> Any:
-    from omni_rt.config import EngineSettings
-
-    return EngineSettings.all_off(**(base | overrides))
-
-
-def parse_sets(items: list[str]) -> dict[str, Any]:
-    """`--set KEY=VALUE` pairs as engine-setting overrides (VALUE as JSON, else a string); a clear error
-    for a malformed pair or a name that is no setting."""
-    from omni_rt.config import EngineSettings
-
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or key not in EngineSettings.model_fields:
-            raise SystemExit(f"--set {item!r}: expected KEY=VALUE with KEY an EngineSettings field")
-        try:
-            out[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key] = raw
-    return out
 
 
 def _engine_model(engine: Any) -> torch.nn.Module | None:
@@ -339,6 +271,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="an engine setting of the load engine, over all on (VALUE as JSON: urgent_text_lead=null); "
         "repeat for more",
     )
+    ap.add_argument(
+        "--load-variants",
+        default=None,
+        help='the load protocol once per variant, in one run (the weights built once): JSON {"name": '
+        '{"setting": value, ...}, ...}, each over all on and --set; rows and table say the variant',
+    )
     ap.add_argument("--load-user-len", type=int, default=24, help="user-turn ids of the load prompt (57 ids)")
     ap.add_argument("--load-png", default="bench-load.png", help="where the load chart goes")
     ap.add_argument(
@@ -370,26 +308,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.load_seconds <= 0:
         ap.error("--load-seconds must be positive")
     return args
-
-
-def _select_rows(args: argparse.Namespace, plan: list[tuple[str, dict[str, Any]]]) -> list:
-    """The protocol rows this run asks for: all by default, none with --load alone."""
-    alone = args.load or getattr(args, "speech_turn", False)  # another protocol asked for alone
-    spec = args.rows if args.rows is not None else ("none" if alone else "all")
-    if spec == "all":
-        return plan
-    try:  # negative indices count from the end: -1 is all on, whatever rows this version of the plan has
-        keep = {int(i) + (len(plan) if int(i) < 0 else 0) for i in spec.split(",") if i and i != "none"}
-    except ValueError:
-        keep = {-1}
-    if keep - set(range(len(plan))):
-        names = ", ".join(f"{i}: {n}" for i, (n, _) in enumerate(plan))
-        raise SystemExit(f"--rows {spec}: this run's rows are {names}")
-    return [p for i, p in enumerate(plan) if i in keep]
-
-
-def _greedy_name(name: str) -> str:
-    return name.replace("(all on)", "(all on, greedy)") if name.endswith("(all on)") else f"{name} (greedy)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -525,17 +443,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         from omni_rt.bench_load import format_load_table, load_prompt, load_settings, plot_load, run_load
 
         sizes = load_settings(args, levels, len(load_prompt(args)))
-        settings = _settings(
-            sizes, full_plan[-1][1] | parse_sets(args.set)
-        )  # all on, a slot per conversation
-        t_load = time.perf_counter()
-        engine = _load_engine(args, settings, first)
-        if first is not None:
-            apply_kernels(first.model, settings)
-        print(f"[bench] load: engine ready in {time.perf_counter() - t_load:.1f} s", file=sys.stderr)
         meta["load_engine"] = sizes | parse_sets(args.set)
-        load_rows = run_load(args, engine)
-        first = first or engine
+        variants = parse_variants(args.load_variants)
+        if len(variants) > 1 or "served" not in variants:
+            meta["load_variants"] = variants
+        for name, overrides in variants.items():
+            # all on, a slot per conversation, then --set, then the variant's own settings
+            settings = _settings(sizes, full_plan[-1][1] | parse_sets(args.set) | overrides)
+            t_load = time.perf_counter()
+            engine = _load_engine(args, settings, first)
+            if first is not None:
+                apply_kernels(first.model, settings)
+            print(
+                f"[bench] load {name}: engine ready in {time.perf_counter() - t_load:.1f} s", file=sys.stderr
+            )
+
+            def saved(row: dict[str, Any], name: str = name) -> None:
+                row["variant"] = name
+                _save(args.json, meta, rows, load_rows + [row])
+                load_rows.append(row)
+
+            run_load(args, engine, saved)
+            first = first or engine
+            if engine is not first:
+                del engine  # its caches and graphs go before the next variant's are built
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
 
     speech_rows: list[dict[str, Any]] = []
     if args.speech_turn:

@@ -27,7 +27,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -358,7 +358,11 @@ async def warm_up(engine: Any, plan: LoadPlan, n: int) -> None:
 
 
 async def run_levels(
-    engine: Any, levels: Sequence[int], plan: LoadPlan, args: argparse.Namespace
+    engine: Any,
+    levels: Sequence[int],
+    plan: LoadPlan,
+    args: argparse.Namespace,
+    on_level: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict]:
     """Every level in one engine start: a warm-up round at the level's concurrency, then the level; all
     its sessions are closed before the next level begins."""
@@ -396,6 +400,8 @@ async def run_levels(
                 row["trace"] = level_trace(replies, getattr(pipeline, "steps", []), t_level, t_end)
             rows.append(row)
             print("[bench] " + format_load_table([row]).splitlines()[-1], file=sys.stderr, flush=True)
+            if on_level is not None:
+                on_level(row)  # e.g. saved at once: a run cut short keeps its finished levels
     return rows
 
 
@@ -425,6 +431,9 @@ def format_load_table(rows: list[dict[str, Any]]) -> str:
         f"{'load':>5} {'turns':>6} {'sampling':>9} {'replies':>7} {'TTFA p50/p95/max ms':>22} "
         f"{'lateness p50/p95/max ms':>26} {'late':>7} {'audio s/s':>9} {'yield->audio':>12}"
     )
+    variants = any(r.get("variant", "served") != "served" for r in rows)
+    if variants:
+        head = f"{'variant':>14} " + head
     lines = [head, "-" * len(head)]
     for r in rows:
 
@@ -434,7 +443,8 @@ def format_load_table(rows: list[dict[str, Any]]) -> str:
         y = r.get("thinker_yield") or {}
         frac = y.get("fraction_first_audio")
         lines.append(
-            f"{r['conversations']:>5} {r['turns']:>6} {r['sampling']:>9} {r['replies']:>7} "
+            (f"{r.get('variant', 'served')[:14]:>14} " if variants else "")
+            + f"{r['conversations']:>5} {r['turns']:>6} {r['sampling']:>9} {r['replies']:>7} "
             f"{three(r['ttfa_ms']):>22} {three(r['lateness_ms']):>26} "
             f"{str(r['late_replies']) + '/' + str(r['replies']):>7} {r['audio_s_per_s'] or 0:>9.2f} "
             f"{'-' if frac is None else f'{100 * frac:.0f} %':>12}"
@@ -452,7 +462,10 @@ def plot_load(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     if not rows:
         return
     x = list(range(len(rows)))
-    names = [str(r["conversations"]) for r in rows]
+    names = [
+        str(r["conversations"]) + ("" if r.get("variant", "served") == "served" else f"\n{r['variant']}")
+        for r in rows
+    ]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for ax, key, label in (
         (axes[0], "ttfa_ms", "TTFA, ms"),
@@ -480,8 +493,10 @@ def plot_load(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def run_load(args: argparse.Namespace, engine: Any) -> list[dict[str, Any]]:
-    """The load rows on `engine` (sized by `load_settings`); prints the table."""
+def run_load(
+    args: argparse.Namespace, engine: Any, on_level: Callable[[dict[str, Any]], None] | None = None
+) -> list[dict[str, Any]]:
+    """The load rows on `engine` (sized by `load_settings`); `on_level(row)` after each level."""
     levels = parse_levels(args.load)
     plan = LoadPlan(
         text_tokens=args.text_tokens,
@@ -492,7 +507,7 @@ def run_load(args: argparse.Namespace, engine: Any) -> list[dict[str, Any]]:
         seed=args.seed,
         voice=args.voice,
     )
-    rows = asyncio.run(run_levels(engine, levels, plan, args))
+    rows = asyncio.run(run_levels(engine, levels, plan, args, on_level))
     for r in rows:
         # each request its own seed, from --seed, the conversation and the turn (LoadPlan.turn)
         r["sampling_detail"] = f"{args.load_sampling}, per-request seeds from --seed {args.seed}"

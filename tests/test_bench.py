@@ -415,6 +415,26 @@ def test_load_smoke_tiny_cpu(tmp_path, monkeypatch):
         assert all(0.0 <= st[2] <= st[3] for st in trace["steps"])
 
 
+def test_load_variants_run_the_protocol_once_each_on_the_same_weights(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_load, "STAGGER_S", 0.1)
+    out = tmp_path / "v.json"
+    argv = [
+        "--preset", "tiny", "--device", "cpu", "--text-tokens", "2", "--frames", "2", "--load", "1",
+        "--load-seconds", "0.5", "--json", str(out), "--load-png", str(tmp_path / "v.png"),
+        "--load-variants", '{"served": {}, "lead off": {"urgent_text_lead": null}}',
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    d = json.loads(out.read_text())
+    assert [r["variant"] for r in d["load"]] == ["served", "lead off"]
+    assert d["meta"]["load_variants"]["lead off"] == {"urgent_text_lead": None}
+    assert all(r["replies"] >= 1 and r["failed"] == 0 for r in d["load"])
+    assert "lead off" in capsys.readouterr().out  # the table says which variant a row is
+    for bad in ('{"x": {"no_such_setting": 1}}', "[1]", "{"):
+        with pytest.raises(SystemExit, match="--load-variants"):
+            bench.parse_variants(bad)
+    assert bench.parse_variants(None) == {"served": {}}
+
+
 def test_set_overrides_parse_as_json_and_reject_unknown_settings():
     from omni_rt.bench import parse_sets
 

@@ -1,0 +1,120 @@
+"""Which engine settings each `omni-rt bench` run measures: the protocol's rows (every optimisation off,
+then each added in turn, all on), the rows a run selects, `--set` overrides and `--load-variants`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+__all__ = ["parse_sets", "parse_variants", "row_plan"]
+
+
+def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
+    """Cumulative settings: every optimisation off, then each one added in turn; the last is all on.
+
+    The switches come from `EngineSettings`: every field where the defaults differ from `all_off()`
+    is one step (known ones in a meaningful order, any newer ones after them), so a new optimisation
+    setting gets its own row without touching the benchmark.
+    """
+    from omni_rt.config import EngineSettings
+
+    on, off = EngineSettings().model_dump(), EngineSettings.all_off().model_dump()
+    differ = {k for k in on if on[k] != off[k]}
+    known: list[tuple[str, tuple[str, ...]]] = [
+        ("+ cuda graphs", ("cuda_graphs",)),
+        ("+ prefill graphs", ("prefill_graphs",)),
+        ("+ triton MoE decode", ("moe_backend",)),
+        ("+ triton MoE prefill", ("moe_prefill_kernel",)),
+        ("+ fused kernels", ("fused_kernels",)),
+        ("+ packed projections", ("packed_projections",)),
+        ("+ event hand-off", ("handoff",)),
+        ("+ talker prefill overlap", ("talker_overlap_prefill",)),
+        ("+ frame 0 in prefill", ("frame0_in_prefill",)),
+        ("+ 1-frame first chunk", ("first_chunk_frames", "chunk_growth", "max_chunk_frames")),
+        ("+ yield to talker", ("yield_to_talker_ms",)),
+        ("+ yield until first audio", ("yield_until",)),
+    ]
+    # CUDA graphs and packed projections: off on a CPU by default (nothing to show there)
+    gpu_only = {("cuda_graphs",), ("prefill_graphs",), ("packed_projections",)}
+    # Triton kernels: a row only where they run
+    needs_kernels = {("moe_backend",), ("moe_prefill_kernel",), ("fused_kernels",)}
+    covered = {f for _, fields in known for f in fields}
+    steps: list[tuple[str, dict[str, Any]]] = []
+    for name, fields in known:
+        change = {f: on[f] for f in fields if f in differ}
+        if fields in needs_kernels and not kernel_ok:
+            continue
+        if change and not (device == "cpu" and fields in gpu_only):
+            steps.append((name, change))
+    steps += [(f"+ {f.replace('_', ' ')}", {f: on[f]}) for f in sorted(differ - covered)]
+    plan, acc = [("all off", {})], {}
+    for name, change in steps:
+        acc = acc | change
+        plan.append((name, dict(acc)))
+    plan[-1] = (plan[-1][0] + " (all on)", plan[-1][1])
+    return plan
+
+
+def _settings(base: dict[str, Any], overrides: dict[str, Any]) -> Any:
+    from omni_rt.config import EngineSettings
+
+    return EngineSettings.all_off(**(base | overrides))
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` pairs as engine-setting overrides (VALUE as JSON, else a string); a clear error
+    for a malformed pair or a name that is no setting."""
+    from omni_rt.config import EngineSettings
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or key not in EngineSettings.model_fields:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE with KEY an EngineSettings field")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def parse_variants(raw: str | None) -> dict[str, dict[str, Any]]:
+    """`--load-variants '{"name": {"setting": value, ...}, ...}'`: the load protocol once per variant, each
+    over all on and --set (default: one variant, "served", with nothing more)."""
+    from omni_rt.config import EngineSettings
+
+    if not raw:
+        return {"served": {}}
+    try:
+        variants = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--load-variants: not JSON ({e})") from None
+    ok = isinstance(variants, dict) and variants and all(isinstance(v, dict) for v in variants.values())
+    if not ok:
+        raise SystemExit('--load-variants: give {"name": {"setting": value, ...}, ...}')
+    for name, overrides in variants.items():
+        unknown = set(overrides) - set(EngineSettings.model_fields)
+        if unknown:
+            raise SystemExit(f"--load-variants {name!r}: no such engine setting {sorted(unknown)}")
+    return variants
+
+
+def _select_rows(args: argparse.Namespace, plan: list[tuple[str, dict[str, Any]]]) -> list:
+    """The protocol rows this run asks for: all by default, none with --load alone."""
+    alone = args.load or getattr(args, "speech_turn", False)  # another protocol asked for alone
+    spec = args.rows if args.rows is not None else ("none" if alone else "all")
+    if spec == "all":
+        return plan
+    try:  # negative indices count from the end: -1 is all on, whatever rows this version of the plan has
+        keep = {int(i) + (len(plan) if int(i) < 0 else 0) for i in spec.split(",") if i and i != "none"}
+    except ValueError:
+        keep = {-1}
+    if keep - set(range(len(plan))):
+        names = ", ".join(f"{i}: {n}" for i, (n, _) in enumerate(plan))
+        raise SystemExit(f"--rows {spec}: this run's rows are {names}")
+    return [p for i, p in enumerate(plan) if i in keep]
+
+
+def _greedy_name(name: str) -> str:
+    return name.replace("(all on)", "(all on, greedy)") if name.endswith("(all on)") else f"{name} (greedy)"

@@ -175,7 +175,7 @@ def yield_outcome(
     outcomes = [o for o in per_response if o is not None]
     if outcomes:
         counts = {o: outcomes.count(o) for o in sorted(set(outcomes))}
-        on_audio = counts.get("first_audio", 0) + counts.get("not_needed", 0)
+        on_audio = sum(counts.get(k, 0) for k in ("first_audio", "frame0", "not_needed"))
         return {
             "source": "metrics.thinker_yield (per response)",
             "counts": counts,

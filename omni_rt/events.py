@@ -133,6 +133,10 @@ class Metrics(BaseModel):
     # a speculative response (Session.speculate): how long its output was held back before release;
     # the other times count from its speculative start
     held_ms: float | None = None
+    # how the Thinker's yield to this response's first audio ended (EngineSettings.yield_to_talker_ms):
+    # "first_audio" or "frame0" (what it waited for came), "not_needed" (already out), "cap", "stop";
+    # None where no yield ran
+    thinker_yield: str | None = None
 
 
 class ErrorInfo(BaseModel):

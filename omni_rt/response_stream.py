@@ -162,4 +162,5 @@ def _metrics(
         audio_seconds=audio_s,
         rtf=(t_gen - t0) / audio_s if audio_s > 0 else None,
         held_ms=held_ms,
+        thinker_yield=req.yield_outcome,
     )

@@ -156,6 +156,9 @@ async def test_first_audio_arrives_before_the_last_text_delta(engine, tiny):
     assert m.ttfa_ms is not None and m.ttft_ms is not None
     assert m.thinker_first_token_ms <= m.talker_first_code_ms <= m.first_pcm_ms <= m.ttfa_ms
     assert m.audio_seconds > 0 and m.rtf > 0 and m.text_tokens_per_s > 0
+    # the Thinker's yield to this response's first audio (12 ms by default) reports how it ended
+    assert engine.settings.yield_to_talker_ms > 0
+    assert m.thinker_yield in ("first_audio", "not_needed", "cap")
 
 
 async def test_two_sessions_at_once_get_what_they_get_alone(engine, tiny):

@@ -150,6 +150,7 @@ def test_thinker_second_step_starts_at_frame0_when_talker_is_fast():
     finally:
         p.stop()
     assert len(p.yields) == 1 and p.yields[0].woke_by == "frame0"
+    assert req.yield_outcome == "frame0"  # the response's own outcome (its metrics' thinker_yield)
     frame0 = steps(p, "talker", "predict")[0]
     decode1 = steps(p, "thinker", "decode")[0]
     # the Thinker's second step waited for frame 0, and no longer than the cap
@@ -163,11 +164,12 @@ def test_thinker_second_step_waits_for_the_first_audio_when_asked():
         EngineSettings(yield_to_talker_ms=100, yield_until="first_audio"),
         FakeTimings(thinker_prefill=0.02, talker_last=0.002, predict=0.002, code2wav_chunk=0.03),
     )
+    r = request("r")
     try:
-        run(p, request("r"))
+        run(p, r)
     finally:
         p.stop()
-    assert len(p.yields) == 1 and p.yields[0].woke_by == "frame0"
+    assert len(p.yields) == 1 and p.yields[0].woke_by == "frame0" and r[0].yield_outcome == "first_audio"
     first_chunk = steps(p, "code2wav", "chunk")[0]
     decode1 = steps(p, "thinker", "decode")[0]
     assert decode1.t_start >= first_chunk.t_end  # the first PCM chunk ran without the Thinker beside it
@@ -181,7 +183,7 @@ def test_thinker_second_step_starts_at_cap_when_talker_is_slow():
         run(p, (req, sink))
     finally:
         p.stop()
-    assert len(p.yields) == 1 and p.yields[0].woke_by == "cap"
+    assert len(p.yields) == 1 and p.yields[0].woke_by == "cap" and req.yield_outcome == "cap"
     waited = p.yields[0].t_end - p.yields[0].t_start
     assert waited >= 0.012
     frame0 = steps(p, "talker", "predict")[0]
@@ -190,13 +192,30 @@ def test_thinker_second_step_starts_at_cap_when_talker_is_slow():
     assert decode1.t_start - steps(p, "thinker", "prefill")[0].t_end < 0.012 + 0.1
 
 
-def test_no_yield_when_switched_off():
-    p = make(EngineSettings(yield_to_talker_ms=0), FakeTimings(talker_last=0.100))
+def test_a_response_whose_first_audio_is_out_before_the_next_step_needs_no_yield():
+    # the Thinker's next step after a first token: a response whose first audio is already out (frame0
+    # no longer pending) waits for nothing and says "not_needed"; one still pending waits (to the cap
+    # here: nothing makes its audio) and says "cap"; a response still before its first token says nothing
+    p = make(EngineSettings(yield_to_talker_ms=5, yield_until="first_audio"))
     try:
-        run(p, request("r"))
+        out, pending, before = request("out")[0], request("pending", slot=1)[0], request("before", slot=2)[0]
+        out.tokens, pending.tokens = [7], [7]
+        pending.frame0_pending = True
+        p._text._yield_to_talker([out, pending, before])
     finally:
         p.stop()
-    assert p.yields == []
+    assert (out.yield_outcome, pending.yield_outcome, before.yield_outcome) == ("not_needed", "cap", None)
+    assert [y.woke_by for y in p.yields] == ["cap"]  # one wait, for the pending one
+
+
+def test_no_yield_when_switched_off():
+    p = make(EngineSettings(yield_to_talker_ms=0), FakeTimings(talker_last=0.100))
+    r = request("r")
+    try:
+        run(p, r)
+    finally:
+        p.stop()
+    assert p.yields == [] and r[0].yield_outcome is None
     assert steps(p, "thinker", "decode")[0].t_start < steps(p, "talker", "predict")[0].t_start
 
 
@@ -581,6 +600,6 @@ def test_a_long_prompt_arriving_mid_stream_holds_the_others_for_one_piece(piece)
     gaps = [y.t_start - x.t_end for x, y in zip(a_decodes, a_decodes[1:], strict=False)]
     if piece:
         assert len(during) >= 7  # A decoded between every two of B's pieces
-        assert max(gaps) < 0.128, f"A waited {max(gaps) * 1000:.0f} ms (a piece is 32 ms)"
+        assert max(gaps) < 0.2, f"A waited {max(gaps) * 1000:.0f} ms (a piece is 32 ms, the whole 256)"
     else:
         assert max(gaps) >= 0.25  # the whole prefill in one gap: what the pieces are for

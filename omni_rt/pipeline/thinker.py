@@ -220,6 +220,9 @@ class ThinkerLoop:
         if cap <= 0:
             return
         with self.p._frame0:
+            for r in batch:  # its first token is out and so is its first audio (or frame 0): no wait
+                if not r.yielded and not r.frame0_pending and r.tokens and r.yield_outcome is None:
+                    r.yielded, r.yield_outcome = True, "not_needed"
             waiting = [r for r in batch if r.frame0_pending and not r.yielded]
             if not waiting:
                 return
@@ -238,3 +241,6 @@ class ThinkerLoop:
                     break
                 self.p._frame0.wait(left)  # notified when a frame 0 leaves the Talker
             self.p._log(self.p.yields, YieldRecord(t0, self.p.clock(), woke_by))
+            label = "first_audio" if self.p.settings.yield_until == "first_audio" else "frame0"
+            for r in waiting:  # each one's own outcome: its audio came, or the wait ended without it
+                r.yield_outcome = woke_by if r.frame0_pending else label

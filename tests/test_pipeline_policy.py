@@ -371,6 +371,23 @@ def test_code2wav_batches_same_size_chunks_of_conversations_and_each_gets_its_ow
     assert (not batched) if deterministic else batched, steps(p, "code2wav", "chunk")
 
 
+def test_a_batched_code2wav_call_that_fails_is_retried_alone_and_fails_only_its_request():
+    # B's chunks fail wherever they are decoded; A's chunks share B's calls (same sizes, both waiting on
+    # a slow Code2Wav): the failed batched call is tried again a response at a time, so A plays all of
+    # its audio and only B fails
+    s = EngineSettings(code2wav_batch=True, yield_to_talker_ms=0)
+    t = FakeTimings(thinker_decode=0.001, talker_step=0.001, predict=0.001, code2wav_chunk=0.02)
+    p = make(s, t, reply_len=30, code2wav={"chunk:b"})
+    a, b = request("a", max_audio_frames=24), request("b", slot=1, max_audio_frames=24)
+    try:
+        run(p, a, b)
+    finally:
+        p.stop()
+    assert sum(m.num_frames for m in a[1].of(AudioOut)) == 24 and not a[1].of(ErrorOut)
+    assert b[1].of(ErrorOut) and not b[1].of(AudioOut)
+    assert any(set(c.request_ids) == {"a"} for c in steps(p, "code2wav", "chunk"))
+
+
 def test_stage_failure_fails_only_that_request():
     p = make(talker={"prefix:bad"})
     try:

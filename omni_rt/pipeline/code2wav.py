@@ -90,15 +90,25 @@ class Code2WavLoop:
         try:
             self._decode_chunks(batch, n)
         except Exception as e:
-            for b in batch:
-                self.p._fail(b.req, self.p._stage_error("code2wav", "decode", e))
+            for b, err in [(a, e)] if len(batch) == 1 else self._one_at_a_time(batch, n):
+                self.p._fail(b.req, self.p._stage_error("code2wav", "decode", err))
                 self._close(b, seqs)
-            return
-        for b in batch:
+        for b in [b for b in batch if b.req in seqs]:
             if b.req.stopped:  # while its chunk decoded: the chunk was dropped, and so is the end
                 self._close(b, seqs)
             elif b.ended and not b.pending:
                 self._finish(b, seqs)
+
+    def _one_at_a_time(self, batch: list[AudioSeq], n: int) -> list[tuple[AudioSeq, Exception]]:
+        """After a batched call failed (nothing of it was kept): each response's chunk alone, so that a
+        request that fails, fails alone. Those that fail again, with their errors."""
+        failed = []
+        for a in batch:
+            try:
+                self._decode_chunks([a], n)
+            except Exception as e:
+                failed.append((a, e))
+        return failed
 
     def _ready(self, a: AudioSeq) -> bool:
         """Has `a` work now: a chunk to decode, an end to send, or a stop to act on?"""
@@ -115,10 +125,8 @@ class Code2WavLoop:
 
     def _decode_chunks(self, batch: list[AudioSeq], n: int) -> None:
         """The next `n` frames of each response in `batch`, in one stage call, then each one's PCM out."""
-        chunks = []
+        chunks = [a.pending[:n] for a in batch]
         for a in batch:
-            frames, a.pending = a.pending[:n], a.pending[n:]
-            chunks.append(frames)
             if not a.opened:
                 self.p.code2wav.open(a.req)
                 a.opened = True
@@ -127,6 +135,8 @@ class Code2WavLoop:
             pcms = [self.p.code2wav.push(batch[0].req, chunks[0])]
         else:
             pcms = self.p.code2wav.push_many([a.req for a in batch], chunks)
+        for a in batch:  # decoded: the frames leave the queue (a failed call leaves them, for a retry)
+            a.pending = a.pending[n:]
         for k, a in enumerate(batch):
             if a.ended and not a.pending:
                 tail = self.p.code2wav.flush(a.req)

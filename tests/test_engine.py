@@ -403,7 +403,7 @@ class FakeGraph:
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["batched", "row-by-row"])
 async def test_graph_replays_give_the_eager_output(tiny, monkeypatch, deterministic):
-    import omni_rt.pipeline.runners as runners
+    import omni_rt.pipeline.graphs as graphs
 
     texts = ["One graph.", "Two graphs!"]
     kw = dict(sampling=GREEDY, max_output_tokens=6, max_audio_frames=9)
@@ -422,9 +422,9 @@ async def test_graph_replays_give_the_eager_output(tiny, monkeypatch, determinis
 
     eager = await serve()
     captured = []
-    monkeypatch.setattr(runners, "graphs_on", lambda settings, device: True)
+    monkeypatch.setattr(graphs, "graphs_on", lambda settings, device: True)
     monkeypatch.setattr(
-        runners, "capture", lambda fn, static, **k: captured.append(fn) or FakeGraph(fn, static)
+        graphs, "capture", lambda fn, static, **k: captured.append(fn) or FakeGraph(fn, static)
     )
     graphed = await serve()
     assert len(captured) >= 10  # Thinker (batch x kv bucket), Talker step and frame, Code2Wav chunks

@@ -12,7 +12,7 @@ import torch
 from test_engine import FakeGraph
 
 import omni_rt
-import omni_rt.pipeline.runners as runners
+import omni_rt.pipeline.graphs as graphs
 from omni_rt.config import EngineSettings
 from omni_rt.model.config import preset
 from omni_rt.model.omni import OmniModel
@@ -98,12 +98,12 @@ def test_code2wav_first_chunk_replays_its_graph(monkeypatch):
     model = omni_rt.Engine.load("tiny").model
     settings = EngineSettings(max_sessions=2)
     assert settings.chunk_sizes()[0] == 1
-    graphs: dict[int, FakeGraph] = {}
+    captured: dict[int, FakeGraph] = {}
     replays: list[int] = []
 
     def fake_capture(fn, static, **kw):
         g = FakeGraph(fn, static)
-        graphs[static[0].shape[-1]] = g
+        captured[static[0].shape[-1]] = g
         call = g.__call__
 
         def replay(*inputs):
@@ -113,10 +113,10 @@ def test_code2wav_first_chunk_replays_its_graph(monkeypatch):
         return replay
 
     eager = Code2WavRunner(model, settings)
-    monkeypatch.setattr(runners, "graphs_on", lambda s, device: s.cuda_graphs)
-    monkeypatch.setattr(runners, "capture", fake_capture)
+    monkeypatch.setattr(graphs, "graphs_on", lambda s, device: s.cuda_graphs)
+    monkeypatch.setattr(graphs, "capture", fake_capture)
     graphed = Code2WavRunner(model, settings)
-    assert sorted(graphs) == settings.chunk_sizes()
+    assert sorted(captured) == settings.chunk_sizes()
     req = object.__new__(Request)
     req.slot = 1
     rng = np.random.default_rng(0)

@@ -13,6 +13,7 @@ import torch
 from test_engine import FakeGraph
 
 import omni_rt
+import omni_rt.pipeline.graphs as graphs
 import omni_rt.pipeline.runners as runners
 from omni_rt.config import EngineSettings
 from omni_rt.pipeline.request import Request
@@ -25,6 +26,7 @@ from omni_rt.pipeline.runners import (
 from omni_rt.pipeline.shapes import (
     batch_bucket,
     batch_buckets,
+    code2wav_buckets,
     pad_rows,
     prefill_bucket,
     prefill_lengths,
@@ -54,9 +56,9 @@ def model():
 def graphed(monkeypatch):
     """Runners built here capture (emulated) graphs as on a GPU when `cuda_graphs`; listed in order."""
     captured: list[CountingGraph] = []
-    monkeypatch.setattr(runners, "graphs_on", lambda settings, device: settings.cuda_graphs)
+    monkeypatch.setattr(graphs, "graphs_on", lambda settings, device: settings.cuda_graphs)
     monkeypatch.setattr(
-        runners, "capture", lambda fn, static, **k: captured.append(CountingGraph(fn, static)) or captured[-1]
+        graphs, "capture", lambda fn, static, **k: captured.append(CountingGraph(fn, static)) or captured[-1]
     )
     return captured
 
@@ -200,6 +202,16 @@ def test_prompts_arriving_together_without_a_batched_graph_replay_the_single_gra
     logits_e, _ = thinker_trace(e, [request(model, t, i) for i, t in enumerate(texts)], 1)
     assert len(e_calls) == 2  # one batched call per trace
     torch.testing.assert_close(logits, logits_e, rtol=1e-4, atol=1e-5)
+
+
+def test_more_prompts_arriving_together_than_a_batched_graph_holds_go_in_graphed_batches(model, graphed):
+    s = EngineSettings(**(SETTINGS | {"max_sessions": 3}), prefill_graph_batches=2)
+    g = ThinkerRunner(model, s)
+    reqs = [request(model, t, i) for i, t in enumerate(["Hi!", "Hello there.", "What a fine day."])]
+    assert g._prefill_groups([0, 1, 2], reqs) == [[0, 1], [2]]  # 2 + 1, both graphed
+    assert g._prefill_groups([0, 1], reqs[:2]) == [[0, 1]]
+    e = ThinkerRunner(model, s.model_copy(update={"cuda_graphs": False}))
+    assert e._prefill_groups([0, 1, 2], reqs) == [[0, 1, 2]]  # eager: one batch
 
 
 def test_speech_prefill_through_the_padded_graph_equals_eager(model, graphed):
@@ -424,7 +436,7 @@ def test_code2wav_chunks_of_several_responses_in_one_call_are_each_its_own_strea
     s = EngineSettings(max_sessions=4, code2wav_batch=True, cuda_graphs=graphs)
     batched = runners.Code2WavRunner(model, s)
     if graphs:
-        assert runners.code2wav_buckets(4) == [1, 2, 4] and (4, 2) in batched._graphs
+        assert code2wav_buckets(4) == [1, 2, 4] and (4, 2) in batched._graphs
     gen = torch.Generator().manual_seed(3)
     codes = lambda n: torch.randint(0, 2048, (n, 16), generator=gen).tolist()  # noqa: E731
     reqs = [request(model, "Hi", slot=k) for k in (0, 2, 3)]

@@ -19,6 +19,7 @@ owns a slot (or point the static inputs at a scratch slot).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -93,3 +94,20 @@ def capture(
     if not enabled or not static_inputs or static_inputs[0].device.type != "cuda":
         return fn
     return Graphed(fn, static_inputs, warmup=warmup, pool=pool, stream=stream, generators=generators)
+
+
+def graphs_on(settings: Any, device: torch.device) -> bool:
+    """Capture CUDA graphs? Only where there is CUDA (the CPU runs the same functions eagerly)."""
+    return settings.cuda_graphs and device.type == "cuda"
+
+
+def capture_or_eager(
+    fn: Callable[..., Any], static_inputs: Tensors, pool: GraphPool | None
+) -> Callable[..., Any]:
+    """A CUDA graph of `fn`, or `fn` itself if this step cannot be captured (it then runs eagerly)."""
+    try:
+        return capture(fn, static_inputs, pool=pool)
+    except Exception as e:  # e.g. a MoE backend that syncs with the host: eager is still correct
+        warnings.warn(f"CUDA graph capture failed, running eagerly: {type(e).__name__}: {e}", stacklevel=2)
+        torch.cuda.synchronize()
+        return fn

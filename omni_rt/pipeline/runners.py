@@ -25,24 +25,21 @@ rows are read back to the host together (`host_ids`): one host sync per step, no
 
 from __future__ import annotations
 
-import warnings
-
-import numpy as np
 import torch
 
 from omni_rt.admission import CAPTURE_ROWS  # the caches' extra row, which graph capture writes into
 from omni_rt.config import EngineSettings
 from omni_rt.errors import InvalidRequestError
-from omni_rt.model.code2wav import Code2WavStream, copy_states
 from omni_rt.model.sampling import StageSampler, codec_suppress_ids, frame_sampler, residual_code_sampling
 from omni_rt.model.speech_input import build_speech_input
 from omni_rt.model.talker import talker_prompt_last, talker_prompt_prefix, talker_step_input
-from omni_rt.pipeline.graphs import GraphPool, capture
+from omni_rt.pipeline import graphs
+from omni_rt.pipeline.code2wav_runner import Code2WavRunner
+from omni_rt.pipeline.graphs import GraphPool
 from omni_rt.pipeline.request import Request
 from omni_rt.pipeline.shapes import (
     batch_bucket,
     batch_buckets,
-    code2wav_buckets,
     kv_bucket,
     kv_buckets,
     pad_rows,
@@ -61,21 +58,6 @@ from omni_rt.pipeline.stage_device import (
 )
 
 
-def graphs_on(settings: EngineSettings, device: torch.device) -> bool:
-    """Capture CUDA graphs? Only where there is CUDA (the CPU runs the same functions eagerly)."""
-    return settings.cuda_graphs and device.type == "cuda"
-
-
-def _capture(fn, static_inputs, pool):
-    """A CUDA graph of `fn`, or `fn` itself if this step cannot be captured (it then runs eagerly)."""
-    try:
-        return capture(fn, static_inputs, pool=pool)
-    except Exception as e:  # e.g. a MoE backend that syncs with the host: eager is still correct
-        warnings.warn(f"CUDA graph capture failed, running eagerly: {type(e).__name__}: {e}", stacklevel=2)
-        torch.cuda.synchronize()
-        return fn
-
-
 class ThinkerRunner:
     def __init__(self, model, settings: EngineSettings, gate: LaunchGate | None = None) -> None:
         self.thinker = model.thinker
@@ -92,7 +74,7 @@ class ThinkerRunner:
         self.sampler = StageSampler("thinker", settings.max_sessions + CAPTURE_ROWS, self.vocab, self.device)
         self._graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> captured decode step
         self._prefill_graphs: dict[tuple[int, int, int], object] = {}  # (batch, padded T, kv_len) -> prefill
-        if graphs_on(settings, self.device):
+        if graphs.graphs_on(settings, self.device):
             self._capture_all()
 
     def _decode_fn(self, kv_len: int):
@@ -131,7 +113,7 @@ class ThinkerRunner:
                     torch.zeros(b, 1, dtype=torch.long, device=self.device),  # positions [B, 1]
                     torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
                 )
-                self._graphs[(b, kv_len)] = _capture(self._decode_fn(kv_len), static, pool)
+                self._graphs[(b, kv_len)] = graphs.capture_or_eager(self._decode_fn(kv_len), static, pool)
         if not s.prefill_graphs:
             return
         # text and speech turns share these graphs: both enter as embeddings
@@ -147,7 +129,9 @@ class ThinkerRunner:
                     torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
                     torch.full((b,), t - 1, dtype=torch.long, device=self.device),  # index [B]
                 )
-                self._prefill_graphs[(b, t, kv_len)] = _capture(self._prefill_fn(kv_len), static, pool)
+                self._prefill_graphs[(b, t, kv_len)] = graphs.capture_or_eager(
+                    self._prefill_fn(kv_len), static, pool
+                )
 
     def _decode_step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int):
         n = ids.shape[0]
@@ -191,14 +175,25 @@ class ThinkerRunner:
         return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
 
     def _prefill_groups(self, index: list[int], rows: list[Request]) -> list[list[int]]:
-        """`index` (the text rows) as prefill calls: one right-padded batch, or one call per row where the
-        batch has no captured graph but graphs are on (a batch above `prefill_graph_batches` ran eagerly:
-        125-178 ms for two 57-token prompts on an H200 under load, against 22 ms for each graphed alone,
-        and it held every other conversation's text meanwhile), or where its padding would not fit."""
+        """`index` (the text rows) as prefill calls: one right-padded batch; where graphs are on and the
+        batch has none, batches of `prefill_graph_batches` that have one, else one call per row (a batch
+        without a graph runs eagerly: 125-178 ms for two 57-token prompts on an H200 under load, against
+        22 ms for each graphed alone, holding every other conversation's text); one call per row where
+        the padding of a batch would not fit the cache."""
         plan = self._prefill_shape(rows)
-        if plan is None or (len(rows) > 1 and plan[2] is None and self._prefill_graphs):
+        if plan is None:
             return [[i] for i in index]
-        return [index]
+        if len(rows) == 1 or plan[2] is not None or not self._prefill_graphs:
+            return [index]
+        k = self.settings.prefill_graph_batches
+        spans = [range(j, min(j + k, len(rows))) for j in range(0, len(rows), k)]
+        if k > 1 and all(len(sp) == 1 or self._graphed([rows[j] for j in sp]) for sp in spans):
+            return [[index[j] for j in sp] for sp in spans]
+        return [[i] for i in index]
+
+    def _graphed(self, rows: list[Request]) -> bool:
+        plan = self._prefill_shape(rows)
+        return plan is not None and plan[2] is not None
 
     @stage_call
     def prefill_piece(self, req: Request, n: int) -> None:
@@ -319,7 +314,7 @@ class TalkerRunner:
         self._prefix_graphs: dict[tuple[int, int], object] = {}  # (padded T, kv_len) -> prefix prefill
         self._frame_ahead: dict[int, list[int]] = {}  # slot -> frame 0 made in `prefill_last`
         self._mm_ids = {self.cfg.ids.audio, self.cfg.ids.image, self.cfg.ids.video}
-        if graphs_on(settings, self.device):
+        if graphs.graphs_on(settings, self.device):
             self._capture_all()
 
     def _step_fn(self, kv_len: int):
@@ -347,7 +342,7 @@ class TalkerRunner:
                     torch.zeros(b, 1, dtype=torch.long, device=self.device),  # positions [B, 1]
                     torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
                 )
-                self._graphs[(b, kv_len)] = _capture(self._step_fn(kv_len), static, pool)
+                self._graphs[(b, kv_len)] = graphs.capture_or_eager(self._step_fn(kv_len), static, pool)
             # a whole frame of the code predictor (15 steps, greedy or sampled per row) as one graph
             static = (
                 torch.zeros(b, self.cfg.talker.hidden_size, dtype=self.cache.dtype, device=self.device),
@@ -355,7 +350,7 @@ class TalkerRunner:
                 torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
                 torch.zeros(b, dtype=torch.long, device=self.device),  # keys [B]
             )
-            self._frame_graphs[b] = _capture(self._frame_fn, static, pool)
+            self._frame_graphs[b] = graphs.capture_or_eager(self._frame_fn, static, pool)
         # the last prompt position (first text token + codec bos): on the path to the first audio
         for kv_len in kv_buckets(self.cache.max_len):
             static = (
@@ -363,7 +358,7 @@ class TalkerRunner:
                 torch.zeros(1, 1, dtype=torch.long, device=self.device),  # positions [1, 1]
                 torch.full((1,), self.scratch, dtype=torch.long, device=self.device),  # slots [1]
             )
-            self._last_graphs[kv_len] = _capture(self._last_fn(kv_len), static, pool)
+            self._last_graphs[kv_len] = graphs.capture_or_eager(self._last_fn(kv_len), static, pool)
         if not self.settings.prefill_graphs:
             return
         # the prompt prefix (batch 1), right-padded as the Thinker's prefill is (see the module doc)
@@ -374,7 +369,9 @@ class TalkerRunner:
                 torch.arange(t, device=self.device)[None],  # positions [1, T]
                 torch.full((1,), self.scratch, dtype=torch.long, device=self.device),  # slots [1]
             )
-            self._prefix_graphs[(1, t, kv_len)] = _capture(self._prefix_fn(kv_len), static, pool)
+            self._prefix_graphs[(1, t, kv_len)] = graphs.capture_or_eager(
+                self._prefix_fn(kv_len), static, pool
+            )
 
     def _prefix_fn(self, kv_len: int):
         def prefix(embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -522,86 +519,6 @@ class TalkerRunner:
                 self._hidden[r.slot] = hidden[i].clone()
             choices.append(kept(code0))
         return host_ids(choices)
-
-
-class Code2WavRunner:
-    """One exact streaming decoder state per session slot. With graphs, one CUDA graph per (rows, chunk
-    size) decodes a shared work state: the slots' states are copied into its rows before the replay and
-    out after it (one multi-tensor copy each way: a few MB a slot at real shapes), so the graphs need not
-    be captured per slot. Responses whose next chunks have the same size decode in one batched call
-    (`push_many`, with `code2wav_batch`), each row exactly its own stream's decode."""
-
-    def __init__(self, model, settings: EngineSettings) -> None:
-        self.code2wav = model.code2wav
-        self.device = model.device
-        self.samples_per_frame = self.code2wav.samples_per_frame
-        self.stream = stage_stream(self.device, priority=-1)
-        self.batch = settings.code2wav_batch and not settings.deterministic
-        self._graphs: dict[tuple[int, int], object] = {}  # (rows bucket, chunk frames) -> captured decode
-        self._work: dict[int, object] = {}  # rows bucket -> the work state its graphs decode
-        self._rows = code2wav_buckets(settings.max_sessions if self.batch else 1)
-        if graphs_on(settings, self.device):
-            self._capture_all(settings.chunk_sizes())
-        # one exact streaming state per session slot, allocated once
-        step = lambda codes, state: self._decode(codes, [state])  # noqa: E731 - one stream's chunk
-        self._streams = [Code2WavStream(self.code2wav, step=step) for _ in range(settings.max_sessions)]
-
-    @torch.no_grad()
-    def _capture_all(self, chunk_sizes: list[int]) -> None:
-        pool = GraphPool()
-        q = self.code2wav.cfg.num_quantizers
-        for b in self._rows:
-            work = self._work[b] = self.code2wav.new_state(b)
-            for n in chunk_sizes:
-                codes = torch.zeros(b, q, n, dtype=torch.long, device=self.device)  # [b, Q, n]
-                self._graphs[(b, n)] = _capture(lambda c, w=work: self.code2wav.step(c, w), (codes,), pool)
-
-    def _decode(self, codes: torch.Tensor, states: list) -> torch.Tensor:
-        """One chunk of each of len(states) streams in one call: codes [B, Q, n] -> wav [B, 1, spf n],
-        each state advanced as its own stream's decode would. A graphed (rows bucket, size) replays over
-        its work state's first B rows (padding rows' outputs and states are never read); else eager (the
-        last chunk of a response can have any size)."""
-        rows, n = codes.shape[0], codes.shape[-1]
-        b = next((r for r in self._rows if r >= rows), None)
-        graph = self._graphs.get((b, n))
-        if graph is None and rows == 1:
-            return self.code2wav.step(codes, states[0])
-        work = self._work[b] if graph is not None else self.code2wav.new_state(rows)
-        copy_states([work.row(i) for i in range(rows)], states)
-        wav = graph(pad_rows(codes, b, 0)) if graph is not None else self.code2wav.step(codes, work)
-        copy_states(states, [work.row(i) for i in range(rows)])
-        return wav[:rows]
-
-    @stage_call  # a reset writes the slot's device state: in stream order with the pushes around it
-    def open(self, req: Request) -> None:
-        self._streams[req.slot].reset()
-
-    @stage_call
-    def push(self, req: Request, frames: list[list[int]]) -> np.ndarray:
-        codes = to_device(frames, self.device).T  # [16, n]
-        # the Talker's codes are in range by construction: skip the check (a host sync on the GPU)
-        return self._streams[req.slot].push(codes, check=False).float().cpu().numpy()
-
-    @stage_call
-    def push_many(self, reqs: list[Request], frames: list[list[list[int]]]) -> list[np.ndarray]:
-        """The next chunk of each request, all of the same size, in one call: PCM per request, each
-        exactly what `push` gives it alone (up to float rounding of a batched kernel on a GPU)."""
-        if len(reqs) == 1:
-            return [self.push(reqs[0], frames[0])]
-        codes = to_device(frames, self.device).transpose(1, 2)  # [B, 16, n]
-        streams = [self._streams[r.slot] for r in reqs]
-        # a copy: a graph's output buffer is the next replay's
-        wav = self._decode(codes, [s.state for s in streams])[:, 0].to(torch.float32, copy=True)
-        pcm = [s.take(0, wav[i], codes.shape[-1]) for i, s in enumerate(streams)]
-        return [x.cpu().numpy() for x in pcm]
-
-    @stage_call
-    def flush(self, req: Request) -> np.ndarray:
-        return self._streams[req.slot].flush().float().cpu().numpy()
-
-    @stage_call
-    def close(self, req: Request) -> None:
-        self._streams[req.slot].reset()
 
 
 def build_runners(model, settings: EngineSettings) -> tuple[ThinkerRunner, TalkerRunner, Code2WavRunner]:

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import ipaddress
 import json
 import logging
@@ -101,6 +102,13 @@ class Server:
 
     async def start(self) -> None:
         s = self.settings
+        # What is alive now (the model, torch, the libraries) stays for the process's life: frozen out
+        # of the cycle collector's sight, its full collections scan only what came later. Unfrozen, one
+        # took 380-480 ms in the browser test's process, holding the interpreter lock: no packet went
+        # out and no stage stepped meanwhile (docs/performance.md, 2026-12-01 night). Frozen objects
+        # are still freed by reference counting; only cycles among them would wait for `gc.unfreeze`.
+        gc.collect()
+        gc.freeze()
         where = {"sock": self._sock} if self._sock is not None else {"host": s.host, "port": s.port}
         self._server = await serve(
             self._handle,

@@ -243,6 +243,8 @@ def test_top_k_first_draws_what_the_whole_vocabulary_draws():
         ):  # many equal scores around the k-th; top-p off (it drops equal scores by sort order)
             logits = (logits * 2).round() / 2
             r = r._replace(top_p=torch.ones(b))
+        if trial % 3 == 2:  # no penalty: skipped on the top-k-first path
+            r = r._replace(repetition_penalty=torch.ones(b))
         seen = torch.rand(b, vocab, generator=g) < 0.1
         supp = S.suppress_mask(vocab, list(range(0, vocab, 7)))
         seed, keys = torch.randint(0, 2**40, (b,), generator=g), torch.randint(0, 1000, (b,), generator=g)

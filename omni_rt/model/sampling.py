@@ -340,6 +340,8 @@ def choose_top_k_first(
     plan = TopKFirst.of(rows, logits.shape[-1])
     if plan is None:
         return None
+    if seen is not None and bool((rows.repetition_penalty == 1.0).all()):
+        seen = None  # x * 1 and x / 1 are x: a penalty of 1 (the Thinker's default) changes nothing
     return plan.choose(greedy_scores(logits, rows, seen, suppress_ids), seed.tolist(), stage, keys.tolist())
 
 

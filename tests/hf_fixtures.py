@@ -41,10 +41,13 @@ WAV_STD = 0.25  # Code2Wav output std after calibration: 4 sigma to the clamp at
 def _small_configs() -> dict[str, OmniConfig]:
     # The depths the parity tests were written against (the tiny preset's until 2026-12-01, when the
     # preset was cut to one layer per stage to play in real time on 2 cores): 4 Thinker layers with the
-    # Talker reading layer 2, 2 Talker and 2 code-predictor layers. Every config below derives from these.
+    # Talker reading layer 2, 2 Talker and 2 code-predictor layers; and the real 16 code groups (the
+    # preset's until 2026-12-01 night, when it was cut to 4). Every config below derives from these.
     preset_tiny = preset("tiny")
     tiny = replace(
         preset_tiny,
+        num_code_groups=16,
+        code2wav=replace(preset_tiny.code2wav, num_quantizers=16),
         thinker=replace(preset_tiny.thinker, num_hidden_layers=4),
         talker=replace(preset_tiny.talker, num_hidden_layers=2),
         code_predictor=replace(preset_tiny.code_predictor, num_hidden_layers=2),

@@ -446,21 +446,13 @@ def audibility(levels: list[list[float]], threshold: float = 0.01) -> tuple[floa
     return total / 1000, heard / total if total else 0.0, longest
 
 
-@pytest.mark.xfail(
-    reason="issue 13, defect 6 is still open: the Code2Wav chunk plan and the 100 ms playout lead keep a "
-    "real-time player fed at 1.25x real time (99.8 % audible, no gap over 20 ms in scripts/cpu_rtf.py), but "
-    "served to Chromium on this shared 2-core machine the pipeline made frames at only 0.76-1.23x real time "
-    "(the server's event loop shares its interpreter lock, Chromium takes half a core): 72.6-90.1 % audible in "
-    "3 runs, 64 % beside a busy loop (2026-12-01 evening, docs/performance.md). Kept running so it says when "
-    "it passes.",
-    strict=False,
-)
 async def test_a_tiny_reply_plays_without_gaps(tiny):
     """The embedded default as `omni-rt serve` runs it (tiny, 8 s replies, 1024 text tokens), heard in
-    Chromium: the track must never run dry (its random-weight audio is loud throughout, so any silence
-    inside the reply is an underrun). Random weights sometimes end a reply after a few words (about one
-    seed in eight: an early `<|im_end|>`); such a reply is checked too, and another turn is asked for
-    until one has the full length (at most three)."""
+    Chromium on this 2-core machine: the track must never run dry (its random-weight audio is loud
+    throughout, so any silence inside the reply is an underrun). Issue 13, defect 6; what it took is in
+    docs/performance.md (2026-12-01, evening and night). Random weights sometimes end a reply after a
+    few words (about one seed in eight: an early `<|im_end|>`); such a reply is checked too, and another
+    turn is asked for until one has the full length (at most three)."""
     from omni_rt.server import PeerSettings
     from omni_rt.server.app import TINY_REPLY_SECONDS
 

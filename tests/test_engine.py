@@ -70,11 +70,11 @@ def of(events, kind: str) -> list:
 
 
 def reply(engine, events) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """(text token ids, codes [16, N], int16 PCM) of a finished response."""
+    """(text token ids, codes [groups, N], int16 PCM) of a finished response."""
     rid = events[-1].response_id
     tokens = [t for e in of(events, "response.output_text.delta") for t in e.token_ids]
     frames = engine.recorder["c2w"].frames.get(rid, [])
-    codes = np.array(frames, dtype=np.int64).T.reshape(16, -1)
+    codes = np.array(frames, dtype=np.int64).T.reshape(engine.cfg.num_code_groups, -1)
     pcm = np.concatenate(
         [e.pcm for e in of(events, "response.output_audio.delta")] or [np.zeros(0, np.int16)]
     )

@@ -299,11 +299,12 @@ def test_talker_padded_prefix_graph_equals_eager(model, graphed):
     assert_same_trace(*mine)
     assert any(c.replays for c in graphed if c.fn.__name__ == "prefix")
     # slot 1 goes on as it would alone
-    after = [r.step([o], [[1] * 16], [5]) for r, o in ((g, other_g), (e, other_e))]
+    frame = [1] * model.cfg.num_code_groups
+    after = [r.step([o], [frame], [5]) for r, o in ((g, other_g), (e, other_e))]
     alone = TalkerRunner(model, s.model_copy(update={"cuda_graphs": False}))
     other = request(model, "Another voice.", 1)
     talker_trace(alone, other, 7, steps=1)
-    assert after[0] == after[1] == alone.step([other], [[1] * 16], [5])
+    assert after[0] == after[1] == alone.step([other], [frame], [5])
 
 
 def test_frame0_made_from_code0_on_the_device(model, graphed):
@@ -420,7 +421,7 @@ def test_every_code2wav_call_that_touches_its_state_runs_on_its_stream(model, mo
     monkeypatch.setattr(state, "reset", lambda *a: resets.append(bool(on_stream)))
     req = request(model, "Hi", slot=0)
     runner.open(req)
-    runner.push(req, [[1] * 16])
+    runner.push(req, [[1] * model.cfg.num_code_groups])
     runner.flush(req)
     runner.close(req)
     assert resets and all(resets)  # open, flush (the stream starts afresh), close

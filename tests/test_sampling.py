@@ -243,6 +243,8 @@ def test_top_k_first_draws_what_the_whole_vocabulary_draws():
         ):  # many equal scores around the k-th; top-p off (it drops equal scores by sort order)
             logits = (logits * 2).round() / 2
             r = r._replace(top_p=torch.ones(b))
+        if trial % 3 == 2:  # no penalty: skipped on the top-k-first path
+            r = r._replace(repetition_penalty=torch.ones(b))
         seen = torch.rand(b, vocab, generator=g) < 0.1
         supp = S.suppress_mask(vocab, list(range(0, vocab, 7)))
         seed, keys = torch.randint(0, 2**40, (b,), generator=g), torch.randint(0, 1000, (b,), generator=g)
@@ -330,6 +332,33 @@ def test_frame_sampler_keys_each_code_group():
     assert [int(again(flat)) for _ in range(15)] == codes
     other = S.frame_sampler(sampler, slot, torch.tensor([6]))
     assert [int(other(flat)) for _ in range(15)] != codes
+
+
+def test_a_frame_on_the_cpu_draws_what_the_stage_sampler_draws():
+    """`frame_sampler` on the CPU reads the rows' settings once a frame (`TopKFirst`) instead of once a
+    draw: the same 15 choices as calling the sampler per code group, over mixed rows (greedy ones,
+    temperatures, k above the vocabulary, top-p on and off, ties at the k-th score)."""
+    g = torch.Generator().manual_seed(1)
+    vocab, b = 300, 4
+    for trial in range(40):
+        sampler = S.StageSampler("code_predictor", b + 1, vocab, history=False)
+        for slot in range(b):
+            p = float(torch.rand(1, generator=g)) * 0.5 + 0.5 if trial % 2 else 1.0
+            s = StageSampling(
+                do_sample=bool(torch.rand(1, generator=g) < 0.8) or trial % 5 == 0,
+                temperature=1.0 if trial % 3 == 0 else float(torch.rand(1, generator=g)) + 0.3,
+                top_k=50 if trial % 4 == 0 else int(torch.randint(1, 400, (1,), generator=g)),
+                top_p=p,
+            )
+            sampler.assign(slot, s, int(torch.randint(0, 2**40, (1,), generator=g)))
+        slots, keys = torch.tensor([3, 0, 2, 1]), torch.randint(0, 1000, (b,), generator=g)
+        logits = torch.randn(15, b, vocab, generator=g)
+        if trial % 4 == 1:
+            logits = (logits * 2).round() / 2  # ties
+        draw = S.frame_sampler(sampler, slots, keys)
+        got = [draw(logits[i]) for i in range(15)]
+        want = [sampler(logits[i], slots, keys * S.CODE_KEY_STRIDE, key_offset=i) for i in range(15)]
+        assert torch.equal(torch.stack(got), torch.stack(want)), trial
 
 
 def test_seeds_are_validated_and_fresh_when_missing():

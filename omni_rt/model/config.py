@@ -363,17 +363,21 @@ PRESETS = ("tiny", "qwen3-omni-30b-a3b")
 
 
 def _tiny() -> OmniConfig:
-    """Real vocabularies, special ids, 16 code groups and Code2Wav upsampling; small everything else.
+    """Real vocabularies, special ids and Code2Wav upsampling; small everything else, 4 code groups.
 
     Depths are the least that exercise every code path (a Thinker layer before the one the Talker reads,
     one Talker and one code-predictor layer): on a CPU a step is dominated by per-op dispatch, not FLOPs,
-    and the code predictor runs its layers 15 times a frame, so each layer cut is a share of the budget
-    the embedded default must stay within to play in real time on 2 cores (docs/performance.md,
-    2026-12-01). Parity tests pin deeper shapes of their own (tests/hf_fixtures.py)."""
+    so each layer cut is a share of the budget the embedded default must stay within to play in real time
+    on 2 cores (docs/performance.md, 2026-12-01). For the same reason 4 code groups, not the real 16: the
+    code predictor steps once per group after code 0, and its 15 steps a frame were ~80 % of the Talker
+    thread's CPU and ~40 % of the pipeline's in the served process; 3 steps still run its prefill and
+    its cached single steps (2026-12-01 night). Parity tests pin shapes of their own, 16 groups included
+    (tests/hf_fixtures.py)."""
     real = OmniConfig.from_hf(json.loads(_preset_text("qwen3-omni-30b-a3b")))
     small = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     return replace(
         real,
+        num_code_groups=4,
         thinker=replace(
             real.thinker,
             **small,
@@ -404,6 +408,7 @@ def _tiny() -> OmniConfig:
             num_key_value_heads=4,
             intermediate_size=128,
             decoder_dim=64,
+            num_quantizers=4,
         ),
         accept_hidden_layer=1,
         audio_config=_small_audio_config(64),

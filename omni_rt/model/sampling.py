@@ -250,14 +250,19 @@ def uniform_noise_at(seed: torch.Tensor, stage: int, keys: torch.Tensor, ids: to
     (seed[B], stage, keys[B], vocab id). 23 bits: with 24, the top value (2**24 - 0.5) / 2**24 rounds
     to 1.0 in float32, and E = -log 1 = 0 would win every race."""
     if seed.device.type == "cpu":
-        # The same integer arithmetic on Python ints (each row's state) and numpy arrays: some 60 integer
-        # ops per draw on a handful of values, each a fraction of a torch op's dispatch cost (a
-        # code-predictor frame draws 15 times).
-        rows = np.array([_row_hash(a, stage, b) for a, b in zip(seed.tolist(), keys.tolist(), strict=True)])
-        x = torch.from_numpy(_hash_bits(rows.astype(np.int64), ids.numpy()))
-    else:
-        x = _hash_bits(_row_hash(seed, stage, keys), ids)
+        return _cpu_uniform_at(seed.tolist(), stage, keys.tolist(), ids)
+    x = _hash_bits(_row_hash(seed, stage, keys), ids)
     return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
+
+
+def _cpu_uniform_at(seeds: list[int], stage: int, keys: list[int], ids: torch.Tensor) -> torch.Tensor:
+    """`uniform_noise_at` on the CPU, from the rows' seeds and keys as Python ints. The same integer
+    arithmetic on Python ints (each row's state) and numpy arrays: some 60 integer ops per draw on a
+    handful of values, each a fraction of a torch op's dispatch cost (a code-predictor frame draws 15
+    times). The conversion to float is exact in numpy too: a 23-bit integer, + 0.5, times a power of 2."""
+    rows = np.array([_row_hash(a, stage, b) for a, b in zip(seeds, keys, strict=True)], dtype=np.int64)
+    x = _hash_bits(rows, ids.numpy())
+    return torch.from_numpy(((x >> 9).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / (1 << 23)))
 
 
 def _hash_bits(rows: Ints, ids: Ints) -> Ints:
@@ -332,28 +337,69 @@ def choose_top_k_first(
     and takes its argmax in vocabulary order, so equal race values resolve to the lowest id, as argmax
     over the vocabulary does. Host reads (k, n): the CPU only.
     """
-    sampled = rows.do_sample
-    # greedy rows may have any k (their draw is not used): 1
-    k = torch.where(sampled, rows.top_k, torch.ones_like(rows.top_k))
-    if bool((k <= 0).any()):
+    plan = TopKFirst.of(rows, logits.shape[-1])
+    if plan is None:
         return None
-    scores = greedy_scores(logits, rows, seen, suppress_ids)
-    greedy = scores.argmax(dim=-1)  # [B]
-    if not bool(sampled.any()):
-        return greedy
-    warped = _sampling_temperature(scores, rows)  # [B, V]
-    vocab = warped.shape[-1]
-    k = k.clamp(max=vocab).view(-1, 1)  # [B, 1]
-    top, ids = warped.topk(int(k.max()), dim=-1)  # [B, K] descending
-    kth = top.gather(1, k - 1)  # [B, 1]
-    n = int((warped >= kth).sum(dim=-1).max())  # survivors, ties at the k-th score included
-    if n > top.shape[1]:
-        top, ids = warped.topk(n, dim=-1)
-    top = top.masked_fill(top < kth, float("-inf"))  # [B, N]: the top-k filter's survivors
-    top = top_p_filter(top, rows.top_p)  # [B, N]: and top-p's
-    ids, order = ids.sort(dim=-1)  # vocabulary order, for argmax's tie rule
-    pick = race(top.gather(1, order), seed, stage, keys, ids)  # [B]
-    return torch.where(sampled, ids.gather(1, pick[:, None])[:, 0], greedy)
+    if seen is not None and bool((rows.repetition_penalty == 1.0).all()):
+        seen = None  # x * 1 and x / 1 are x: a penalty of 1 (the Thinker's default) changes nothing
+    return plan.choose(greedy_scores(logits, rows, seen, suppress_ids), seed.tolist(), stage, keys.tolist())
+
+
+class TopKFirst(NamedTuple):
+    """What `choose_top_k_first` reads on the host about a batch's settings, read once: a frame's 15
+    code-predictor draws share their rows' settings (`frame_sampler`), so they read them once, not 15
+    times (each read is a few small ops and a sync, on a CPU where a step is mostly op dispatch)."""
+
+    sampled: torch.Tensor  # [B] bool: do_sample
+    any_sampled: bool
+    all_sampled: bool
+    divisor: torch.Tensor | None  # [B, 1] temperature (1 for greedy rows); None: all 1, and x / 1 == x
+    k: torch.Tensor  # [B, 1] top-k, at most the vocabulary (1 for greedy rows: their draw is not used)
+    k_max: int
+    k_uniform: bool  # every row's k is k_max
+    top_p: torch.Tensor | None  # [B]; None: every row's is 1.0, where top-p drops nothing
+
+    @classmethod
+    def of(cls, rows: RowSettings, vocab: int) -> TopKFirst | None:
+        """None if a sampled row has no top-k."""
+        sampled = rows.do_sample
+        k = torch.where(sampled, rows.top_k, torch.ones_like(rows.top_k))
+        if bool((k <= 0).any()):
+            return None
+        k = k.clamp(max=vocab).view(-1, 1)  # [B, 1]
+        k_max = int(k.max())
+        temperature = torch.where(sampled, rows.temperature, torch.ones_like(rows.temperature))
+        return cls(
+            sampled=sampled,
+            any_sampled=bool(sampled.any()),
+            all_sampled=bool(sampled.all()),
+            divisor=None if bool((temperature == 1.0).all()) else temperature.view(-1, 1),
+            k=k,
+            k_max=k_max,
+            k_uniform=bool((k == k_max).all()),
+            top_p=None if bool((rows.top_p >= 1.0).all()) else rows.top_p,
+        )
+
+    def choose(self, scores: torch.Tensor, seeds: list[int], stage: int, keys: list[int]) -> torch.Tensor:
+        """ids [B] from `greedy_scores` [B, V] of rows keyed by (seeds[b], stage, keys[b])."""
+        greedy = None if self.all_sampled else scores.argmax(dim=-1)  # [B]
+        if not self.any_sampled:
+            return greedy
+        warped = scores if self.divisor is None else scores / self.divisor  # `apply_temperature`
+        top, ids = warped.topk(self.k_max, dim=-1)  # [B, K] descending
+        kth = top.gather(1, self.k - 1)  # [B, 1]
+        n = int((warped >= kth).sum(dim=-1).max())  # survivors, ties at the k-th score included
+        if n > top.shape[1]:
+            top, ids = warped.topk(n, dim=-1)
+        if n > self.k_max or not self.k_uniform:  # else every one of the k_max largest is >= the k-th
+            top = top.masked_fill(top < kth, float("-inf"))  # [B, N]: the top-k filter's survivors
+        if self.top_p is not None:
+            top = top_p_filter(top, self.top_p)  # [B, N]: and top-p's
+        ids, order = ids.sort(dim=-1)  # vocabulary order, for argmax's tie rule
+        u = _cpu_uniform_at(seeds, stage, keys, ids)  # [B, N]: `race` at these ids
+        pick = (top.gather(1, order) - torch.log(-torch.log(u))).argmax(dim=-1)  # [B]
+        chosen = ids.gather(1, pick[:, None])[:, 0]
+        return chosen if greedy is None else torch.where(self.sampled, chosen, greedy)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -454,7 +500,20 @@ def frame_sampler(sampler: StageSampler, slots: torch.Tensor, talker_keys: torch
     in its 15 keys' offsets and reads the Talker keys from its static input."""
     group = itertools.count()
     base = talker_keys * CODE_KEY_STRIDE
-    return lambda logits: sampler(logits, slots, base, key_offset=next(group))
+    if sampler.device.type != "cpu" or sampler.seen is not None or sampler.suppress is not None:
+        return lambda logits: sampler(logits, slots, base, key_offset=next(group))
+    # The CPU, no history or suppression (the code predictor's): what `sampler` would do, with the rows'
+    # settings, seeds and keys read once a frame rather than once a draw.
+    plan = TopKFirst.of(sampler.rows(slots), sampler.vocab)
+    seeds, keys = sampler.seed[slots].tolist(), base.tolist()
+
+    def draw(logits: torch.Tensor) -> torch.Tensor:
+        offset = next(group)
+        if plan is None or logits.shape[-1] != sampler.vocab:
+            return sampler(logits, slots, base, key_offset=offset)
+        return plan.choose(logits.float(), seeds, sampler.stage, [k + offset for k in keys])
+
+    return draw
 
 
 def residual_code_sampling(s: StageSampling) -> StageSampling:

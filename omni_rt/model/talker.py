@@ -31,6 +31,7 @@ equal across the three M-RoPE components, as the reference's `get_rope_index` gi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -40,6 +41,15 @@ from omni_rt.errors import ConfigError, InvalidRequestError
 from omni_rt.model.config import DecoderConfig, OmniConfig, TokenIds
 from omni_rt.model.layers import DecoderLayer, KVCache, RMSNorm, Rotary, attention_mask
 from omni_rt.prompt_layout import talker_text_id  # noqa: F401 - the rule lives there; re-exported
+
+
+class StepTables(NamedTuple):
+    """What the code predictor's layers share within a step: RoPE cos, sin [B, T, D], mask (`attention_mask`)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor
+
 
 # `sample(logits[B, V]) -> ids[B]`: a pure function of logits (greedy, or sampling with its own generator)
 SampleFn = Callable[[torch.Tensor], torch.Tensor]
@@ -102,6 +112,7 @@ class CodePredictor(nn.Module):
         )
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)  # plain RoPE: positions 0..15
         self.cache: KVCache | None = None
+        self._steps_kept: dict[tuple, tuple] = {}  # the CPU's `_frame_steps`, by batch, dtype, device, mode
         # set from outside to run the whole frame in fused kernels (kernels/code_frame.py), same contract
         # as `predict`: (predictor, talker_hidden, code0_embed, sample) -> codes [B, 15]
         self.frame_fn: Callable[..., torch.Tensor] | None = None
@@ -134,15 +145,15 @@ class CodePredictor(nn.Module):
         cache: KVCache,
         slots: torch.Tensor,
         kv_len: int | None = None,
+        tables: StepTables | None = None,
     ) -> torch.Tensor:
         """embeds [B, T, H], positions [B, T] -> normed hidden [B, T, H].
 
         kv_len: attend over cache rows [0, kv_len) only (above every position); default the whole cache.
+        tables: `step_tables(positions, kv_len)` made earlier (the same values), or None to make them.
         """
         kv_len = cache.max_len if kv_len is None else kv_len
-        cos, sin = self.rotary(positions, embeds.dtype)  # [B, T, head_dim]
-        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        mask = attention_mask(positions, kv_len, rep)  # shared by all layers
+        cos, sin, mask = tables or self.step_tables(positions, kv_len, embeds.dtype)
         h = embeds
         for layer in self.model.layers:
             h = layer(h, cos, sin, cache, slots, positions, kv_len, mask)
@@ -169,22 +180,49 @@ class CodePredictor(nn.Module):
             return self.frame_fn(self, talker_hidden, code0_embed, sample)
         b = talker_hidden.shape[0]
         cache = self._cache_for(b, talker_hidden)
-        slots = torch.arange(b, device=talker_hidden.device)  # [B]
         x = torch.stack((talker_hidden, code0_embed), dim=1)  # [B, 2, H]
-        positions = torch.arange(2, device=x.device).expand(b, 2)  # [B, 2]
-        n = self.num_code_groups - 1
+        slots, steps = self._frame_steps(b, x.dtype, x.device)
         codes = []
-        for i in range(n):
+        for i, (positions, tables) in enumerate(steps):
             # step i sees exactly rows [0, i + 2), as the reference's growing cache does: the same rows
             # give the same bf16 rounding in attention (and the 2-token prefill is plain causal there).
             # A Python int per step, so a captured frame stays static.
-            h = self(x, positions, cache, slots, kv_len=i + 2)[:, -1]  # [B, H]
+            h = self(x, positions, cache, slots, kv_len=i + 2, tables=tables)[:, -1]  # [B, H]
             code = sample(self.lm_head[i](h))  # [B]
             codes.append(code)
-            if i + 1 < n:
+            if i + 1 < len(steps):
                 x = self.model.codec_embedding[i](code).unsqueeze(1)  # [B, 1, H]: code i+1 enters step i+1
-                positions = torch.full((b, 1), i + 2, device=x.device, dtype=torch.long)  # [B, 1]
         return torch.stack(codes, dim=1)  # [B, 15]
+
+    def step_tables(self, positions: torch.Tensor, kv_len: int, dtype: torch.dtype) -> StepTables:
+        """RoPE cos, sin [B, T, head_dim] and the attention mask that every layer of a step shares."""
+        cos, sin = self.rotary(positions, dtype)
+        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        return StepTables(cos, sin, attention_mask(positions, kv_len, rep))
+
+    def _frame_steps(
+        self, b: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, StepTables | None]]]:
+        """Slots [B] and each step's positions ([B, 2] for the first, then [B, 1]) and tables.
+
+        Every frame's steps are at the same positions, so on the CPU their tables are made once per
+        batch size and kept: RoPE and the mask are a fifth of a step's ops there, where a step costs
+        its op dispatch (docs/performance.md, 2026-12-01 night). A device computes them in each frame,
+        inside its captured graph (tables None)."""
+        key = (b, dtype, device, torch.is_inference_mode_enabled())  # inference tensors stay in it
+        if key in self._steps_kept:
+            return self._steps_kept[key]
+        positions = [torch.arange(2, device=device).expand(b, 2)]  # [B, 2]: the frame's 2-token prefill
+        positions += [
+            torch.full((b, 1), i + 1, dtype=torch.long, device=device)
+            for i in range(1, self.num_code_groups - 1)
+        ]
+        cpu = torch.device(device).type == "cpu"
+        steps = [(p, self.step_tables(p, i + 2, dtype) if cpu else None) for i, p in enumerate(positions)]
+        made = torch.arange(b, device=device), steps
+        if cpu:
+            self._steps_kept[key] = made
+        return made
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import ipaddress
 import json
 import logging
@@ -41,6 +42,7 @@ from omni_rt.server.transport import CLOSE_TIMEOUT_S
 from omni_rt.server.webrtc import IcePolicy, ice_server
 
 log = logging.getLogger("omni_rt.server")
+_running = 0  # servers started and not closed in this process (`Server.start`: gc.freeze)
 
 
 # The tiny preset's random weights babble until a limit: a demo reply of a few seconds is enough to hear.
@@ -116,10 +118,24 @@ class Server:
             # Don't let a client that never closes its end hold a shutdown (or a slot) for long.
             close_timeout=2,
         )
+        # What is alive now (the model, torch, the libraries) outlives the server: frozen out of the
+        # cycle collector's sight while servers run, its full collections scan only what came later. Unfrozen, one
+        # took 380-480 ms in the browser test's process, holding the interpreter lock: no packet went
+        # out and no stage stepped meanwhile (docs/performance.md, 2026-12-01 night). Frozen objects
+        # are still freed by reference counting; cycles among them wait for the last server's close.
+        global _running
+        if _running == 0:
+            gc.collect()
+            gc.freeze()
+        _running += 1
 
     async def close(self) -> None:
         if self._server is None:
             return
+        global _running
+        _running -= 1
+        if _running == 0:
+            gc.unfreeze()  # back in the collector's sight, cycles included (at exit too)
         self._server.close()  # stops accepting, closes every socket: each peer then cleans up
         try:
             await asyncio.wait_for(self._server.wait_closed(), CLOSE_TIMEOUT_S)

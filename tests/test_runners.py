@@ -439,7 +439,8 @@ def test_code2wav_chunks_of_several_responses_in_one_call_are_each_its_own_strea
     if graphs:
         assert code2wav_buckets(4) == [1, 2, 4] and (4, 2) in batched._graphs
     gen = torch.Generator().manual_seed(3)
-    codes = lambda n: torch.randint(0, 2048, (n, 16), generator=gen).tolist()  # noqa: E731
+    q, vocab = model.cfg.code2wav.num_quantizers, model.cfg.code2wav.codebook_size
+    codes = lambda n: torch.randint(0, vocab, (n, q), generator=gen).tolist()  # noqa: E731
     reqs = [request(model, "Hi", slot=k) for k in (0, 2, 3)]
     alone = [Code2WavStream(model.code2wav) for _ in reqs]  # the oracle: the model's own streams
     pcm = lambda stream, frames: stream.push(torch.tensor(frames).T).numpy()  # noqa: E731

@@ -288,6 +288,11 @@ def race(
         if ids is None
         else uniform_noise_at(seed, stage, keys, ids)
     )
+    return gumbel_pick(warped, u)
+
+
+def gumbel_pick(warped: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The race's winner [B]: argmax(warped - log E) with E = -log u, u the rows' uniforms [B, V]."""
     return (warped - torch.log(-torch.log(u))).argmax(dim=-1)
 
 
@@ -397,7 +402,7 @@ class TopKFirst(NamedTuple):
             top = top_p_filter(top, self.top_p)  # [B, N]: and top-p's
         ids, order = ids.sort(dim=-1)  # vocabulary order, for argmax's tie rule
         u = _cpu_uniform_at(seeds, stage, keys, ids)  # [B, N]: `race` at these ids
-        pick = (top.gather(1, order) - torch.log(-torch.log(u))).argmax(dim=-1)  # [B]
+        pick = gumbel_pick(top.gather(1, order), u)  # [B]
         chosen = ids.gather(1, pick[:, None])[:, 0]
         return chosen if greedy is None else torch.where(self.sampled, chosen, greedy)
 

@@ -131,10 +131,7 @@ class Code2WavLoop:
                 self.p.code2wav.open(a.req)
                 a.opened = True
         t0 = self.p.clock()
-        if len(batch) == 1:
-            pcms = [self.p.code2wav.push(batch[0].req, chunks[0])]
-        else:
-            pcms = self.p.code2wav.push_many([a.req for a in batch], chunks)
+        pcms = self.p.code2wav.push_many([a.req for a in batch], chunks)
         for a in batch:  # decoded: the frames leave the queue (a failed call leaves them, for a retry)
             a.pending = a.pending[n:]
         for k, a in enumerate(batch):

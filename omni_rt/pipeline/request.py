@@ -101,9 +101,9 @@ class Request:
     # `yield_until="first_audio"` the flag stays up until the first PCM chunk is out
     frame0_pending: bool = False
     talker_prefilled: bool = False  # the Talker's prompt prefix is in its cache (multi-turn reuse)
-    yielded: bool = False  # the Thinker has already waited once for this request's frame 0
-    # how that wait ended: "first_audio" / "frame0" (what it waited for came), "cap", "stop", or
-    # "not_needed" (it was out before the Thinker's next step); None: no wait (no yield configured)
+    # how the Thinker's one wait for this request's frame 0 (or first audio) ended: "first_audio" /
+    # "frame0" (what it waited for came), "cap", "stop", or "not_needed" (it was out before the Thinker's
+    # next step); None: no wait yet, or no yield configured
     yield_outcome: str | None = None
 
     # timestamps on the pipeline's clock (None until they happen)

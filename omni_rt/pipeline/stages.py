@@ -57,7 +57,8 @@ class Code2WavStage(Protocol):
         ...
 
     def push_many(self, reqs: list[Request], frames: list[list[list[int]]]) -> list[np.ndarray]:
-        """The next chunk of each request, all of one size, in one call: each request's PCM as `push`."""
+        """The next chunk of each request, all of one size, in one call: each request's PCM as `push`
+        gives it (one request: its `push`)."""
         ...
 
     def flush(self, req: Request) -> np.ndarray: ...

@@ -220,14 +220,13 @@ class ThinkerLoop:
         if cap <= 0:
             return
         with self.p._frame0:
+            # one wait per response, the step right after its first token: those with an outcome are done
             for r in batch:  # its first token is out and so is its first audio (or frame 0): no wait
-                if not r.yielded and not r.frame0_pending and r.tokens and r.yield_outcome is None:
-                    r.yielded, r.yield_outcome = True, "not_needed"
-            waiting = [r for r in batch if r.frame0_pending and not r.yielded]
+                if r.yield_outcome is None and not r.frame0_pending and r.tokens:
+                    r.yield_outcome = "not_needed"
+            waiting = [r for r in batch if r.frame0_pending and r.yield_outcome is None]
             if not waiting:
                 return
-            for r in waiting:
-                r.yielded = True  # one wait per response: the step right after its first token
             t0 = self.p.clock()
             deadline = t0 + cap
             woke_by = "frame0"

@@ -106,14 +106,21 @@ def _select_rows(args: argparse.Namespace, plan: list[tuple[str, dict[str, Any]]
     spec = args.rows if args.rows is not None else ("none" if alone else "all")
     if spec == "all":
         return plan
-    try:  # negative indices count from the end: -1 is all on, whatever rows this version of the plan has
-        keep = {int(i) + (len(plan) if int(i) < 0 else 0) for i in spec.split(",") if i and i != "none"}
-    except ValueError:
-        keep = {-1}
-    if keep - set(range(len(plan))):
+    # negative indices count from the end: -1 is all on, whatever rows this version of the plan has
+    keep = [_row_index(i, len(plan)) for i in spec.split(",") if i and i != "none"]
+    if None in keep:
         names = ", ".join(f"{i}: {n}" for i, (n, _) in enumerate(plan))
         raise SystemExit(f"--rows {spec}: this run's rows are {names}")
     return [p for i, p in enumerate(plan) if i in keep]
+
+
+def _row_index(text: str, rows: int) -> int | None:
+    """A `--rows` entry as a row index (negative from the end), or None where it names no row."""
+    try:
+        i = int(text)
+    except ValueError:
+        return None
+    return i % rows if -rows <= i < rows else None
 
 
 def _greedy_name(name: str) -> str:

@@ -96,8 +96,9 @@ class EngineSettings(_Settings):
         description="the rate of the Talker's frames (times real time) that the Code2Wav chunk plan counts on: "
         "a chunk doubles only once its frames, arriving at that rate, are all there before the audio decoded "
         "so far (and `playout_lead_ms`) has played (`chunk_size`). 2: plain doubling, 1, 2, 4, ... (a GPU makes "
-        "frames 10x faster than real time); None: 2, or 1.25 where Engine.load puts the model on the CPU, "
-        "whose frames come 1.1-1.45x real time on 2 cores (docs/performance.md)",
+        "frames 10x faster than real time); None: 2, or 1.1 where Engine.load puts the model on the CPU, "
+        "whose frames come 1.1-1.45x real time on 2 cores: the plan holds at the slow end, not the middle "
+        "(at 1.25 a busy neighbour ran Chromium's track dry; docs/performance.md)",
     )
     playout_lead_ms: int | None = Field(
         None,
@@ -261,7 +262,7 @@ class EngineSettings(_Settings):
         cpu = kind == "cpu"
         update: dict[str, object] = {}
         if self.chunk_plan_rate is None:
-            update["chunk_plan_rate"] = 1.25 if cpu else 2.0
+            update["chunk_plan_rate"] = 1.1 if cpu else 2.0
         if self.playout_lead_ms is None:
             update["playout_lead_ms"] = 100 if cpu else 0
         return self.model_copy(update=update)

@@ -87,13 +87,14 @@ def test_the_chunk_plan_doubles_only_when_the_frames_come_twice_as_fast_as_real_
     assert plan(EngineSettings(), held=0.0) == [1, 2, 4, 8, 16, 16, 16, 16, 16, 5]  # whole frames out
     assert plan(EngineSettings().for_device("cuda")) == plan(EngineSettings())
     cpu = EngineSettings().for_device("cpu")
-    assert (cpu.chunk_plan_rate, cpu.playout_lead_ms) == (1.25, 100)
-    # frames at 1.25x real time: each size is held until the audio out covers the next chunk's wait
-    assert plan(cpu) == [1, 2, 2, 2, 2, 4, 4, 4, 4, 8, 8, 8, 8, 16, 16, 11]
+    assert (cpu.chunk_plan_rate, cpu.playout_lead_ms) == (1.1, 100)
+    # frames at 1.1x real time: each size is held until the audio out covers the next chunk's wait
+    assert plan(cpu) == [1] + [2] * 10 + [4] * 10 + [8, 8, 8, 8, 7]
     for s in (
         cpu,
         EngineSettings(),
         EngineSettings(chunk_plan_rate=1.5, playout_lead_ms=0),
+        EngineSettings(chunk_plan_rate=1.25, playout_lead_ms=100),
         EngineSettings(chunk_plan_rate=1.1, playout_lead_ms=300),
     ):
         rate, lead, decoded = s.chunk_plan_rate or 2.0, (s.playout_lead_ms or 0) / 80, 0

@@ -18,8 +18,9 @@ stage threads share the cores (and one interpreter lock), they keep the playback
   chunk only when its frames, coming at `chunk_plan_rate` times real time, are all there before the
   audio already out (plus the player's `playout_lead_ms`) has played: at 2 (a GPU) that is doubling
   after a second one-frame chunk (the first chunk is 57 ms of audio, the decoder holding back the rest of
-  its frame); on a CPU whose frames come 1.1-1.45x real time it is 1, 2, 2, 2, 4, 4, 4, 4, 8, ... with a
-  100 ms lead, where doubling ran the track dry for 0.1-0.7 s before each new size. The plan depends on
+  its frame); on a CPU whose frames come 1.1-1.45x real time the plan counts on the slow end, 1.1: 1, then
+  ten chunks of 2, ten of 4, then 8s with a 100 ms lead (plain doubling ran the track dry for 0.1-0.7 s
+  before each new size; planning for 1.25 did too whenever a neighbour took a core). The plan depends on
   the frame count alone, so a response's chunks, and so its PCM, are the same on every run. With
   `early_chunks`, when the audio sent would run out before the planned chunk's frames arrive (at the rate
   this response's frames have been arriving), it decodes a smaller planned size: the largest it can still

@@ -159,7 +159,13 @@ class EngineSettings(_Settings):
         (16, 32, 64, 128, 256, 512), description="padded prefill lengths captured (one graph each)"
     )
     prefill_graph_batches: int = Field(
-        1, ge=1, le=256, description="batched Thinker prefills of up to this many requests are graphed too"
+        1,
+        ge=1,
+        le=256,
+        description="batched prefills of up to this many requests that arrive together are graphed too: the "
+        "Thinker's prompts, the Talker's prompt prefixes and first positions (with frame 0); 1 (not yet "
+        "measured batched on a GPU): one graphed call per request, as a batch without a graph would run "
+        "eagerly",
     )
     prefill_launch_order: bool = Field(
         True,

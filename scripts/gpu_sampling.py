@@ -72,8 +72,8 @@ def trace(thinker, talker, reqs, steps: int, timings: dict | None = None) -> dic
         r.tokens = [f]
     code0 = []
     for r in reqs:
-        talker.prefill_prefix(r)
-        code0.append(talker.prefill_last(r, r.tokens[0]))
+        talker.prefill_prefix([r])
+        code0 += talker.prefill_last([r], [r.tokens[0]])
     frames = talker.predict(reqs, code0)
     out = {"tokens": [list(firsts)], "frames": [frames]}
     for _ in range(steps):

@@ -502,6 +502,43 @@ def test_requests_that_arrive_together_prefill_together():
     assert all(s.of(DoneOut)[0].status == "completed" for _, s in pair)
 
 
+def test_responses_that_start_together_share_the_talkers_prefix_and_first_position_calls():
+    # the Talker is busy with "first"'s prefix while "a" and "b" are admitted together: their prefixes
+    # go in one call, then (their first tokens from one prefill) their first positions in one call
+    t = FakeTimings(thinker_prefill=0.1, talker_prefix=0.15)
+    p = make(timings=t, reply_len=4)
+    try:
+        first = request("first")
+        p.submit(first[0])
+        time.sleep(0.03)  # the Thinker is busy prefilling "first": the next two queue up together
+        pair = [request("a", slot=1), request("b", slot=2, prompt=PROMPT[:3] + [5] + PROMPT[3:])]
+        run(p, *pair)
+        assert first[1].done.wait(10)
+    finally:
+        p.stop()
+    assert [s.request_ids for s in steps(p, "talker", "prefix")] == [("first",), ("a", "b")]
+    assert ("a", "b") in [s.request_ids for s in steps(p, "talker", "last")]
+    assert all(s.of(DoneOut)[0].status == "completed" for _, s in pair)
+
+
+def test_a_prefix_that_fails_in_a_shared_call_fails_only_its_request():
+    # as above, "b"'s prefix raises: the shared call is tried again a response at a time
+    p = make(timings=FakeTimings(thinker_prefill=0.1, talker_prefix=0.15), reply_len=4, talker={"prefix:b"})
+    try:
+        first = request("first")
+        p.submit(first[0])
+        time.sleep(0.03)
+        a, b = request("a", slot=1), request("b", slot=2, prompt=PROMPT[:3] + [5] + PROMPT[3:])
+        run(p, a, b)
+        assert first[1].done.wait(10)
+    finally:
+        p.stop()
+    calls = [s.request_ids for s in steps(p, "talker", "prefix")]
+    assert ("a",) in calls and ("b",) not in calls  # recorded: the calls that succeeded
+    assert a[1].of(DoneOut)[0].status == "completed" and a[1].of(AudioOut)
+    assert b[1].of(DoneOut)[0].status == "failed" and isinstance(b[1].of(ErrorOut)[0].error, StageError)
+
+
 @pytest.mark.parametrize("handoff", ["event", "after_step"])
 def test_a_scheduler_error_fails_what_the_thinker_admitted_instead_of_hanging_it(handoff):
     p = make(EngineSettings(handoff=handoff))

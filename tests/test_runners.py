@@ -266,8 +266,8 @@ def test_prefill_past_the_cache_end_runs_unpadded(model, graphed):
 
 def talker_trace(runner: TalkerRunner, req: Request, first_token: int, steps: int) -> list:
     """Prefix prefill, the last position (code 0), frames and `steps` Talker steps: codes and hiddens."""
-    runner.prefill_prefix(req)
-    code0 = runner.prefill_last(req, first_token)
+    runner.prefill_prefix([req])
+    code0 = runner.prefill_last([req], [first_token])[0]
     out = [code0, runner._hidden[req.slot].clone()]
     frame = runner.predict([req], [code0])[0]
     for _ in range(steps):
@@ -307,6 +307,55 @@ def test_talker_padded_prefix_graph_equals_eager(model, graphed):
     assert after[0] == after[1] == alone.step([other], [frame], [5])
 
 
+def start_together(runner: TalkerRunner, reqs: list[Request], firsts: list[int]) -> list:
+    """The prefixes and first positions of `reqs` in one call each, then one frame and one step: codes
+    and hiddens per request."""
+    runner.prefill_prefix(reqs)
+    code0 = runner.prefill_last(reqs, firsts)
+    hidden = [runner._hidden[r.slot].clone() for r in reqs]
+    frames = runner.predict(reqs, code0)
+    after = runner.step(reqs, frames, [r.prompt_ids[-1] for r in reqs])
+    return [[c, h, f, a] for c, h, f, a in zip(code0, hidden, frames, after, strict=True)]
+
+
+def test_responses_that_start_together_get_what_they_get_one_at_a_time(model, graphed):
+    # three arrivals, prefill graphs for batches of two: calls of 2 + 1, each through its batch's graph
+    s = EngineSettings(**(SETTINGS | {"max_sessions": 3}), prefill_graph_batches=2)
+    texts, firsts = ["Hi!", "Hello there, how are you?", "What a fine day."], [9, 4, 7]
+    g = TalkerRunner(model, s)
+    together = start_together(g, [request(model, t, i) for i, t in enumerate(texts)], firsts)
+    starts = {(c.fn.__name__, c.static[0].shape[0]) for c in graphed if c.replays}
+    assert starts >= {("last", 1), ("last", 2), ("prefix", 1), ("prefix", 2)}
+    assert not {("last", 3), ("prefix", 3)} & starts
+    e = TalkerRunner(model, s.model_copy(update={"cuda_graphs": False}))  # eager: one call of three
+    eager = start_together(e, [request(model, t, i) for i, t in enumerate(texts)], firsts)
+    for i, (t, f) in enumerate(zip(texts, firsts, strict=True)):
+        alone = TalkerRunner(model, s.model_copy(update={"cuda_graphs": False}))
+        (one,) = start_together(alone, [request(model, t, i)], [f])
+        assert_same_trace(together[i], one)
+        assert_same_trace(eager[i], one)
+
+
+def test_only_the_batches_with_a_graph_share_a_call(model, graphed):
+    s = EngineSettings(**(SETTINGS | {"max_sessions": 3}))
+    reqs = [request(model, t, i) for i, t in enumerate(["Hi!", "Hello there.", "A fine day."])]
+    runners = {
+        "graphs, batch 1 only (the GPU default)": (TalkerRunner(model, s), [[r] for r in reqs]),
+        "eager": (TalkerRunner(model, s.model_copy(update={"cuda_graphs": False})), [reqs]),
+        "deterministic": (
+            TalkerRunner(model, s.model_copy(update={"cuda_graphs": False, "deterministic": True})),
+            [[r] for r in reqs],
+        ),
+        "no batch_prefill": (
+            TalkerRunner(model, s.model_copy(update={"cuda_graphs": False, "batch_prefill": False})),
+            [[r] for r in reqs],
+        ),
+    }
+    for name, (runner, calls) in runners.items():
+        runner._prompt_len = {r.slot: 20 for r in reqs}
+        assert runner._batches(reqs, runner._last_graphs, runner._last_shape) == calls, name
+
+
 def test_frame0_made_from_code0_on_the_device(model, graphed):
     """`prefill_last` runs the frame graph on its device code 0; `predict` hands that frame out
     (no second replay) and it is the frame the eager path predicts. A frame left behind (code 0 was
@@ -317,32 +366,32 @@ def test_frame0_made_from_code0_on_the_device(model, graphed):
     codes = []
     for runner in (g, e):
         req = request(model, "Hello there.", 0)
-        runner.prefill_prefix(req)
-        code0 = runner.prefill_last(req, 9)
+        runner.prefill_prefix([req])
+        code0 = runner.prefill_last([req], [9])[0]
         before = frame_graph.replays
         codes.append(runner.predict([req], [code0])[0])
         if runner is g:
             assert frame_graph.replays == before == 1  # made once, in prefill_last
     assert codes[0] == codes[1]
     req = request(model, "Hello there.", 0)
-    g.prefill_prefix(req)
-    g.prefill_last(req, 9)  # say code 0 was EOS: the scheduler never asks for this frame
+    g.prefill_prefix([req])
+    g.prefill_last([req], [9])  # say code 0 was EOS: the scheduler never asks for this frame
     req2 = request(model, "Something else entirely.", 0)
-    g.prefill_prefix(req2)
+    g.prefill_prefix([req2])
     g.settings = g.settings.model_copy(update={"frame0_in_prefill": False})  # the next makes none early
-    code0 = g.prefill_last(req2, 4)
+    code0 = g.prefill_last([req2], [4])[0]
     assert req2.slot not in g._frame_ahead  # the stale frame is gone, whatever the codes 0 were
-    e.prefill_prefix(req2)
-    assert e.prefill_last(req2, 4) == code0
+    e.prefill_prefix([req2])
+    assert e.prefill_last([req2], [4])[0] == code0
     assert g.predict([req2], [code0]) == e.predict([req2], [code0])
 
 
 def test_launch_gate():
     gate = LaunchGate(timeout_s=0.01)
     a, b = object.__new__(Request), object.__new__(Request)
-    assert gate.wait(a) is False  # never opened: gives up after the timeout
+    assert gate.wait([a]) is False  # never opened: gives up after the timeout
     gate.open([a])
-    assert gate.wait(a) is True and gate.wait(b) is False
+    assert gate.wait([a]) is True and gate.wait([b]) is False and gate.wait([a, b]) is False
 
 
 def test_talker_prefix_waits_for_the_thinker_launch(model):
@@ -351,7 +400,7 @@ def test_talker_prefix_waits_for_the_thinker_launch(model):
     thinker, talker = ThinkerRunner(model, s, gate), TalkerRunner(model, s, gate)
     req = request(model, "Hello.", 0)
     events: list[str] = []
-    t = threading.Thread(target=lambda: (talker.prefill_prefix(req), events.append("talker")))
+    t = threading.Thread(target=lambda: (talker.prefill_prefix([req]), events.append("talker")))
     t.start()
     time.sleep(0.2)
     assert events == [] and req.slot not in talker._prompt_len  # still waiting

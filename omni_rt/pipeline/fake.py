@@ -93,10 +93,11 @@ class FakeTalker(_Busy):
         self._frames: dict[int, int] = {}  # slot -> code 0s sampled
         self._pads: dict[int, int] = {}  # slot -> tts_pad steps read
 
-    def prefill_prefix(self, req: Request) -> None:
-        self.work("prefix", self.t.talker_prefix, [req])
-        self._frames[req.slot] = 0
-        self._pads[req.slot] = 0
+    def prefill_prefix(self, reqs: list[Request]) -> None:
+        self.work("prefix", self.t.talker_prefix, reqs)
+        for r in reqs:
+            self._frames[r.slot] = 0
+            self._pads[r.slot] = 0
 
     def _code0(self, req: Request, text_id: int) -> int:
         f = self._frames[req.slot]
@@ -107,9 +108,9 @@ class FakeTalker(_Busy):
                 return self.ids.codec_eos
         return _h(*req.prompt_ids, f, text_id) % 2048
 
-    def prefill_last(self, req: Request, first_token: int) -> int:
-        self.work("last", self.t.talker_last, [req])
-        return self._code0(req, first_token)
+    def prefill_last(self, reqs: list[Request], first_tokens: list[int]) -> list[int]:
+        self.work("last", self.t.talker_last, reqs)
+        return [self._code0(r, t) for r, t in zip(reqs, first_tokens, strict=True)]
 
     def predict(self, reqs: list[Request], code0: list[int]) -> list[list[int]]:
         self.work("predict", self.t.predict, reqs)

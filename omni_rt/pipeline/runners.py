@@ -25,6 +25,8 @@ rows are read back to the host together (`host_ids`): one host sync per step, no
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from omni_rt.admission import CAPTURE_ROWS  # the caches' extra row, which graph capture writes into
@@ -40,10 +42,12 @@ from omni_rt.pipeline.request import Request
 from omni_rt.pipeline.shapes import (
     batch_bucket,
     batch_buckets,
+    batch_prefill_plan,
+    graphed_batches,
     kv_bucket,
     kv_buckets,
     pad_rows,
-    prefill_plan,
+    prefill_batches,
     prefill_shapes,
     right_pad,
 )
@@ -117,11 +121,8 @@ class ThinkerRunner:
         if not s.prefill_graphs:
             return
         # text and speech turns share these graphs: both enter as embeddings
-        prefill_batches = (
-            [1] if s.deterministic else range(1, min(s.prefill_graph_batches, s.max_sessions) + 1)
-        )
         width = self.thinker.cfg.hidden_size
-        for b in prefill_batches:
+        for b in prefill_batches(s.prefill_graph_batches, s.max_sessions, s.deterministic):
             for t, kv_len in prefill_shapes(s.prefill_buckets, max_len):
                 static = (
                     torch.zeros(b, t, width, dtype=self.cache.dtype, device=self.device),  # embeds [B, T, H]
@@ -175,21 +176,14 @@ class ThinkerRunner:
         return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
 
     def _prefill_groups(self, index: list[int], rows: list[Request]) -> list[list[int]]:
-        """`index` (the text rows) as prefill calls: one right-padded batch; where graphs are on and the
-        batch has none, batches of `prefill_graph_batches` that have one, else one call per row (a batch
-        without a graph runs eagerly: 125-178 ms for two 57-token prompts on an H200 under load, against
-        22 ms for each graphed alone, holding every other conversation's text); one call per row where
-        the padding of a batch would not fit the cache."""
-        plan = self._prefill_shape(rows)
-        if plan is None:
+        """`index` (the text rows) as prefill calls (`graphed_batches`: batches of
+        `prefill_graph_batches` where graphs are on); one call per row where the padding of a batch would
+        not fit the cache."""
+        if self._prefill_shape(rows) is None:
             return [[i] for i in index]
-        if len(rows) == 1 or plan[2] is not None or not self._prefill_graphs:
-            return [index]
-        k = self.settings.prefill_graph_batches
-        spans = [range(j, min(j + k, len(rows))) for j in range(0, len(rows), k)]
-        if k > 1 and all(len(sp) == 1 or self._graphed([rows[j] for j in sp]) for sp in spans):
-            return [[index[j] for j in sp] for sp in spans]
-        return [[i] for i in index]
+        graphed = (lambda sp: self._graphed([rows[j] for j in sp])) if self._prefill_graphs else None
+        spans = graphed_batches(len(rows), self.settings.prefill_graph_batches, graphed)
+        return [[index[j] for j in sp] for sp in spans]
 
     def _graphed(self, rows: list[Request]) -> bool:
         plan = self._prefill_shape(rows)
@@ -214,18 +208,15 @@ class ThinkerRunner:
     def _prefill_shape(
         self, reqs: list[Request], lengths: list[int] | None = None
     ) -> tuple[int, int, object] | None:
-        """`prefill_plan` of one right-padded prefill of `lengths` tokens (default: the whole pending
-        prompt) of each of `reqs`, or None when the padding of some row would run past the cache's end
-        unless they prefill one at a time."""
+        """`batch_prefill_plan` of one right-padded prefill of `lengths` tokens (default: the whole
+        pending prompt) of each of `reqs` from its `prefill_start`."""
         if not reqs:
             return None
-        max_len = self.cache.max_len
-        t = max(lengths or [len(r.pending_prompt_ids) for r in reqs])
-        start = max(r.prefill_start for r in reqs)
-        plan = prefill_plan(self._prefill_graphs, len(reqs), t, start, self.settings.prefill_buckets, max_len)
-        if plan[2] is None and len(reqs) > 1 and start + t > max_len:
-            return None
-        return plan  # one request out of range is its own error (the cache's check names it)
+        lengths = lengths or [len(r.pending_prompt_ids) for r in reqs]
+        starts = [r.prefill_start for r in reqs]
+        return batch_prefill_plan(
+            self._prefill_graphs, starts, lengths, self.settings.prefill_buckets, self.cache.max_len
+        )
 
     def _prefill_embeds(
         self, reqs: list[Request], embeds: torch.Tensor, lengths: list[int] | None = None
@@ -310,8 +301,8 @@ class TalkerRunner:
         self._hidden: dict[int, torch.Tensor] = {}  # [Ht]
         self._graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> captured step
         self._frame_graphs: dict[int, object] = {}  # batch -> captured code-predictor frame
-        self._last_graphs: dict[int, object] = {}  # kv_len -> captured last prompt position (batch 1)
-        self._prefix_graphs: dict[tuple[int, int], object] = {}  # (padded T, kv_len) -> prefix prefill
+        self._last_graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> last prompt position
+        self._prefix_graphs: dict[tuple[int, int, int], object] = {}  # (batch, padded T, kv_len) -> prefix
         self._frame_ahead: dict[int, list[int]] = {}  # slot -> frame 0 made in `prefill_last`
         self._mm_ids = {self.cfg.ids.audio, self.cfg.ids.image, self.cfg.ids.video}
         if graphs.graphs_on(settings, self.device):
@@ -351,42 +342,45 @@ class TalkerRunner:
                 torch.zeros(b, dtype=torch.long, device=self.device),  # keys [B]
             )
             self._frame_graphs[b] = graphs.capture_or_eager(self._frame_fn, static, pool)
-        # the last prompt position (first text token + codec bos): on the path to the first audio
-        for kv_len in kv_buckets(self.cache.max_len):
-            static = (
-                torch.zeros(1, dtype=torch.long, device=self.device),  # first token [1]
-                torch.zeros(1, 1, dtype=torch.long, device=self.device),  # positions [1, 1]
-                torch.full((1,), self.scratch, dtype=torch.long, device=self.device),  # slots [1]
-            )
-            self._last_graphs[kv_len] = graphs.capture_or_eager(self._last_fn(kv_len), static, pool)
-        if not self.settings.prefill_graphs:
-            return
-        # the prompt prefix (batch 1), right-padded as the Thinker's prefill is (see the module doc)
+        # the last prompt position (first text token + codec bos): on the path to the first audio; and
+        # the prompt prefix, right-padded as the Thinker's prefill is (see the module doc). Both for the
+        # batches the Thinker's prefill graphs have: responses that arrive together start together
+        s = self.settings
         width = self.cfg.talker.hidden_size
-        for t, kv_len in prefill_shapes(self.settings.prefill_buckets, self.cache.max_len):
-            static = (
-                torch.zeros(1, t, width, dtype=self.cache.dtype, device=self.device),  # embeds [1, T, Ht]
-                torch.arange(t, device=self.device)[None],  # positions [1, T]
-                torch.full((1,), self.scratch, dtype=torch.long, device=self.device),  # slots [1]
-            )
-            self._prefix_graphs[(1, t, kv_len)] = graphs.capture_or_eager(
-                self._prefix_fn(kv_len), static, pool
-            )
+        for b in prefill_batches(s.prefill_graph_batches, s.max_sessions, s.deterministic):
+            for kv_len in kv_buckets(self.cache.max_len):
+                static = (
+                    torch.zeros(b, dtype=torch.long, device=self.device),  # first tokens [B]
+                    torch.zeros(b, 1, dtype=torch.long, device=self.device),  # positions [B, 1]
+                    torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
+                )
+                self._last_graphs[(b, kv_len)] = graphs.capture_or_eager(self._last_fn(kv_len), static, pool)
+            if not s.prefill_graphs:
+                continue
+            for t, kv_len in prefill_shapes(s.prefill_buckets, self.cache.max_len):
+                static = (
+                    torch.zeros(b, t, width, dtype=self.cache.dtype, device=self.device),  # embeds [B, T, Ht]
+                    torch.arange(t, device=self.device).expand(b, t).contiguous(),  # positions [B, T]
+                    torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
+                )
+                self._prefix_graphs[(b, t, kv_len)] = graphs.capture_or_eager(
+                    self._prefix_fn(kv_len), static, pool
+                )
 
     def _prefix_fn(self, kv_len: int):
         def prefix(embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-            """embeds [1, T, Ht], positions [1, T], slots [1]: writes the cache; -> hidden [1, T, Ht]."""
+            """embeds [B, T, Ht], positions [B, T], slots [B]: writes the cache; -> hidden [B, T, Ht]."""
             return self.talker(embeds, positions, self.cache, slots, kv_len)[1]
 
         return prefix
 
     def _last_fn(self, kv_len: int):
         def last(first: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
-            """first token [1], positions [1, 1], slots [1] -> (code 0 [1], hidden [1, Ht])."""
-            x = talker_prompt_last(self.talker, self.embed_text, first)  # [1, Ht]
+            """first tokens [B], positions [B, 1], slots [B] -> (code 0 [B], hidden [B, Ht])."""
+            x = talker_prompt_last(self.talker, self.embed_text, first)  # [B, Ht]
             logits, hidden = self.talker(
                 x[:, None], positions, self.cache, slots, kv_len
-            )  # [1, 1, V], [1, 1, Ht]
+            )  # [B, 1, V], [B, 1, Ht]
             return self.code0(logits[:, -1], slots, positions[:, 0]), hidden[:, -1]
 
         return last
@@ -409,48 +403,103 @@ class TalkerRunner:
                 hidden[: req.carried_hidden.shape[0]] = req.carried_hidden.to(self.device)
         return talker_prompt_prefix(self.talker, self.embed_text, req.prompt_ids, req.speaker_id, hidden)
 
-    @stage_call
-    def prefill_prefix(self, req: Request) -> None:
-        if self.gate is not None:
-            self.gate.wait(req)  # let the Thinker's prefill go first (see LaunchGate)
-        prefix = self.prompt_prefix(req)  # [L - 1, Ht]
-        start = req.talker_start  # earlier turns' user tokens are already in this slot's cache
-        new = prefix[start:]  # [n, Ht]
-        n = new.shape[0]
-        t, kv_len, graph = prefill_plan(
-            self._prefix_graphs, 1, n, start, self.settings.prefill_buckets, self.cache.max_len
-        )
-        positions = torch.arange(start, start + t, device=self.device)[None]  # [1, T]
-        slots = to_device([req.slot], self.device)
-        (graph or self._prefix_fn(kv_len))(right_pad(new[None], t), positions, slots)
-        self._prompt_len[req.slot] = prefix.shape[0] + 1
-        self._steps[req.slot] = 0
-        eos = [self.cfg.ids.codec_eos] if req.ignore_eos else []
-        self.code0.assign(req.slot, req.sampling.talker, req.seed, suppress_extra=eos)
-        self.residual.assign(
-            req.slot, residual_code_sampling(req.sampling.effective_code_predictor), req.seed
+    def _batches(self, reqs: list[Request], graphs: dict, shape) -> list[list[Request]]:
+        """Responses that start together as calls (`graphed_batches`): one at a time when deterministic
+        or without `batch_prefill`, as the Thinker's prefills; where graphs are on, only batches with a
+        graph (`shape(rows)`: its key, None where no batch fits the cache)."""
+        if not self._batching or len(reqs) == 1 or shape(reqs) is None:
+            return [[r] for r in reqs]
+        graphed = (lambda sp: shape([reqs[j] for j in sp]) in graphs) if graphs else None
+        k = self.settings.prefill_graph_batches
+        return [[reqs[j] for j in sp] for sp in graphed_batches(len(reqs), k, graphed)]
+
+    @property
+    def _batching(self) -> bool:
+        """May responses that start together share a call? Not when deterministic, nor where graphs are
+        on and only batch 1 has them (`prefill_graph_batches` 1: the GPU default)."""
+        s = self.settings
+        graphed = bool(self._last_graphs)
+        return s.batch_prefill and not s.deterministic and (not graphed or s.prefill_graph_batches > 1)
+
+    def _prefix_plan(self, reqs: list[Request], new: dict[Request, torch.Tensor]):
+        """`batch_prefill_plan` of one right-padded prefill of `reqs`' new prefix positions."""
+        starts, lengths = [r.talker_start for r in reqs], [new[r].shape[0] for r in reqs]
+        return batch_prefill_plan(
+            self._prefix_graphs, starts, lengths, self.settings.prefill_buckets, self.cache.max_len
         )
 
+    def _prefix_key(self, reqs: list[Request], new: dict[Request, torch.Tensor]):
+        """The graph key (batch, T, kv_len) of that prefill; None when its padding would not fit the cache."""
+        plan = self._prefix_plan(reqs, new)
+        return None if plan is None else (len(reqs), plan[0], plan[1])
+
     @stage_call
-    def prefill_last(self, req: Request, first_token: int) -> int:
-        self._frame_ahead.pop(req.slot, None)  # one a former request of the slot left (its code 0 was EOS)
-        first = to_device([first_token], self.device)
-        positions = to_device([[self._prompt_len[req.slot] - 1]], self.device)
-        slots = to_device([req.slot], self.device)
-        kv_len = kv_bucket(self._prompt_len[req.slot], self.cache.max_len)
-        last = self._last_graphs.get(kv_len) or self._last_fn(kv_len)
-        code0, hidden = last(first, positions, slots)  # [1], [1, Ht]
-        self._hidden[req.slot] = hidden[0].clone()  # a graph's output buffer is reused by its next replay
+    def prefill_prefix(self, reqs: list[Request]) -> None:
+        """The prompt prefixes of responses that start together: each after its Thinker prefill is
+        enqueued (`LaunchGate`), or, where they may share calls (`_batching`), all of them after theirs,
+        right-padded into as few calls as their graphs allow (`_batches`)."""
+        groups = [reqs] if self._batching else [[r] for r in reqs]
+        for group in groups:
+            if self.gate is not None:
+                self.gate.wait(group)  # let the Thinker's prefill go first (see LaunchGate)
+            prefix = {r: self.prompt_prefix(r) for r in group}  # [L - 1, Ht] each
+            new = {r: prefix[r][r.talker_start :] for r in group}  # earlier turns are in the slot's cache
+            for rows in self._batches(
+                group, self._prefix_graphs, functools.partial(self._prefix_key, new=new)
+            ):
+                t, kv_len, graph = self._prefix_plan(rows, new)
+                embeds = torch.stack([right_pad(new[r][None], t)[0] for r in rows])  # [B, T, Ht]
+                positions = torch.stack([torch.arange(r.talker_start, r.talker_start + t) for r in rows])
+                slots = torch.tensor([r.slot for r in rows])  # [B]
+                prefix_fn = graph or self._prefix_fn(kv_len)
+                prefix_fn(embeds, to_device(positions, self.device), to_device(slots, self.device))
+            for r in group:
+                self._prompt_len[r.slot] = prefix[r].shape[0] + 1
+                self._steps[r.slot] = 0
+                eos = [self.cfg.ids.codec_eos] if r.ignore_eos else []
+                self.code0.assign(r.slot, r.sampling.talker, r.seed, suppress_extra=eos)
+                code_predictor = residual_code_sampling(r.sampling.effective_code_predictor)
+                self.residual.assign(r.slot, code_predictor, r.seed)
+
+    def _last_shape(self, reqs: list[Request]) -> tuple[int, int]:
+        """(batch, kv_len) of the last prompt position of `reqs` in one call."""
+        return len(reqs), kv_bucket(max(self._prompt_len[r.slot] for r in reqs), self.cache.max_len)
+
+    @stage_call
+    def prefill_last(self, reqs: list[Request], first_tokens: list[int]) -> list[int]:
+        """The last prompt position of responses whose first text tokens are here -> each one's code 0;
+        in calls as their prefixes are (`_batches`), read back in one host sync."""
+        first = dict(zip(reqs, first_tokens, strict=True))
+        groups = self._batches(reqs, self._last_graphs, self._last_shape)
+        values = torch.cat([self._first_position(rows, [first[r] for r in rows]) for rows in groups]).tolist()
+        code0 = {}
+        for r, v in zip([r for rows in groups for r in rows], values, strict=True):
+            if self.settings.frame0_in_prefill:
+                self._frame_ahead[r.slot] = v  # frame 0, which `predict` hands out
+                v = v[0]
+            code0[r] = v
+        return [code0[r] for r in reqs]
+
+    def _first_position(self, rows: list[Request], first_tokens: list[int]) -> torch.Tensor:
+        """One call of `prefill_last`: code 0 [B], or with `frame0_in_prefill` frame 0's codes [B, 16]."""
+        for r in rows:
+            self._frame_ahead.pop(r.slot, None)  # one a former request of the slot left (its code 0 was EOS)
+        first = to_device(first_tokens, self.device)  # [B]
+        positions = to_device([[self._prompt_len[r.slot] - 1] for r in rows], self.device)  # [B, 1]
+        slots = to_device([r.slot for r in rows], self.device)  # [B]
+        key = self._last_shape(rows)
+        last = self._last_graphs.get(key) or self._last_fn(key[1])
+        code0, hidden = last(first, positions, slots)  # [B], [B, Ht]
+        for i, r in enumerate(rows):
+            self._hidden[r.slot] = hidden[i].clone()  # a graph's output buffer is reused by its next replay
         if not self.settings.frame0_in_prefill:
-            return int(code0)
+            return kept(code0)
         # Frame 0 straight from code 0 on the device: the frame is enqueued before the host reads code 0,
         # so the first frame does not wait for a device round trip and the Python between `prefill_last`
         # and `predict`. `predict` hands it out when the scheduler asks for that code 0 (it does next,
         # unless code 0 is EOS); its draws are keyed, so making it early changes nothing.
-        key = positions[:, 0]
-        codes = self._frame(self._hidden[req.slot][None], code0, slots, key)[0].tolist()  # one sync for both
-        self._frame_ahead[req.slot] = codes
-        return codes[0]
+        hidden = torch.stack([self._hidden[r.slot] for r in rows])  # [B, Ht]
+        return kept(self._frame(hidden, code0, slots, positions[:, 0]))  # [B, 16]
 
     def _frame(self, hidden: torch.Tensor, code0: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor):
         """One code-predictor frame of a batch [B, 16]: the captured graph of its batch bucket, or eager."""

@@ -101,7 +101,8 @@ class LaunchGate:
             self._launched.update(reqs)
             self._cond.notify_all()
 
-    def wait(self, req: Request) -> bool:
-        """Block until `req`'s Thinker prefill is enqueued (True) or the timeout passes (False)."""
+    def wait(self, reqs: list[Request]) -> bool:
+        """Block until the Thinker prefills of all `reqs` are enqueued (True) or the timeout passes
+        (False): one timeout for them all, so a batch of prefixes waits no longer than one."""
         with self._cond:
-            return self._cond.wait_for(lambda: req in self._launched, self.timeout_s)
+            return self._cond.wait_for(lambda: all(r in self._launched for r in reqs), self.timeout_s)

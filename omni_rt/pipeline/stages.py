@@ -29,12 +29,13 @@ class ThinkerStage(Protocol):
 
 
 class TalkerStage(Protocol):
-    def prefill_prefix(self, req: Request) -> None:
-        """Feed every Talker prompt position but the last (needs only the prompt ids)."""
+    def prefill_prefix(self, reqs: list[Request]) -> None:
+        """Feed every Talker prompt position but the last of each request (needs only the prompt ids)."""
         ...
 
-    def prefill_last(self, req: Request, first_token: int) -> int:
-        """Feed the last prompt position (first text token + codec bos); return code 0 of frame 0."""
+    def prefill_last(self, reqs: list[Request], first_tokens: list[int]) -> list[int]:
+        """Feed each request's last prompt position (its first text token + codec bos); return code 0 of
+        each one's frame 0."""
         ...
 
     def predict(self, reqs: list[Request], code0: list[int]) -> list[list[int]]:

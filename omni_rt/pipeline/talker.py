@@ -1,5 +1,6 @@
 """The Talker thread of the scheduler: the prompt prefix, the last prompt position at the first text
-token (code 0, then frame 0), then one batched step plus code-predictor frame per text token.
+token (code 0, then frame 0), both for every response that starts together in one go, then one batched
+step plus code-predictor frame per text token.
 
 Plain Python, as the rest of the scheduler (`scheduler.py` wires this loop to its inbox and shares its
 helpers). Which text id a step reads is `omni_rt.prompt_layout.talker_text_id`, the model's own rule.
@@ -99,16 +100,9 @@ class TalkerLoop:
         for s in [s for s in seqs.values() if s.req.stopped]:
             self._drop(s, seqs)
 
-        # 1. prompt prefixes (during the Thinker's prefill when overlapped)
-        for s in [s for s in seqs.values() if s.phase is TalkerPhase.PREFIX]:
-            t0 = self.p.clock()
-            try:
-                self.p.talker.prefill_prefix(s.req)
-            except Exception as e:
-                self.p._fail(s.req, self.p._stage_error("talker", "prefix prefill", e))
-                self._drop(s, seqs)
-                continue
-            self.p._record("talker", "prefix", t0, [s.req])
+        # 1. prompt prefixes (during the Thinker's prefill when overlapped), of all that start together
+        prefixing = [s for s in seqs.values() if s.phase is TalkerPhase.PREFIX]
+        for s, _ in self._each(prefixing, "prefix", "prefix prefill", self.p.talker.prefill_prefix, seqs):
             s.phase = TalkerPhase.READY
             s.req.talker_prefilled = True
 
@@ -118,21 +112,18 @@ class TalkerLoop:
 
         # 2. the last prompt position at the first text token → code 0 (→ frame 0 in the same step)
         starting = [s for s in seqs.values() if s.phase is TalkerPhase.READY and s.first is not None]
-        for s in starting:
-            t0 = self.p.clock()
-            try:
-                code0 = self.p.talker.prefill_last(s.req, s.first)
-            except Exception as e:
-                self.p._fail(s.req, self.p._stage_error("talker", "prefill", e))
-                self._drop(s, seqs)
-                continue
-            self.p._record("talker", "last", t0, [s.req])
+
+        def last(reqs: list[Request]) -> list[int]:
+            return self.p.talker.prefill_last(reqs, [seqs[r].first for r in reqs])
+
+        started = self._each(starting, "last", "prefill", last, seqs)
+        for s, code0 in started:
             s.req.t_talker_first_code = self.p.clock()
             s.phase = TalkerPhase.SPEAKING
             self.p._post(s.req, TranscriptOut(s.first))
             self._take_code0(s, code0, seqs)
         if self.p.settings.frame0_in_prefill:
-            self._predict([s for s in starting if s.code0 is not None], seqs)
+            self._predict([s for s, _ in started if s.code0 is not None], seqs)
 
         # 3. one batched step for every started sequence whose next text input is there
         ready = []
@@ -165,6 +156,27 @@ class TalkerLoop:
             self._take_code0(s, code0, seqs)
         if self.p.settings.frame0_in_prefill:
             self._predict([s for s, _ in ready if s.code0 is not None], seqs)
+
+    def _each(
+        self, batch: list[TalkerSeq], kind: str, what: str, call, seqs: dict[Request, TalkerSeq]
+    ) -> list[tuple[TalkerSeq, object]]:
+        """`call(reqs)` for the responses that start together, in one go (the runner batches them as its
+        graphs allow), recorded as `kind`; when it raises, each alone, so that a request that fails
+        (`what` failed) fails alone. -> (response, its result) for those that succeeded."""
+        if not batch:
+            return []
+        reqs = [s.req for s in batch]
+        t0 = self.p.clock()
+        try:
+            out = call(reqs)
+        except Exception as e:
+            if len(batch) > 1:
+                return [pair for s in batch for pair in self._each([s], kind, what, call, seqs)]
+            self.p._fail(batch[0].req, self.p._stage_error("talker", what, e))
+            self._drop(batch[0], seqs)
+            return []
+        self.p._record("talker", kind, t0, reqs)
+        return list(zip(batch, [None] * len(batch) if out is None else out, strict=True))
 
     def _take_code0(self, s: TalkerSeq, code0: int, seqs: dict[Request, TalkerSeq]) -> None:
         if code0 == self.p.ids.codec_eos and not s.req.ignore_eos:

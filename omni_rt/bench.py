@@ -40,7 +40,15 @@ from typing import Any
 import torch
 
 from omni_rt.bench_measure import Pass, Sample, bench_engine, chat_prompt, sampling_label, summarise
-from omni_rt.bench_plan import _greedy_name, _select_rows, _settings, parse_sets, parse_variants, row_plan
+from omni_rt.bench_plan import (
+    _greedy_name,
+    _select_rows,
+    _settings,
+    parse_sets,
+    parse_variants,
+    row_plan,
+    row_variants,
+)
 from omni_rt.bench_reference import reference_model, reference_samples
 from omni_rt.model.config import TokenIds
 
@@ -277,6 +285,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help='the load protocol once per variant, in one run (the weights built once): JSON {"name": '
         '{"setting": value, ...}, ...}, each over all on and --set; rows and table say the variant',
     )
+    ap.add_argument(
+        "--row-variants",
+        default=None,
+        help='rows beside the all-on row, in one run: JSON {"name": {"setting": value, ...}, ...}, each '
+        "all on plus its settings, timed as all on, with its own --concurrency rows (no greedy pass)",
+    )
     ap.add_argument("--load-user-len", type=int, default=24, help="user-turn ids of the load prompt (57 ids)")
     ap.add_argument("--load-png", default="bench-load.png", help="where the load chart goes")
     ap.add_argument(
@@ -326,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("[bench] the Triton kernels cannot run here: no kernel rows", file=sys.stderr)
     full_plan = row_plan("cpu" if args.device == "cpu" else "cuda", kernel_ok)
     plan = _select_rows(args, full_plan)
+    timed = len(plan) - 1  # the last selected row (all on by default): its greedy pass and concurrency
+    plan = plan + row_variants(args, full_plan, plan)  # beside it, with its concurrency rows
     levels = []
     if args.load:
         from omni_rt.bench_load import parse_levels
@@ -365,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             apply_kernels(first.model, settings)
         load_s = time.perf_counter() - t_load
         print(f"[bench] {name}: engine ready in {load_s:.1f} s", file=sys.stderr, flush=True)
-        last = idx == len(plan) - 1
+        last = idx == timed
         passes = [Pass("served", served)]
         if last:  # the greedy row beside the all-on row, timed like it
             passes.append(Pass("greedy", greedy))
@@ -373,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             passes.append(Pass("greedy", greedy, timed=False))
         t_row = time.perf_counter()
         results, conc = asyncio.run(
-            bench_engine(engine, prompts, args, passes, concurrency if last else (), served)
+            bench_engine(engine, prompts, args, passes, concurrency if idx >= timed else (), served)
         )
         row_s = time.perf_counter() - t_row
         res, g = results["served"], results.get("greedy")
@@ -402,7 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for c, (cs, agg, y) in conc.items():
             conc_rows.append(
                 summarise(
-                    f"concurrency {c} (all on)", cs, sampling=served_label, aggregate_text_tok_s=agg,
+                    f"concurrency {c} ({'all on' if last else name})", cs, sampling=served_label,
+                    aggregate_text_tok_s=agg,
                     thinker_yield=y,
                 )
             )  # fmt: skip

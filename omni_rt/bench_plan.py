@@ -1,5 +1,6 @@
 """Which engine settings each `omni-rt bench` run measures: the protocol's rows (every optimisation off,
-then each added in turn, all on), the rows a run selects, `--set` overrides and `--load-variants`."""
+then each added in turn, all on), the rows a run selects, `--set` overrides, `--load-variants` and
+`--row-variants`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 import json
 from typing import Any
 
-__all__ = ["parse_sets", "parse_variants", "row_plan"]
+__all__ = ["parse_sets", "parse_variants", "row_plan", "row_variants"]
 
 
 def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
@@ -79,24 +80,25 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def parse_variants(raw: str | None) -> dict[str, dict[str, Any]]:
+def parse_variants(raw: str | None, flag: str = "--load-variants") -> dict[str, dict[str, Any]]:
     """`--load-variants '{"name": {"setting": value, ...}, ...}'`: the load protocol once per variant, each
-    over all on and --set (default: one variant, "served", with nothing more)."""
+    over all on and --set (default: one variant, "served", with nothing more); `--row-variants` the same
+    for rows beside the all-on row (default: none)."""
     from omni_rt.config import EngineSettings
 
     if not raw:
-        return {"served": {}}
+        return {"served": {}} if flag == "--load-variants" else {}
     try:
         variants = json.loads(raw)
     except json.JSONDecodeError as e:
-        raise SystemExit(f"--load-variants: not JSON ({e})") from None
+        raise SystemExit(f"{flag}: not JSON ({e})") from None
     ok = isinstance(variants, dict) and variants and all(isinstance(v, dict) for v in variants.values())
     if not ok:
-        raise SystemExit('--load-variants: give {"name": {"setting": value, ...}, ...}')
+        raise SystemExit(f'{flag}: give {{"name": {{"setting": value, ...}}, ...}}')
     for name, overrides in variants.items():
         unknown = set(overrides) - set(EngineSettings.model_fields)
         if unknown:
-            raise SystemExit(f"--load-variants {name!r}: no such engine setting {sorted(unknown)}")
+            raise SystemExit(f"{flag} {name!r}: no such engine setting {sorted(unknown)}")
     return variants
 
 
@@ -112,6 +114,15 @@ def _select_rows(args: argparse.Namespace, plan: list[tuple[str, dict[str, Any]]
         names = ", ".join(f"{i}: {n}" for i, (n, _) in enumerate(plan))
         raise SystemExit(f"--rows {spec}: this run's rows are {names}")
     return [p for i, p in enumerate(plan) if i in keep]
+
+
+def row_variants(args: argparse.Namespace, full_plan: list, selected: list) -> list:
+    """`--row-variants`: rows of all on plus each variant's settings, timed as the all-on row and with
+    its concurrency rows (not its greedy pass), after the selected rows; none where no row is selected."""
+    variants = parse_variants(getattr(args, "row_variants", None), "--row-variants")
+    if not selected:
+        return []
+    return [(f"all on + {name}", full_plan[-1][1] | overrides) for name, overrides in variants.items()]
 
 
 def _row_index(text: str, rows: int) -> int | None:

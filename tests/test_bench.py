@@ -225,6 +225,29 @@ def test_teacher_forced_agreement_counts_positions_not_the_rest_of_the_reply():
     assert got["agreement"] < 1.0
 
 
+def test_row_variants_run_beside_all_on_with_their_own_concurrency_rows(tmp_path):
+    out = tmp_path / "b.json"
+    argv = [
+        "--preset", "tiny", "--device", "cpu", "--requests", "1", "--warmup", "0", "--text-tokens", "2",
+        "--frames", "2", "--prompts", "8", "--rows", "-1", "--concurrency", "2", "--conc-repeats", "1",
+        "--reference", "off", "--no-determinism", "--no-agreement", "--json", str(out),
+        "--png", str(tmp_path / "b.png"),
+        "--row-variants", '{"starts batched": {"prefill_graph_batches": 2}, "greedy yield": {"yield_until": "frame0"}}',
+    ]  # fmt: skip
+    assert bench.main(argv) == 0
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    all_on = bench.row_plan("cpu", kernel_ok=False)[-1][0]
+    assert list(rows) == [
+        all_on, all_on.replace("(all on)", "(all on, greedy)"), "all on + starts batched", "all on + greedy yield",
+        "concurrency 2 (all on)", "concurrency 2 (all on + starts batched)", "concurrency 2 (all on + greedy yield)",
+    ]  # fmt: skip
+    assert rows["all on + starts batched"]["settings"]["prefill_graph_batches"] == 2
+    assert rows["all on + greedy yield"]["settings"]["yield_until"] == "frame0"
+    assert all(r["statuses"] == ["completed"] for r in rows.values())
+    with pytest.raises(SystemExit, match="--row-variants 'x': no such engine setting"):
+        bench.main(argv[:-1] + ['{"x": {"no_such_setting": 1}}'])
+
+
 def test_row_budget_keeps_one_timed_request_per_prompt(tmp_path):
     out = tmp_path / "b.json"
     argv = [

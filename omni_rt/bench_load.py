@@ -219,7 +219,7 @@ def _sizes(session: Any) -> tuple[int, int] | None:
     conv, ids = getattr(session, "conversation", None), getattr(session, "ids", None)
     if conv is None or ids is None:
         return None
-    from omni_rt.session import count_user_tokens
+    from omni_rt.prompt_layout import count_user_tokens
 
     return len(conv), count_user_tokens(conv, ids.im_start, ids.user)
 

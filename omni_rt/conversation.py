@@ -1,6 +1,5 @@
-"""The conversation's token layout, in plain Python: turns, how one is closed, what the Talker's prompt
-takes of them, and truncation: which of the oldest turns give way when the conversation outgrows the
-context.
+"""The conversation's token layout, in plain Python: turns, how one is closed, and truncation: which of
+the oldest turns give way when the conversation outgrows the context.
 
 Truncation is OpenAI Realtime's `truncation`: when the conversation with the new turn exceeds the input limit,
 whole turns are dropped from the oldest (after the system turn, which always stays) until it fits a
@@ -15,19 +14,7 @@ from dataclasses import dataclass
 
 from omni_rt.model.config import TokenIds
 
-TALKER_PROMPT_EXTRA = 9  # the Talker's prompt: the user-turn tokens and 9 more (model/talker.py's layout)
 AUTO_RETENTION_RATIO = 0.75  # "auto": what a full conversation keeps of the input limit
-
-
-def count_user_tokens(ids: Sequence[int], im_start: int, user: int) -> int:
-    """Tokens inside user turns (a turn runs from its `<|im_start|>` to the next one), as the Talker's
-    prompt takes them (`omni_rt.model.talker.user_turn_mask`, restated without torch)."""
-    n, role = 0, ids[1] if len(ids) > 1 else None
-    for i, tok in enumerate(ids):
-        if tok == im_start:
-            role = ids[i + 1] if i + 1 < len(ids) else None
-        n += role == user
-    return n
 
 
 def close_turn(conversation: list[int], ids: TokenIds) -> list[int]:

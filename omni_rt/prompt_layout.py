@@ -2,7 +2,9 @@
 
 Which Thinker-vocabulary id the Talker reads at each decode step (`talker_text_id`) is one rule: the
 offline model path (`model/offline.py`), the Talker runner's inputs and the scheduler's Talker thread all
-call this function, so the streaming and offline paths cannot drift apart.
+call this function, so the streaming and offline paths cannot drift apart. So is which prompt positions
+the Talker's prompt takes (`user_turn_positions`): the Talker's prompt builder gathers them, and the
+Session counts them for the Talker's cache (`talker_prompt_len`).
 """
 
 from __future__ import annotations
@@ -11,7 +13,41 @@ from collections.abc import Sequence
 
 from omni_rt.model.config import TokenIds
 
-__all__ = ["talker_text_id"]
+__all__ = [
+    "TALKER_PROMPT_EXTRA",
+    "count_user_tokens",
+    "talker_prompt_len",
+    "talker_text_id",
+    "user_turn_positions",
+]
+
+TALKER_PROMPT_EXTRA = (
+    9  # the Talker's prompt: its user-turn tokens, then 8 assistant positions and the first token
+)
+
+
+def user_turn_positions(ids: Sequence[int], im_start: int, user: int) -> list[int]:
+    """Positions inside user turns: those whose turn's role (the token after the last `<|im_start|>` at
+    or before them) is `user`. A turn runs from its `<|im_start|>` up to (not including) the next one, so
+    it includes the `<|im_end|>` and the `\\n` after it. Tokens before any `<|im_start|>` take the role of
+    token 1, as in the reference."""
+    out, role = [], ids[1] if len(ids) > 1 else None
+    for i, tok in enumerate(ids):
+        if tok == im_start:
+            role = ids[i + 1] if i + 1 < len(ids) else None
+        if role == user:
+            out.append(i)
+    return out
+
+
+def count_user_tokens(ids: Sequence[int], im_start: int, user: int) -> int:
+    """How many positions of `ids` the Talker's prompt takes from user turns (`user_turn_positions`)."""
+    return len(user_turn_positions(ids, im_start, user))
+
+
+def talker_prompt_len(ids: Sequence[int], tok: TokenIds) -> int:
+    """Positions of the Talker's whole prompt for the chat prompt `ids` (its prefix and the first token's)."""
+    return count_user_tokens(ids, tok.im_start, tok.user) + TALKER_PROMPT_EXTRA
 
 
 def talker_text_id(

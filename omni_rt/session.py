@@ -26,10 +26,8 @@ import numpy as np
 
 from omni_rt.config import Sampling, SessionSettings
 from omni_rt.conversation import (
-    TALKER_PROMPT_EXTRA,
     Truncation,
     close_turn,
-    count_user_tokens,
     input_limit,
     retention_ratio,
     spoken_clips,
@@ -51,6 +49,7 @@ from omni_rt.pipeline.request import (
     Message,
     Request,
 )
+from omni_rt.prompt_layout import TALKER_PROMPT_EXTRA, count_user_tokens, talker_prompt_len
 from omni_rt.response_stream import response_events
 from omni_rt.turn_input import audio_token_count, check_types, turn_audio
 
@@ -428,7 +427,7 @@ class Session:
                 f"the prompt ({len(prompt)} tokens with the conversation so far) is longer than the "
                 f"context ({s.max_context} tokens)"
             )
-        talker_prompt = self._talker_prompt_len(prompt)
+        talker_prompt = talker_prompt_len(prompt, self.ids)
         if talker_prompt >= s.max_talker_context:
             raise InvalidRequestError(
                 f"the user turns ({talker_prompt - TALKER_PROMPT_EXTRA} tokens) do not fit the Talker's "
@@ -481,9 +480,6 @@ class Session:
         if hold.resp is not None and self._current is hold.resp:
             self._current = None
 
-    def _talker_prompt_len(self, prompt: list[int]) -> int:
-        return count_user_tokens(prompt, self.ids.im_start, self.ids.user) + TALKER_PROMPT_EXTRA
-
     def _truncate(
         self, new: list[int], max_tokens: int, max_frames: int, dry_run: bool = False
     ) -> Truncation | None:
@@ -496,7 +492,9 @@ class Session:
 
         def fits(conv: list[int], share: float) -> bool:
             prompt = conv + close_turn(conv, self.ids) + new
-            return len(prompt) <= share * limits[0] and self._talker_prompt_len(prompt) <= share * limits[1]
+            return (
+                len(prompt) <= share * limits[0] and talker_prompt_len(prompt, self.ids) <= share * limits[1]
+            )
 
         if ratio is None or not self.conversation or fits(self.conversation, 1.0):
             return None

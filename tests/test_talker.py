@@ -22,8 +22,8 @@ from omni_rt.model.talker import (
     talker_prompt_prefix,
     talker_step_input,
     talker_text_id,
-    user_turn_mask,
 )
+from omni_rt.prompt_layout import user_turn_positions
 
 NAME = "tiny"
 CFG = SMALL_CONFIGS[NAME]
@@ -206,7 +206,7 @@ def test_prompt_equals_reference(ref, talker, prompt):
 
     embed = embed_fn(ref)
     got = talker_prompt(talker, embed, prompt, speaker, generated[0])
-    n_user = int(user_turn_mask(torch.tensor(prompt), IDS).sum())
+    n_user = len(user_turn_positions(prompt, IDS.im_start, IDS.user))
     assert got.shape == want.shape == (n_user + 9, CFG.talker.hidden_size)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -283,7 +283,7 @@ def test_multimodal_positions_read_hidden_projection(ref, talker):
     ids_t = torch.tensor([prompt])
     mm = (ids_t == IDS.audio) | (ids_t == IDS.image) | (ids_t == IDS.video)
     embeds = embed_fn(ref)(ids_t)
-    user = user_turn_mask(ids_t[0], IDS)
+    user = user_turn_positions(prompt, IDS.im_start, IDS.user)
     want = ref._get_talker_user_parts(0, n, mm, hidden[None], embeds)[0][user]  # [U, Ht]
     got = talker_prompt_prefix(talker, embed_fn(ref), prompt, CFG.speaker_id("ethan"), prompt_hidden=hidden)
     torch.testing.assert_close(got[: want.shape[0]], want, atol=1e-5, rtol=1e-5)

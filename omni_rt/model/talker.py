@@ -39,8 +39,12 @@ from torch.nn import functional as F
 
 from omni_rt.errors import ConfigError, InvalidRequestError
 from omni_rt.model.config import DecoderConfig, OmniConfig, TokenIds
+from omni_rt.model.device_ids import to_device
 from omni_rt.model.layers import DecoderLayer, KVCache, RMSNorm, Rotary, attention_mask
-from omni_rt.prompt_layout import talker_text_id  # noqa: F401 - the rule lives there; re-exported
+from omni_rt.prompt_layout import (
+    talker_text_id,  # noqa: F401 - the rule lives there; re-exported
+    user_turn_positions,
+)
 
 
 class StepTables(NamedTuple):
@@ -345,34 +349,24 @@ class Talker(nn.Module):
 # Prompt construction (pure functions; one sequence at a time for the prefill, batched for steps)
 
 
-def _as_ids(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    t = torch.as_tensor(ids, dtype=torch.long, device=device)
+def _host_ids(ids: Sequence[int] | torch.Tensor) -> list[int]:
+    """One prompt [T] (or [1, T]) as host ints: the Talker's prompt layout is read on the host, so that
+    building a prompt puts nothing but copies and gathers on the device (no host sync: on a GPU each one
+    waited for every frame the Talker's stream had queued for other conversations)."""
+    if not isinstance(ids, torch.Tensor) and all(type(x) is int for x in ids):
+        return list(ids)
+    t = torch.as_tensor(ids, dtype=torch.long)  # a tensor, or nested lists
     if t.dim() == 2 and t.shape[0] == 1:
         t = t[0]
     if t.dim() != 1:
         raise InvalidRequestError(f"prompt ids must be one sequence [T], got shape {tuple(t.shape)}")
-    return t
-
-
-def user_turn_mask(prompt_ids: torch.Tensor, ids: TokenIds) -> torch.Tensor:
-    """[T] bool: positions inside a user turn (role token after the last `<|im_start|>` is `user`).
-
-    A turn runs from its `<|im_start|>` up to (not including) the next `<|im_start|>`, so it includes the
-    `<|im_end|>` and the `\\n` after it. Tokens before any `<|im_start|>` count as the role of token 1, as
-    in the reference.
-    """
-    t = prompt_ids.shape[0]
-    pos = torch.arange(t, device=prompt_ids.device)
-    starts = torch.where(prompt_ids == ids.im_start, pos, torch.full_like(pos, -1))
-    last_start = torch.cummax(starts, dim=0).values.clamp_min(0)  # [T]
-    role = prompt_ids[(last_start + 1).clamp_max(t - 1)]  # [T]
-    return role == ids.user
+    return t.tolist()
 
 
 def check_prompt(prompt_ids: Sequence[int] | torch.Tensor, ids: TokenIds) -> None:
     """A Talker prompt ends with the assistant header `<|im_start|> assistant \\n`: the Thinker's reply is
     what the Talker speaks, starting at its first generated token."""
-    p = [int(x) for x in _as_ids(prompt_ids, torch.device("cpu")).tolist()]
+    p = _host_ids(prompt_ids)
     if p[-3:] != [ids.im_start, ids.assistant, ids.newline]:
         raise InvalidRequestError(
             "a prompt for speech must end with the assistant header [<|im_start|>, assistant, \\n] "
@@ -392,38 +386,38 @@ def talker_prompt_prefix(
     prompt_ids [T] is the Thinker's chat prompt, ending with `<|im_start|> assistant \\n`.
     prompt_hidden [T, thinker_hidden]: the Thinker's `hidden_states[accept_hidden_layer]` over the prompt,
     needed only when user turns hold audio/image/video placeholders (read through `hidden_projection`).
+    Which positions it takes is `omni_rt.prompt_layout.user_turn_positions`, read on the host.
     """
     i = talker.ids
     w = talker.codec_head.weight
-    prompt = _as_ids(prompt_ids, w.device)  # [T]
+    dev = w.device
+    prompt = _host_ids(prompt_ids)  # [T]
     check_prompt(prompt, i)
-    user = user_turn_mask(prompt, i)  # [T]
-    user_ids = prompt[user]  # [U]
+    user = user_turn_positions(prompt, i.im_start, i.user)  # [U] positions
     parts = []
-    if user_ids.numel() > 0:
-        user_part = talker.project_text(embed_text(user_ids))  # [U, Ht]
-        mm = (user_ids == i.audio) | (user_ids == i.image) | (user_ids == i.video)  # [U]
-        if bool(mm.any()):
+    if user:
+        user_part = talker.project_text(embed_text(to_device([prompt[k] for k in user], dev)))  # [U, Ht]
+        media = (i.audio, i.image, i.video)
+        mm = [j for j, k in enumerate(user) if prompt[k] in media]  # [M] rows of user_part
+        if mm:
             if prompt_hidden is None:
                 raise InvalidRequestError(
                     "the prompt has audio/image/video placeholders in a user turn: the Talker needs the "
                     "Thinker's hidden states there (prompt_hidden)"
                 )
-            if prompt_hidden.shape[0] != prompt.shape[0]:
+            if prompt_hidden.shape[0] != len(prompt):
                 raise InvalidRequestError(
-                    f"prompt_hidden has {prompt_hidden.shape[0]} positions, the prompt {prompt.shape[0]}"
+                    f"prompt_hidden has {prompt_hidden.shape[0]} positions, the prompt {len(prompt)}"
                 )
-            mm_part = talker.hidden_projection(prompt_hidden[user][mm].to(w.dtype))  # [M, Ht]
-            user_part = user_part.masked_scatter(mm.unsqueeze(-1), mm_part)
+            rows = to_device([user[j] for j in mm], prompt_hidden.device)
+            mm_part = talker.hidden_projection(prompt_hidden[rows].to(w.dtype))  # [M, Ht]
+            user_part = user_part.index_copy(0, to_device(mm, dev), mm_part.to(user_part.dtype))
         parts.append(user_part)
 
     # the assistant header's three tokens, projected, with no codec part
-    parts.append(talker.project_text(embed_text(prompt[-3:])))  # [3, Ht]
-    specials = torch.tensor([i.tts_pad, i.tts_bos], device=w.device)
-    tts_pad, tts_bos = talker.project_text(embed_text(specials)).unbind(0)  # [Ht] each
-    codec = torch.tensor(
-        [i.codec_nothink, i.codec_think_bos, i.codec_think_eos, speaker_id, i.codec_pad], device=w.device
-    )
+    parts.append(talker.project_text(embed_text(to_device(prompt[-3:], dev))))  # [3, Ht]
+    tts_pad, tts_bos = talker.project_text(embed_text(to_device([i.tts_pad, i.tts_bos], dev))).unbind(0)
+    codec = to_device([i.codec_nothink, i.codec_think_bos, i.codec_think_eos, speaker_id, i.codec_pad], dev)
     codec_embeds = talker.model.codec_embedding(codec)  # [5, Ht]
     text = torch.stack([tts_pad] * 4 + [tts_bos])  # [5, Ht]
     parts.append(text + codec_embeds)

@@ -12,23 +12,10 @@ from contextlib import nullcontext
 
 import torch
 
+from omni_rt.model.device_ids import to_device  # the runners' way too: one place
 from omni_rt.pipeline.request import Request
 
 __all__ = ["LaunchGate", "host_ids", "kept", "row_groups", "stage_call", "stage_stream", "to_device"]
-
-
-def to_device(data, device: torch.device) -> torch.Tensor:
-    """Host ids (nested lists of ints, or a CPU tensor) on `device` without a host sync.
-
-    `torch.tensor(ids, device="cuda")` is a blocking copy, and PyTorch implements a blocking host-to-
-    device copy as an async copy plus a synchronize of the whole current stream: each one made the
-    stage's thread wait for every kernel it had queued (after a prefill launch, the whole prefill)
-    before it could launch anything else. Staged in pinned memory, the copy is queued like a kernel;
-    the caching host allocator keeps the pinned block until the copy has run."""
-    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=torch.long)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def stage_stream(device: torch.device, priority: int) -> torch.cuda.Stream | None:

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from omni_rt.config import StageSampling
+from omni_rt.model.device_ids import to_device
 
 Setting = float | torch.Tensor  # a Python scalar, or a per-row tensor [B]
 SampleFn = Callable[[torch.Tensor], torch.Tensor]  # logits [B, V] -> ids [B]
@@ -474,7 +475,7 @@ class StageSampler:
         if self.suppress is not None:
             self.suppress[slot] = self._base_suppress
             if suppress_extra:
-                self.suppress[slot, list(suppress_extra)] = True
+                self.suppress[slot, to_device(list(suppress_extra), self.device)] = True  # no host sync
 
     def rows(self, slots: torch.Tensor) -> RowSettings:
         return RowSettings(

@@ -487,17 +487,24 @@ def test_each_switch_alone_changes_timing_not_output(switch):
     assert outputs(EngineSettings(**switch)) == outputs(EngineSettings())
 
 
-def test_requests_that_arrive_together_prefill_together():
-    p = make(timings=FakeTimings(thinker_prefill=0.1), reply_len=4)
+def two_behind_a_first(p: Pipeline) -> tuple[tuple[Request, Collector], tuple[Request, Collector]]:
+    """Submit "first", then "a" and "b" while the Thinker prefills it (so they queue up together); run
+    all three to the end and stop `p`: (a, b)."""
     try:
         first = request("first")
         p.submit(first[0])
         time.sleep(0.03)  # the Thinker is busy prefilling "first": the next two queue up together
-        pair = [request("a", slot=1), request("b", slot=2, prompt=PROMPT[:3] + [5] + PROMPT[3:])]
+        pair = request("a", slot=1), request("b", slot=2, prompt=PROMPT[:3] + [5] + PROMPT[3:])
         run(p, *pair)
         assert first[1].done.wait(10)
     finally:
         p.stop()
+    return pair
+
+
+def test_requests_that_arrive_together_prefill_together():
+    p = make(timings=FakeTimings(thinker_prefill=0.1), reply_len=4)
+    pair = two_behind_a_first(p)
     assert [s.request_ids for s in steps(p, "thinker", "prefill")] == [("first",), ("a", "b")]
     assert all(s.of(DoneOut)[0].status == "completed" for _, s in pair)
 
@@ -505,17 +512,8 @@ def test_requests_that_arrive_together_prefill_together():
 def test_responses_that_start_together_share_the_talkers_prefix_and_first_position_calls():
     # the Talker is busy with "first"'s prefix while "a" and "b" are admitted together: their prefixes
     # go in one call, then (their first tokens from one prefill) their first positions in one call
-    t = FakeTimings(thinker_prefill=0.1, talker_prefix=0.15)
-    p = make(timings=t, reply_len=4)
-    try:
-        first = request("first")
-        p.submit(first[0])
-        time.sleep(0.03)  # the Thinker is busy prefilling "first": the next two queue up together
-        pair = [request("a", slot=1), request("b", slot=2, prompt=PROMPT[:3] + [5] + PROMPT[3:])]
-        run(p, *pair)
-        assert first[1].done.wait(10)
-    finally:
-        p.stop()
+    p = make(timings=FakeTimings(thinker_prefill=0.1, talker_prefix=0.15), reply_len=4)
+    pair = two_behind_a_first(p)
     assert [s.request_ids for s in steps(p, "talker", "prefix")] == [("first",), ("a", "b")]
     assert ("a", "b") in [s.request_ids for s in steps(p, "talker", "last")]
     assert all(s.of(DoneOut)[0].status == "completed" for _, s in pair)
@@ -524,15 +522,7 @@ def test_responses_that_start_together_share_the_talkers_prefix_and_first_positi
 def test_a_prefix_that_fails_in_a_shared_call_fails_only_its_request():
     # as above, "b"'s prefix raises: the shared call is tried again a response at a time
     p = make(timings=FakeTimings(thinker_prefill=0.1, talker_prefix=0.15), reply_len=4, talker={"prefix:b"})
-    try:
-        first = request("first")
-        p.submit(first[0])
-        time.sleep(0.03)
-        a, b = request("a", slot=1), request("b", slot=2, prompt=PROMPT[:3] + [5] + PROMPT[3:])
-        run(p, a, b)
-        assert first[1].done.wait(10)
-    finally:
-        p.stop()
+    a, b = two_behind_a_first(p)
     calls = [s.request_ids for s in steps(p, "talker", "prefix")]
     assert ("a",) in calls and ("b",) not in calls  # recorded: the calls that succeeded
     assert a[1].of(DoneOut)[0].status == "completed" and a[1].of(AudioOut)

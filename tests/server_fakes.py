@@ -330,14 +330,19 @@ class Client:
 
 
 class RecordingEngine:
-    """Wraps a real `omni_rt.Engine`: the server sees the same API; the test sees the PCM it was given."""
+    """Wraps a real `omni_rt.Engine`: the server sees the same API; the test sees the PCM it was given.
+    `sampling` (e.g. `Sampling(seed=0)`): every session's, so that a test of exact lengths does not
+    depend on a fresh seed (random weights end a reply early for some seeds)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, sampling=None):
         self.engine = engine
+        self.sampling = sampling
         self.pcm_samples: dict[str, int] = {}  # response id → samples of PCM the session yielded
         self.sample_rate: int | None = None
 
     def session(self, **kwargs):
+        if self.sampling is not None:
+            kwargs["sampling"] = self.sampling
         return _RecordingSession(self, self.engine.session(**kwargs))
 
 
@@ -364,3 +369,6 @@ class _RecordingSession:
 
     async def cancel(self):
         await self.inner.cancel()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)  # the rest of the Session's API, as it is

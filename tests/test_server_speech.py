@@ -14,9 +14,18 @@ pytest.importorskip("aiortc")
 
 import websockets  # noqa: E402
 from audio_clips import needs_espeak, speech  # noqa: E402
-from server_fakes import Client, FakeEngine, MicTrack, loopback_ice, speech_like, user_message  # noqa: E402, F401
+from server_fakes import (  # noqa: E402, F401
+    Client,
+    FakeEngine,
+    MicTrack,
+    RecordingEngine,
+    loopback_ice,
+    speech_like,
+    user_message,
+)
 
 from omni_rt.audio.resample import resample  # noqa: E402
+from omni_rt.config import Sampling  # noqa: E402
 from omni_rt.server import PeerSettings, Server, ServerSettings  # noqa: E402
 from omni_rt.server.live_turn import TAIL_MS
 from omni_rt.server.track import AudioOutputTrack  # noqa: E402
@@ -437,7 +446,8 @@ def tiny():
 
 async def test_tiny_engine_answers_appended_speech(tiny):
     settings = ServerSettings(port=0, peer=PeerSettings(max_output_tokens=8, max_audio_frames=10))
-    async with tiny, Server(tiny, settings) as server:
+    engine = RecordingEngine(tiny, sampling=Sampling(seed=0))  # exact lengths: not a fresh seed's
+    async with tiny, Server(engine, settings) as server:
         async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
             await recv(ws)
             await append(ws, spoken_turn(RATE_IN))

@@ -510,9 +510,9 @@ def test_requests_that_arrive_together_prefill_together():
 
 
 def test_responses_that_start_together_share_the_talkers_prefix_and_first_position_calls():
-    # the Talker is busy with "first"'s prefix while "a" and "b" are admitted together: their prefixes
-    # go in one call, then (their first tokens from one prefill) their first positions in one call
-    p = make(timings=FakeTimings(thinker_prefill=0.1, talker_prefix=0.15), reply_len=4)
+    # the Talker is busy with "first"'s prefix (0.3 s) while "a" and "b" are admitted together (at 0.1 s):
+    # their prefixes go in one call, then (their first tokens from one prefill) their first positions too
+    p = make(timings=FakeTimings(thinker_prefill=0.1, talker_prefix=0.3), reply_len=4)
     pair = two_behind_a_first(p)
     assert [s.request_ids for s in steps(p, "talker", "prefix")] == [("first",), ("a", "b")]
     assert ("a", "b") in [s.request_ids for s in steps(p, "talker", "last")]
@@ -521,7 +521,7 @@ def test_responses_that_start_together_share_the_talkers_prefix_and_first_positi
 
 def test_a_prefix_that_fails_in_a_shared_call_fails_only_its_request():
     # as above, "b"'s prefix raises: the shared call is tried again a response at a time
-    p = make(timings=FakeTimings(thinker_prefill=0.1, talker_prefix=0.15), reply_len=4, talker={"prefix:b"})
+    p = make(timings=FakeTimings(thinker_prefill=0.1, talker_prefix=0.3), reply_len=4, talker={"prefix:b"})
     a, b = two_behind_a_first(p)
     calls = [s.request_ids for s in steps(p, "talker", "prefix")]
     assert ("a",) in calls and ("b",) not in calls  # recorded: the calls that succeeded

@@ -515,7 +515,7 @@ def test_responses_that_start_together_share_the_talkers_prefix_and_first_positi
     p = make(timings=FakeTimings(thinker_prefill=0.1, talker_prefix=0.3), reply_len=4)
     pair = two_behind_a_first(p)
     assert [s.request_ids for s in steps(p, "talker", "prefix")] == [("first",), ("a", "b")]
-    assert ("a", "b") in [s.request_ids for s in steps(p, "talker", "last")]
+    assert any({"a", "b"} <= set(s.request_ids) for s in steps(p, "talker", "last"))  # "first" too, here
     assert all(s.of(DoneOut)[0].status == "completed" for _, s in pair)
 
 

@@ -273,6 +273,13 @@ class EngineSettings(_Settings):
             update["playout_lead_ms"] = 100 if cpu else 0
         return self.model_copy(update=update)
 
+    @property
+    def batch_starts(self) -> bool:
+        """Do requests that arrive together share their prefill calls (the Thinker's prompts, the Talker's
+        prefixes and first positions)? `batch_prefill`, except when deterministic: a request's numbers
+        must not depend on who arrived with it."""
+        return self.batch_prefill and not self.deterministic
+
     def chunk_size(self, decoded: int, held: float = 0.0) -> int:
         """Frames in a response's next Code2Wav chunk, after `decoded` frames of which `held` (in frames)
         are not out as audio yet: the first chunk size, then the largest planned size whose frames are

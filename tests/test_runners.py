@@ -353,7 +353,7 @@ def test_only_the_batches_with_a_graph_share_a_call(model, graphed):
     }
     for name, (runner, calls) in runners.items():
         runner._prompt_len = {r.slot: 20 for r in reqs}
-        assert runner._batches(reqs, runner._last_graphs, runner._last_shape) == calls, name
+        assert runner._batches(reqs, runner._last_plan) == calls, name
 
 
 def test_frame0_made_from_code0_on_the_device(model, graphed):

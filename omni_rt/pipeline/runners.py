@@ -176,18 +176,13 @@ class ThinkerRunner:
         return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
 
     def _prefill_groups(self, index: list[int], rows: list[Request]) -> list[list[int]]:
-        """`index` (the text rows) as prefill calls (`graphed_batches`: batches of
-        `prefill_graph_batches` where graphs are on); one call per row where the padding of a batch would
-        not fit the cache."""
-        if self._prefill_shape(rows) is None:
-            return [[i] for i in index]
-        graphed = (lambda sp: self._graphed([rows[j] for j in sp])) if self._prefill_graphs else None
-        spans = graphed_batches(len(rows), self.settings.prefill_graph_batches, graphed)
-        return [[index[j] for j in sp] for sp in spans]
+        """`index` (the text rows) as prefill calls: `graphed_batches` of `prefill_graph_batches`."""
+        by_index = dict(zip(index, rows, strict=True))
 
-    def _graphed(self, rows: list[Request]) -> bool:
-        plan = self._prefill_shape(rows)
-        return plan is not None and plan[2] is not None
+        def plan(ix: list[int]):
+            return self._prefill_shape([by_index[i] for i in ix])
+
+        return graphed_batches(index, self.settings.prefill_graph_batches, plan, bool(self._prefill_graphs))
 
     @stage_call
     def prefill_piece(self, req: Request, n: int) -> None:
@@ -403,23 +398,20 @@ class TalkerRunner:
                 hidden[: req.carried_hidden.shape[0]] = req.carried_hidden.to(self.device)
         return talker_prompt_prefix(self.talker, self.embed_text, req.prompt_ids, req.speaker_id, hidden)
 
-    def _batches(self, reqs: list[Request], graphs: dict, shape) -> list[list[Request]]:
-        """Responses that start together as calls (`graphed_batches`): one at a time when deterministic
-        or without `batch_prefill`, as the Thinker's prefills; where graphs are on, only batches with a
-        graph (`shape(rows)`: its key, None where no batch fits the cache)."""
-        if not self._batching or len(reqs) == 1 or shape(reqs) is None:
+    def _batches(self, reqs: list[Request], plan) -> list[list[Request]]:
+        """Responses that start together as calls (`graphed_batches` of their `plan`): one at a time
+        unless `_batching`."""
+        if not self._batching:
             return [[r] for r in reqs]
-        graphed = (lambda sp: shape([reqs[j] for j in sp]) in graphs) if graphs else None
-        k = self.settings.prefill_graph_batches
-        return [[reqs[j] for j in sp] for sp in graphed_batches(len(reqs), k, graphed)]
+        return graphed_batches(reqs, self.settings.prefill_graph_batches, plan, bool(self._last_graphs))
 
     @property
     def _batching(self) -> bool:
-        """May responses that start together share a call? Not when deterministic, nor where graphs are
-        on and only batch 1 has them (`prefill_graph_batches` 1: the GPU default)."""
+        """May responses that start together share a call? As the Thinker's prefills (`batch_starts`),
+        and not where graphs are on and only batch 1 has them (`prefill_graph_batches` 1: the GPU
+        default)."""
         s = self.settings
-        graphed = bool(self._last_graphs)
-        return s.batch_prefill and not s.deterministic and (not graphed or s.prefill_graph_batches > 1)
+        return s.batch_starts and (not self._last_graphs or s.prefill_graph_batches > 1)
 
     def _prefix_plan(self, reqs: list[Request], new: dict[Request, torch.Tensor]):
         """`batch_prefill_plan` of one right-padded prefill of `reqs`' new prefix positions."""
@@ -427,11 +419,6 @@ class TalkerRunner:
         return batch_prefill_plan(
             self._prefix_graphs, starts, lengths, self.settings.prefill_buckets, self.cache.max_len
         )
-
-    def _prefix_key(self, reqs: list[Request], new: dict[Request, torch.Tensor]):
-        """The graph key (batch, T, kv_len) of that prefill; None when its padding would not fit the cache."""
-        plan = self._prefix_plan(reqs, new)
-        return None if plan is None else (len(reqs), plan[0], plan[1])
 
     @stage_call
     def prefill_prefix(self, reqs: list[Request]) -> None:
@@ -444,9 +431,7 @@ class TalkerRunner:
                 self.gate.wait(group)  # let the Thinker's prefill go first (see LaunchGate)
             prefix = {r: self.prompt_prefix(r) for r in group}  # [L - 1, Ht] each
             new = {r: prefix[r][r.talker_start :] for r in group}  # earlier turns are in the slot's cache
-            for rows in self._batches(
-                group, self._prefix_graphs, functools.partial(self._prefix_key, new=new)
-            ):
+            for rows in self._batches(group, functools.partial(self._prefix_plan, new=new)):
                 t, kv_len, graph = self._prefix_plan(rows, new)
                 embeds = torch.stack([right_pad(new[r][None], t)[0] for r in rows])  # [B, T, Ht]
                 positions = torch.stack([torch.arange(r.talker_start, r.talker_start + t) for r in rows])
@@ -461,16 +446,17 @@ class TalkerRunner:
                 code_predictor = residual_code_sampling(r.sampling.effective_code_predictor)
                 self.residual.assign(r.slot, code_predictor, r.seed)
 
-    def _last_shape(self, reqs: list[Request]) -> tuple[int, int]:
-        """(batch, kv_len) of the last prompt position of `reqs` in one call."""
-        return len(reqs), kv_bucket(max(self._prompt_len[r.slot] for r in reqs), self.cache.max_len)
+    def _last_plan(self, reqs: list[Request]) -> tuple[int, object]:
+        """(kv_len, graph or None) of the last prompt position of `reqs` in one call."""
+        kv_len = kv_bucket(max(self._prompt_len[r.slot] for r in reqs), self.cache.max_len)
+        return kv_len, self._last_graphs.get((len(reqs), kv_len))
 
     @stage_call
     def prefill_last(self, reqs: list[Request], first_tokens: list[int]) -> list[int]:
         """The last prompt position of responses whose first text tokens are here -> each one's code 0;
         in calls as their prefixes are (`_batches`), read back in one host sync."""
         first = dict(zip(reqs, first_tokens, strict=True))
-        groups = self._batches(reqs, self._last_graphs, self._last_shape)
+        groups = self._batches(reqs, self._last_plan)
         values = torch.cat([self._first_position(rows, [first[r] for r in rows]) for rows in groups]).tolist()
         code0 = {}
         for r, v in zip([r for rows in groups for r in rows], values, strict=True):
@@ -487,8 +473,8 @@ class TalkerRunner:
         first = to_device(first_tokens, self.device)  # [B]
         positions = to_device([[self._prompt_len[r.slot] - 1] for r in rows], self.device)  # [B, 1]
         slots = to_device([r.slot for r in rows], self.device)  # [B]
-        key = self._last_shape(rows)
-        last = self._last_graphs.get(key) or self._last_fn(key[1])
+        kv_len, graph = self._last_plan(rows)
+        last = graph or self._last_fn(kv_len)
         code0, hidden = last(first, positions, slots)  # [B], [B, Ht]
         for i, r in enumerate(rows):
             self._hidden[r.slot] = hidden[i].clone()  # a graph's output buffer is reused by its next replay

@@ -113,18 +113,28 @@ def prefill_batches(most: int, max_rows: int, deterministic: bool) -> range:
     return range(1, 2) if deterministic else range(1, min(most, max_rows) + 1)
 
 
-def graphed_batches(n: int, most: int, graphed: Callable[[range], bool] | None) -> list[range]:
-    """Rows 0..n-1 that arrived together as calls: one call where there are no graphs (`graphed` None:
-    an eager batch costs less than its rows one by one) or the whole batch has one; else runs of `most`
-    rows that each have a graph (`graphed(rows)`); else one call per row. A batch without a graph would
-    run eagerly on a GPU: two 57-token Thinker prefills took 125-178 ms batched eagerly under load on an
-    H200, against 22 ms each graphed alone, holding every other conversation's step meanwhile."""
-    if n <= 1 or graphed is None or graphed(range(n)):
-        return [range(n)]
-    spans = [range(j, min(j + most, n)) for j in range(0, n, most)]
-    if most > 1 and all(len(sp) == 1 or graphed(sp) for sp in spans):
+def graphed_batches(
+    rows: list, most: int, plan: Callable[[list], tuple | None], graphs_on: bool
+) -> list[list]:
+    """`rows` that arrived together as calls. `plan(batch)`: the batch's prefill plan, its graph last (None:
+    none captured), or None where the batch's padding would not fit the cache (then one call per row).
+    One call where graphs are off (an eager batch costs less than its rows one by one) or the whole
+    batch has a graph; else runs of `most` rows that each have one; else one call per row. A batch
+    without a graph would run eagerly on a GPU: two 57-token Thinker prefills took 125-178 ms batched
+    eagerly under load on an H200, against 22 ms each graphed alone, holding every other conversation's
+    step meanwhile."""
+    singles = [[r] for r in rows]
+    if len(rows) <= 1:
+        return [list(rows)]
+    whole = plan(rows)
+    if whole is None:
+        return singles
+    if not graphs_on or whole[-1] is not None:
+        return [list(rows)]
+    spans = [rows[j : j + most] for j in range(0, len(rows), most)]
+    if most > 1 and all(len(sp) == 1 or plan(sp)[-1] is not None for sp in spans):
         return spans
-    return [range(j, j + 1) for j in range(n)]
+    return singles
 
 
 def right_pad(x: torch.Tensor, t: int) -> torch.Tensor:

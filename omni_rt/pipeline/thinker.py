@@ -112,8 +112,7 @@ class ThinkerLoop:
         self._pieces += long
         admitted = [r for r in admitted if r not in long]
         # requests that arrived together prefill together (one weight pass), unless switched off
-        together = s.batch_prefill and not s.deterministic
-        for group in [admitted] if together and admitted else [[r] for r in admitted]:
+        for group in [admitted] if s.batch_starts and admitted else [[r] for r in admitted]:
             self._prefill(group, active, out)
         if self._pieces:
             req = self._pieces[0]

@@ -280,6 +280,12 @@ class EngineSettings(_Settings):
         must not depend on who arrived with it."""
         return self.batch_prefill and not self.deterministic
 
+    @property
+    def code2wav_batched(self) -> bool:
+        """Do responses' same-size Code2Wav chunks share a call? `code2wav_batch`, except when
+        deterministic (one at a time: batch-invariant)."""
+        return self.code2wav_batch and not self.deterministic
+
     def chunk_size(self, decoded: int, held: float = 0.0) -> int:
         """Frames in a response's next Code2Wav chunk, after `decoded` frames of which `held` (in frames)
         are not out as audio yet: the first chunk size, then the largest planned size whose frames are

@@ -85,30 +85,17 @@ class Code2WavLoop:
             return
         a, n = min(ready, key=lambda an: audio_urgency(an[0].req, an[0].t_first_frame or 0.0))
         batch = [a]
-        if self.p.settings.code2wav_batch and not self.p.settings.deterministic:
+        if self.p.settings.code2wav_batched:
             batch += [b for b, m in ready if m == n and b is not a]  # they ride along: one call's cost
-        try:
-            self._decode_chunks(batch, n)
-        except Exception as e:
-            for b, err in [(a, e)] if len(batch) == 1 else self._one_at_a_time(batch, n):
-                self.p._fail(b.req, self.p._stage_error("code2wav", "decode", err))
-                self._close(b, seqs)
+        _, failed = self.p._shared_call(batch, lambda b: self._decode_chunks(b, n))
+        for b, err in failed:
+            self.p._fail(b.req, self.p._stage_error("code2wav", "decode", err))
+            self._close(b, seqs)
         for b in [b for b in batch if b.req in seqs]:
             if b.req.stopped:  # while its chunk decoded: the chunk was dropped, and so is the end
                 self._close(b, seqs)
             elif b.ended and not b.pending:
                 self._finish(b, seqs)
-
-    def _one_at_a_time(self, batch: list[AudioSeq], n: int) -> list[tuple[AudioSeq, Exception]]:
-        """After a batched call failed (nothing of it was kept): each response's chunk alone, so that a
-        request that fails, fails alone. Those that fail again, with their errors."""
-        failed = []
-        for a in batch:
-            try:
-                self._decode_chunks([a], n)
-            except Exception as e:
-                failed.append((a, e))
-        return failed
 
     def _ready(self, a: AudioSeq) -> bool:
         """Has `a` work now: a chunk to decode, an end to send, or a stop to act on?"""
@@ -123,8 +110,9 @@ class Code2WavLoop:
             len(a.pending), a.next_frame, a.ended, a.req, a.frame_interval(), self.p.clock(), self.p.settings
         )
 
-    def _decode_chunks(self, batch: list[AudioSeq], n: int) -> None:
-        """The next `n` frames of each response in `batch`, in one stage call, then each one's PCM out."""
+    def _decode_chunks(self, batch: list[AudioSeq], n: int) -> list[None]:
+        """The next `n` frames of each response in `batch`, in one stage call, then each one's PCM out.
+        A failed call keeps nothing (its frames stay queued), so it can be made again."""
         chunks = [a.pending[:n] for a in batch]
         for a in batch:
             if not a.opened:
@@ -142,6 +130,7 @@ class Code2WavLoop:
         self.p._record("code2wav", "chunk", t0, [a.req for a in batch])
         for a, pcm in zip(batch, pcms, strict=True):
             self._post_pcm(a, pcm, n)
+        return [None] * len(batch)
 
     def _post_pcm(self, a: AudioSeq, pcm: np.ndarray, n: int) -> None:
         if a.req.stopped:

@@ -30,10 +30,9 @@ class Code2WavRunner:
         self.device = model.device
         self.samples_per_frame = self.code2wav.samples_per_frame
         self.stream = stage_stream(self.device, priority=-1)
-        batch = settings.code2wav_batch and not settings.deterministic
         self._graphs: dict[tuple[int, int], object] = {}  # (rows bucket, chunk frames) -> captured decode
         self._work: dict[int, object] = {}  # rows bucket -> the work state its graphs decode
-        self._rows = code2wav_buckets(settings.max_sessions if batch else 1)
+        self._rows = code2wav_buckets(settings.max_sessions if settings.code2wav_batched else 1)
         if graphs.graphs_on(settings, self.device):
             self._capture_all(settings.chunk_sizes())
         # one exact streaming state per session slot, allocated once

@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from omni_rt.config import EngineSettings
 from omni_rt.errors import EngineClosedError, OmniRtError, StageError
@@ -230,6 +231,24 @@ class Pipeline:
         records.append(record)
         if len(records) > self.log_limit:  # keep the logs bounded on a long-running engine
             del records[: len(records) // 2]
+
+    @staticmethod
+    def _shared_call(batch: list, call) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Exception]]]:
+        """`call(batch)`: one stage call for several responses' work (-> a result each); when it raises,
+        `call([x])` for each alone, so that a request that fails, fails alone (the batched call keeps
+        nothing). -> ((x, result) of those that succeeded, (x, error) of those that failed)."""
+        try:
+            return list(zip(batch, call(batch), strict=True)), []
+        except Exception as e:
+            if len(batch) == 1:
+                return [], [(batch[0], e)]
+        done, failed = [], []
+        for x in batch:
+            try:
+                done.append((x, call([x])[0]))
+            except Exception as e:
+                failed.append((x, e))
+        return done, failed
 
     def _stage_error(self, stage: str, kind: str, e: Exception) -> OmniRtError:
         if isinstance(e, OmniRtError):

@@ -161,22 +161,23 @@ class TalkerLoop:
         self, batch: list[TalkerSeq], kind: str, what: str, call, seqs: dict[Request, TalkerSeq]
     ) -> list[tuple[TalkerSeq, object]]:
         """`call(reqs)` for the responses that start together, in one go (the runner batches them as its
-        graphs allow), recorded as `kind`; when it raises, each alone, so that a request that fails
-        (`what` failed) fails alone. -> (response, its result) for those that succeeded."""
+        graphs allow), recorded as `kind`; a request whose call fails (`what` failed) fails alone
+        (`Pipeline._shared_call`). -> (response, its result) for those that succeeded."""
         if not batch:
             return []
-        reqs = [s.req for s in batch]
-        t0 = self.p.clock()
-        try:
+
+        def recorded(part: list[TalkerSeq]) -> list:
+            reqs = [s.req for s in part]
+            t0 = self.p.clock()
             out = call(reqs)
-        except Exception as e:
-            if len(batch) > 1:
-                return [pair for s in batch for pair in self._each([s], kind, what, call, seqs)]
-            self.p._fail(batch[0].req, self.p._stage_error("talker", what, e))
-            self._drop(batch[0], seqs)
-            return []
-        self.p._record("talker", kind, t0, reqs)
-        return list(zip(batch, [None] * len(batch) if out is None else out, strict=True))
+            self.p._record("talker", kind, t0, reqs)
+            return [None] * len(part) if out is None else out
+
+        done, failed = self.p._shared_call(batch, recorded)
+        for s, e in failed:
+            self.p._fail(s.req, self.p._stage_error("talker", what, e))
+            self._drop(s, seqs)
+        return done
 
     def _take_code0(self, s: TalkerSeq, code0: int, seqs: dict[Request, TalkerSeq]) -> None:
         if code0 == self.p.ids.codec_eos and not s.req.ignore_eos:

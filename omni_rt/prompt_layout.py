@@ -21,9 +21,8 @@ __all__ = [
     "user_turn_positions",
 ]
 
-TALKER_PROMPT_EXTRA = (
-    9  # the Talker's prompt: its user-turn tokens, then 8 assistant positions and the first token
-)
+# the Talker's prompt: its user-turn tokens, then 8 assistant positions and the first token's
+TALKER_PROMPT_EXTRA = 9
 
 
 def user_turn_positions(ids: Sequence[int], im_start: int, user: int) -> list[int]:

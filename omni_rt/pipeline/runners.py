@@ -122,7 +122,7 @@ class ThinkerRunner:
             return
         # text and speech turns share these graphs: both enter as embeddings
         width = self.thinker.cfg.hidden_size
-        for b in prefill_batches(s.prefill_graph_batches, s.max_sessions, s.deterministic):
+        for b in prefill_batches(s.prefill_graph_batches, s.max_sessions, s.batch_starts):
             for t, kv_len in prefill_shapes(s.prefill_buckets, max_len):
                 static = (
                     torch.zeros(b, t, width, dtype=self.cache.dtype, device=self.device),  # embeds [B, T, H]
@@ -342,7 +342,7 @@ class TalkerRunner:
         # batches the Thinker's prefill graphs have: responses that arrive together start together
         s = self.settings
         width = self.cfg.talker.hidden_size
-        for b in prefill_batches(s.prefill_graph_batches, s.max_sessions, s.deterministic):
+        for b in prefill_batches(s.prefill_graph_batches, s.max_sessions, s.batch_starts):
             for kv_len in kv_buckets(self.cache.max_len):
                 static = (
                     torch.zeros(b, dtype=torch.long, device=self.device),  # first tokens [B]

@@ -107,10 +107,10 @@ def batch_prefill_plan(
     return plan
 
 
-def prefill_batches(most: int, max_rows: int, deterministic: bool) -> range:
-    """Batch sizes of the prefill graphs (`EngineSettings.prefill_graph_batches`): 1 when deterministic
-    (a request's numbers must not depend on who arrived with it)."""
-    return range(1, 2) if deterministic else range(1, min(most, max_rows) + 1)
+def prefill_batches(most: int, max_rows: int, batched: bool) -> range:
+    """Batch sizes of the prefill graphs (`EngineSettings.prefill_graph_batches`): 1 unless arrivals
+    share their prefill calls (`EngineSettings.batch_starts`)."""
+    return range(1, min(most, max_rows) + 1) if batched else range(1, 2)
 
 
 def graphed_batches(

@@ -80,14 +80,16 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def parse_variants(raw: str | None, flag: str = "--load-variants") -> dict[str, dict[str, Any]]:
+def parse_variants(
+    raw: str | None, flag: str = "--load-variants", default: tuple[str, ...] = ("served",)
+) -> dict[str, dict[str, Any]]:
     """`--load-variants '{"name": {"setting": value, ...}, ...}'`: the load protocol once per variant, each
-    over all on and --set (default: one variant, "served", with nothing more); `--row-variants` the same
-    for rows beside the all-on row (default: none)."""
+    over all on and --set (without one: the `default` names with nothing more, "served");
+    `--row-variants` the same for rows beside the all-on row (without one: none)."""
     from omni_rt.config import EngineSettings
 
     if not raw:
-        return {"served": {}} if flag == "--load-variants" else {}
+        return {name: {} for name in default}
     try:
         variants = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -119,7 +121,7 @@ def _select_rows(args: argparse.Namespace, plan: list[tuple[str, dict[str, Any]]
 def row_variants(args: argparse.Namespace, full_plan: list, selected: list) -> list:
     """`--row-variants`: rows of all on plus each variant's settings, timed as the all-on row and with
     its concurrency rows (not its greedy pass), after the selected rows; none where no row is selected."""
-    variants = parse_variants(getattr(args, "row_variants", None), "--row-variants")
+    variants = parse_variants(getattr(args, "row_variants", None), "--row-variants", default=())
     if not selected:
         return []
     return [(f"all on + {name}", full_plan[-1][1] | overrides) for name, overrides in variants.items()]

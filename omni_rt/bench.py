@@ -419,8 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             conc_rows.append(
                 summarise(
                     f"concurrency {c} ({'all on' if last else name})", cs, sampling=served_label,
-                    aggregate_text_tok_s=agg,
-                    thinker_yield=y,
+                    aggregate_text_tok_s=agg, thinker_yield=y,
                 )
             )  # fmt: skip
         _save(args.json, meta, rows + conc_rows, load_rows)  # partial results survive a run cut short

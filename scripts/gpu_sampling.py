@@ -57,8 +57,10 @@ def make_requests(engine, n: int, sampling, seed: int = 100) -> list[Request]:
     ]
 
 
-def trace(thinker, talker, reqs, steps: int, timings: dict | None = None) -> dict:
-    """Prefill, then `steps` rounds of (Thinker decode, Talker step, code-predictor frame): the ids."""
+def trace(thinker, talker, reqs, steps: int, timings: dict | None = None, together: bool = False) -> dict:
+    """Prefill, then `steps` rounds of (Thinker decode, Talker step, code-predictor frame): the ids.
+    `together`: the Talker's prompt prefixes and first positions in one call for all rows (as for
+    responses that start together), else one request at a time."""
 
     def timed(name, fn):
         t = time.perf_counter()
@@ -71,9 +73,9 @@ def trace(thinker, talker, reqs, steps: int, timings: dict | None = None) -> dic
     for r, f in zip(reqs, firsts, strict=True):
         r.tokens = [f]
     code0 = []
-    for r in reqs:
-        talker.prefill_prefix([r])
-        code0 += talker.prefill_last([r], [r.tokens[0]])
+    for group in [reqs] if together else [[r] for r in reqs]:
+        talker.prefill_prefix(group)
+        code0 += talker.prefill_last(group, [r.tokens[0] for r in group])
     frames = talker.predict(reqs, code0)
     out = {"tokens": [list(firsts)], "frames": [frames]}
     for _ in range(steps):
@@ -166,6 +168,20 @@ def main(argv=None) -> int:
     res["checks"]["sampled replay repeats"] = again == g
     other = trace(thinker, talker, make_requests(engine, 2, omni_rt.Sampling(), seed=5), 6)
     res["checks"]["another seed differs"] = other["frames"] != g["frames"]
+    # responses that start together (prefill_graph_batches 4: the Thinker's prompts, the Talker's
+    # prefixes and first positions in one graphed call each): graphed == eager at the same batch, and
+    # the fraction of frame codes equal to each request's starting alone (bf16: batch shapes may differ)
+    starts = engine.settings.model_copy(update={"prefill_graph_batches": 4})
+    b_thinker, b_talker, _ = build_runners(engine.model, starts)
+    eb_thinker, eb_talker, _ = build_runners(engine.model, starts.model_copy(update={"cuda_graphs": False}))
+    gb = trace(b_thinker, b_talker, make_requests(engine, 4, omni_rt.Sampling()), 6, together=True)
+    eb = trace(eb_thinker, eb_talker, make_requests(engine, 4, omni_rt.Sampling()), 6, together=True)
+    res["checks"]["4 starts together, graphed == eager: tokens"] = gb["tokens"] == eb["tokens"]
+    res["checks"]["4 starts together, graphed == eager: frames"] = gb["frames"] == eb["frames"]
+    alone = trace(thinker, talker, make_requests(engine, 4, omni_rt.Sampling()), 6)
+    same = [a == b for x, y in zip(gb["frames"], alone["frames"], strict=True) for a, b in zip(x, y, strict=True)]
+    res["checks"]["4 starts together == alone: frames (fraction)"] = sum(same) / len(same)
+    res["checks"]["4 starts together == alone: first tokens"] = gb["tokens"][0] == alone["tokens"][0]
     # the fused sampler's draws against the plain path's on the device (the kernel runs on CUDA only)
     for vocab, stage in (
         ()

@@ -104,13 +104,12 @@ def log_f32(x, PRECISE: tl.constexpr):
 # allows: it calls `gdc_launch_dependents` early and `gdc_wait` before it reads what earlier kernels wrote,
 # so its launch and its weight loads overlap the previous kernel's tail (the code-predictor frame at batch
 # 1: 2.05 -> 1.82 ms on an H200). A kernel launched so after one that never calls `gdc_launch_dependents`
-# (a cuBLAS GEMM) starts as usual, when that one ends.
-USE_PDL = True
+# (a cuBLAS GEMM) starts as usual, when that one ends. Asked for by `EngineSettings.programmatic_launch`.
 
 
 def pdl_runs(device: torch.device) -> bool:
-    """Whether kernels on `device` run as programmatic dependent launches (compiled code on sm_90+)."""
+    """Whether kernels on `device` can run as programmatic dependent launches (compiled code on sm_90+)."""
     return (
-        USE_PDL and gdc_wait is not None and PRECISE and device.type == "cuda"
+        gdc_wait is not None and PRECISE and device.type == "cuda"
         and torch.cuda.get_device_capability(device)[0] >= 9
     )  # fmt: skip

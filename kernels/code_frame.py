@@ -325,7 +325,7 @@ class CodeFrame:
     `CodePredictor.predict` (static shapes, no host sync: a whole frame can be captured in one graph).
     """
 
-    def __init__(self, cp) -> None:
+    def __init__(self, cp, programmatic_launch: bool = False) -> None:
         require_triton()
         cfg = cp.cfg
         head = cp.lm_head[0].weight
@@ -357,7 +357,7 @@ class CodeFrame:
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
         self.rnd = rnd(head.dtype)
         self.eps = cfg.rms_norm_eps
-        self.pdl = pdl_runs(head.device)
+        self.pdl = programmatic_launch and pdl_runs(head.device)
         self.launch = {"launch_pdl": True} if self.pdl else {}
 
     def _linear(self, x, w, m, *, norm=None, idx=None, gather_x=False, residual=None, gather_r=False,
@@ -434,14 +434,15 @@ class CodeFrame:
         return torch.stack(codes, dim=1)  # [B, 15]
 
 
-def install_code_frame(model: torch.nn.Module) -> int:
-    """Set `frame_fn` on every `CodePredictor` in `model` (dense, Triton-runnable); returns the count."""
+def install_code_frame(model: torch.nn.Module, programmatic_launch: bool = False) -> int:
+    """Set `frame_fn` on every `CodePredictor` in `model` (dense, Triton-runnable); returns the count.
+    programmatic_launch: the few-rows kernels as programmatic dependent launches where the card runs them."""
     from omni_rt.model.talker import CodePredictor
 
     require_triton()
     changed = 0
     for m in model.modules():
         if isinstance(m, CodePredictor):
-            m.frame_fn = mark(CodeFrame(m), "code_frame")
+            m.frame_fn = mark(CodeFrame(m, programmatic_launch), "code_frame")
             changed += 1
     return changed

@@ -47,6 +47,7 @@ def install_all(
     max_rows: int | None = 16,
     prefill: bool = True,
     fuse_gate: bool = False,
+    programmatic_launch: bool = False,
 ) -> dict[str, int]:
     """Install the `enabled` kernels (True: all of KERNELS, False: none) on `model`; modules patched per kernel.
 
@@ -56,7 +57,10 @@ def install_all(
     prompt is just more programs); False: they too stop at `max_rows`. fuse_gate: the router
     computes the gate logits itself (one launch) instead of taking them from the module's gate (two;
     ids then bit-equal to `SparseMoe.route`). Off by default: measured on an H200 (docs/performance.md),
-    the gate GEMM plus the kernel took 8.5 µs per Thinker layer, the kernel with the gate inside 25.8. Installing twice replaces the earlier hooks.
+    the gate GEMM plus the kernel took 8.5 µs per Thinker layer, the kernel with the gate inside 25.8.
+    programmatic_launch: the code frame's few-rows kernels as programmatic dependent launches, where the
+    card runs them (`EngineSettings.programmatic_launch` says why it is off by default). Installing twice
+    replaces the earlier hooks.
     """
     names = list(KERNELS) if enabled is True else [] if enabled is False else list(enabled)
     unknown = sorted(set(names) - set(KERNELS))
@@ -78,7 +82,7 @@ def install_all(
         elif name == "decode_attention":
             done[name] = install_decode_attention(model, max_rows)
         elif name == "code_frame":
-            done[name] = install_code_frame(model)
+            done[name] = install_code_frame(model, programmatic_launch=programmatic_launch)
         else:
             done[name] = install_snake(model)
     return done

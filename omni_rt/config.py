@@ -159,13 +159,13 @@ class EngineSettings(_Settings):
         (16, 32, 64, 128, 256, 512), description="padded prefill lengths captured (one graph each)"
     )
     prefill_graph_batches: int = Field(
-        1,
+        8,
         ge=1,
         le=256,
         description="batched prefills of up to this many requests that arrive together are graphed too: the "
-        "Thinker's prompts, the Talker's prompt prefixes and first positions (with frame 0); 1 (not yet "
-        "measured batched on a GPU): one graphed call per request, as a batch without a graph would run "
-        "eagerly",
+        "Thinker's prompts, the Talker's prompt prefixes and first positions (with frame 0); 1: one graphed "
+        "call per request (a batch without a graph would run eagerly). 8 at once on an H200: first audio "
+        "after 70 ms at 8, 295 ms at 1, single requests unchanged (docs/performance.md, 2026-12-02)",
     )
     prefill_launch_order: bool = Field(
         True,
@@ -197,6 +197,14 @@ class EngineSettings(_Settings):
         "and SnakeBeta (omni_rt.kernels.fused). None: on where the model runs on a CUDA device and Triton "
         "imports; True: on, an error where they cannot run; False: off (plain PyTorch)",
     )
+    programmatic_launch: bool = Field(
+        False,
+        description="launch the code-predictor frame's few-rows kernels as programmatic dependent launches "
+        "(sm_90+: each kernel's launch and weight loads overlap the previous kernel's tail; the frame at batch "
+        "1 took 1.82 ms with them, 2.05 without, on an H200). Off: with them on, the served benchmark stopped "
+        "in 3 of 4 fresh engines on 2026-12-02 with the GPU busy and every stage waiting on it, and until a "
+        "GPU run with it on serves as many fresh engines without a stop it stays off (docs/performance.md)",
+    )
     cpu_stage_threads: int | None = Field(
         1,
         ge=1,
@@ -209,6 +217,14 @@ class EngineSettings(_Settings):
     deterministic: bool = Field(
         False,
         description="run every sequence's step on its own (batch-invariant results) instead of batching",
+    )
+    stall_timeout_s: float | None = Field(
+        30.0,
+        gt=0.0,
+        description="a stage iteration (normally milliseconds) that has not returned after this long means "
+        "the device stopped: every response in flight ends with `engine_stalled`, new ones are refused, the "
+        "server's /health says so (503) and the threads' stacks go to stderr (pipeline/watchdog.py); None: "
+        "no watch",
     )
 
     @model_validator(mode="after")

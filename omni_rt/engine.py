@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from omni_rt.admission import Capacity, Slots, check_kv_ceiling, kv_bytes_per_slot, kv_cache_bytes
 from omni_rt.config import EngineSettings, Sampling, SessionSettings
-from omni_rt.errors import ConfigError, EngineClosedError, InvalidRequestError
+from omni_rt.errors import ConfigError, EngineClosedError, EngineStalledError, InvalidRequestError
 from omni_rt.model.config import PRESETS, OmniConfig, load_hf_config, preset
 from omni_rt.pipeline.request import Request
 from omni_rt.pipeline.scheduler import Pipeline
@@ -97,6 +97,7 @@ class KernelChoice(NamedTuple):
     moe_prefill: bool  # Triton MoE prefill kernel (rides with the decode kernel)
     fused: bool  # fused Triton kernels (RMSNorm, q/k norm + RoPE + cache, router, decode attention, ...)
     packed: bool  # packed projections (one GEMM for q/k/v and for gate/up; plain PyTorch)
+    programmatic_launch: bool = False  # the fused code frame's kernels as programmatic dependent launches
 
 
 def kernel_choice(settings: EngineSettings, device: Any) -> KernelChoice:
@@ -114,6 +115,7 @@ def kernel_choice(settings: EngineSettings, device: Any) -> KernelChoice:
         moe_prefill=moe and wanted(settings.moe_prefill_kernel, runs),
         fused=wanted(settings.fused_kernels, runs),
         packed=wanted(settings.packed_projections, device.type == "cuda"),
+        programmatic_launch=settings.programmatic_launch,
     )
     demanded = [
         name
@@ -155,7 +157,7 @@ def apply_kernels(omni: Any, settings: EngineSettings) -> KernelChoice:
         if choice.fused:
             from omni_rt.kernels import fused as fused_kernels
 
-            fused_kernels.install_all(omni)
+            fused_kernels.install_all(omni, programmatic_launch=choice.programmatic_launch)
         elif "omni_rt.kernels.fused" in sys.modules:  # never imported: nothing of it can be installed
             sys.modules["omni_rt.kernels.fused"].uninstall_all(omni)
         omni.fused_sampling = choice.fused  # the stage samplers read it (model/sampling.StageSampler)
@@ -326,6 +328,13 @@ class Engine:
     def pipeline(self) -> Pipeline | None:
         """The running pipeline (its `steps` and `yields` logs are what the benchmark reads)."""
         return self._pipeline
+
+    @property
+    def stall(self) -> EngineStalledError | None:
+        """Set when a stage call has not returned for `EngineSettings.stall_timeout_s`: the device stopped
+        making progress, every response in flight ended with this error and new ones are refused; the
+        process must be restarted (pipeline/watchdog.py). None while the engine is healthy."""
+        return self._pipeline.stall if self._pipeline is not None else None
 
     @property
     def speech_worker(self) -> Any:

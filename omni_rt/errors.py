@@ -43,3 +43,11 @@ class EngineClosedError(OmniRtError, RuntimeError):
 
 class StageError(OmniRtError, RuntimeError):
     """A pipeline stage failed while serving a request."""
+
+
+class EngineStalledError(OmniRtError, RuntimeError):
+    """A stage call has not returned for `EngineSettings.stall_timeout_s` (the device stopped making
+    progress): every response in flight ends with it, and new ones are refused, until the process is
+    restarted. Its code is `engine_stalled`."""
+
+    code = "engine_stalled"  # type: ignore[assignment]  # a class constant over the base's property

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from omni_rt.kernels import _triton, code_frame, fused  # noqa: E402
+from omni_rt.kernels import code_frame, fused  # noqa: E402
 from omni_rt.kernels import packed as packed_kernels  # noqa: E402
 from omni_rt.kernels import sample as sample_kernel  # noqa: E402
 
@@ -92,8 +92,7 @@ def set_variant(cp: CodePredictor, variant: str) -> None:
     packed_kernels.install_packed(host)
     fused.install_all(host, [k for k in fused.KERNELS if k != "code_frame"])
     if variant.startswith("code_frame"):
-        _triton.USE_PDL = variant == "code_frame"
-        fused.install_all(host, ["code_frame"])
+        fused.install_all(host, ["code_frame"], programmatic_launch=variant == "code_frame")
 
 
 @torch.no_grad()

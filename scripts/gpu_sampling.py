@@ -179,7 +179,9 @@ def main(argv=None) -> int:
     res["checks"]["4 starts together, graphed == eager: tokens"] = gb["tokens"] == eb["tokens"]
     res["checks"]["4 starts together, graphed == eager: frames"] = gb["frames"] == eb["frames"]
     alone = trace(thinker, talker, make_requests(engine, 4, omni_rt.Sampling()), 6)
-    same = [a == b for x, y in zip(gb["frames"], alone["frames"], strict=True) for a, b in zip(x, y, strict=True)]
+    same = [
+        a == b for x, y in zip(gb["frames"], alone["frames"], strict=True) for a, b in zip(x, y, strict=True)
+    ]
     res["checks"]["4 starts together == alone: frames (fraction)"] = sum(same) / len(same)
     res["checks"]["4 starts together == alone: first tokens"] = gb["tokens"][0] == alone["tokens"][0]
     # the fused sampler's draws against the plain path's on the device (the kernel runs on CUDA only)

@@ -427,11 +427,17 @@ def test_apply_kernels_installs_what_settings_ask_and_removes_the_rest(tiny_mode
     from omni_rt.engine import apply_kernels, kernel_choice
 
     cpu = torch.device("cpu")
-    assert kernel_choice(EngineSettings(), cpu) == (False, False, False, False)  # "auto": these need CUDA
+    assert kernel_choice(EngineSettings(), cpu) == (
+        False,
+        False,
+        False,
+        False,
+        False,
+    )  # "auto": these need CUDA
     demand = EngineSettings(moe_backend="triton", moe_prefill_kernel=True, fused_kernels=True)
-    assert kernel_choice(demand, cpu) == (True, True, True, False)
+    assert kernel_choice(demand, cpu) == (True, True, True, False, False)
     demand = EngineSettings(moe_backend="triton", fused_kernels=True, packed_projections=True)
-    assert kernel_choice(demand, cpu) == (True, False, True, True)
+    assert kernel_choice(demand, cpu) == (True, False, True, True, False)
 
     def installed():
         moe = [m.experts_fn is not None for m in tiny_model.modules() if hasattr(m, "experts_fn")]
@@ -445,6 +451,29 @@ def test_apply_kernels_installs_what_settings_ask_and_removes_the_rest(tiny_mode
         assert installed() == (True, False)
         apply_kernels(tiny_model, EngineSettings.all_off())
         assert installed() == (False, False)
+    finally:
+        apply_kernels(tiny_model, EngineSettings.all_off())
+
+
+def test_programmatic_launch_is_off_unless_asked_and_reaches_the_code_frame(tiny_model, monkeypatch):
+    # off by default (with it on, fresh engines stopped with the GPU busy: EngineSettings says why); asked
+    # for, the installed frame launches its kernels so wherever the card runs them (here: pretend it does)
+    from omni_rt.kernels import code_frame
+
+    from omni_rt.config import EngineSettings
+    from omni_rt.engine import apply_kernels
+    from omni_rt.model.talker import CodePredictor
+
+    monkeypatch.setattr(code_frame, "pdl_runs", lambda device: True)
+
+    def frames():
+        return [m.frame_fn for m in tiny_model.modules() if isinstance(m, CodePredictor)]
+
+    try:
+        apply_kernels(tiny_model, EngineSettings(fused_kernels=True))
+        assert frames() and all(not f.pdl and f.launch == {} for f in frames())
+        apply_kernels(tiny_model, EngineSettings(fused_kernels=True, programmatic_launch=True))
+        assert frames() and all(f.pdl and f.launch == {"launch_pdl": True} for f in frames())
     finally:
         apply_kernels(tiny_model, EngineSettings.all_off())
 

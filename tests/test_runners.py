@@ -183,9 +183,9 @@ def test_batched_padded_prefill_equals_one_at_a_time(model, graphed):
 
 
 def test_prompts_arriving_together_without_a_batched_graph_replay_the_single_graph_each(model, graphed):
-    # prefill_graph_batches=1 (the default): a batch of two has no graph; run eagerly it cost 125-178 ms
-    # on an H200 under load against 22 ms for each graphed prompt, and held every other conversation
-    s = EngineSettings(**SETTINGS)
+    # prefill_graph_batches=1: a batch of two has no graph; run eagerly it cost 125-178 ms on an H200
+    # under load against 22 ms for each graphed prompt, and held every other conversation
+    s = EngineSettings(**SETTINGS, prefill_graph_batches=1)
     g = ThinkerRunner(model, s)
     assert not any(k[0] == 2 for k in g._prefill_graphs)
     texts = ["Hi!", "What a fine day it is today."]
@@ -337,10 +337,14 @@ def test_responses_that_start_together_get_what_they_get_one_at_a_time(model, gr
 
 
 def test_only_the_batches_with_a_graph_share_a_call(model, graphed):
-    s = EngineSettings(**(SETTINGS | {"max_sessions": 3}))
+    s = EngineSettings(**(SETTINGS | {"max_sessions": 3}), prefill_graph_batches=1)
     reqs = [request(model, t, i) for i, t in enumerate(["Hi!", "Hello there.", "A fine day."])]
     runners = {
-        "graphs, batch 1 only (the GPU default)": (TalkerRunner(model, s), [[r] for r in reqs]),
+        "graphs, batch 1 only": (TalkerRunner(model, s), [[r] for r in reqs]),
+        "graphs up to 8 rows (the GPU default)": (
+            TalkerRunner(model, EngineSettings(**SETTINGS | {"max_sessions": 3})),
+            [reqs],
+        ),
         "eager": (TalkerRunner(model, s.model_copy(update={"cuda_graphs": False})), [reqs]),
         "deterministic": (
             TalkerRunner(model, s.model_copy(update={"cuda_graphs": False, "deterministic": True})),

@@ -95,9 +95,12 @@ class OmniReplica:
             self._changed.set()
 
     def check_health(self) -> None:
-        """Serve's health check: a replica whose engine stopped is restarted."""
+        """Serve's health check: a replica whose engine stopped, or whose device stopped making progress
+        (`Engine.stall`: only a new process recovers it), is restarted."""
         if not self.engine.running:
             raise RuntimeError(f"replica {self.replica_id}: the engine is not running")
+        if (stall := getattr(self.engine, "stall", None)) is not None:
+            raise RuntimeError(f"replica {self.replica_id}: {stall}")
 
     async def __del__(self) -> None:
         """Serve stops the replica (after draining): close what is left, then the engine."""

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_rt.config import EngineSettings
-from omni_rt.errors import EngineClosedError, OmniRtError, StageError
+from omni_rt.errors import EngineClosedError, EngineStalledError, OmniRtError, StageError
 from omni_rt.model.config import TokenIds
 from omni_rt.pipeline.code2wav import Code2WavLoop
 from omni_rt.pipeline.handoff import Admit, Stop
@@ -51,6 +51,7 @@ from omni_rt.pipeline.request import (
 from omni_rt.pipeline.stages import Code2WavStage, TalkerStage, ThinkerStage
 from omni_rt.pipeline.talker import TalkerLoop
 from omni_rt.pipeline.thinker import ThinkerLoop, YieldRecord  # noqa: F401 - the log's record type
+from omni_rt.pipeline.watchdog import StallWatch
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,9 @@ class Pipeline:
         self._text_waiting: set[Request] = set()  # held at max_text_lead until the Talker catches up
         self._stopping = False
         self.running = False
+        self.stall: EngineStalledError | None = None  # set once a stage call has not returned in time
+        t = settings.stall_timeout_s
+        self._watch = StallWatch(t, self._stalled, clock) if t is not None else None
         self.steps: list[StepRecord] = []  # bounded: see _log
         self.yields: list[YieldRecord] = []
 
@@ -112,6 +116,8 @@ class Pipeline:
         ]
         for t in self._threads:
             t.start()
+        if self._watch is not None:
+            self._watch.start()
         self.running = True
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -119,6 +125,8 @@ class Pipeline:
         if not self.running:
             return
         self._stopping = True
+        if self._watch is not None:
+            self._watch.stop()
         with self._frame0:
             self._frame0.notify_all()
         for inbox in (self.thinker_inbox, self.talker_inbox, self.code2wav_inbox):
@@ -129,12 +137,25 @@ class Pipeline:
         self.running = False
         # Whatever a stage never got to (still in an inbox, or held for hand-off) ends here: every
         # response gets its error and done, none hangs.
+        self._end_all(EngineClosedError("the engine stopped"))
+
+    def _end_all(self, exc: BaseException) -> None:
+        """End every response in flight with `exc` and its done, whatever stage holds it."""
         with self._lock:
             leftover = list(self._inflight)
         for req in leftover:
-            self._fail(req, EngineClosedError("the engine stopped"))
+            self._fail(req, exc)
             for stage in list(req.holders):
                 self._release(req, stage)
+
+    def _stalled(self, stage: str, seconds: float) -> None:
+        """The watch's verdict (`watchdog.py`): a stage call has not returned. Its thread is stuck inside
+        the device, so the responses are ended from here; a stage that comes back later finds them let go."""
+        self.stall = EngineStalledError(
+            f"the {stage} stage has not returned from its call for {seconds:.0f} s (the device stopped "
+            "making progress); restart the process"
+        )
+        self._end_all(self.stall)
 
     def _run(self, loop: Callable[[], None]) -> None:
         if self.thread_init is not None:
@@ -151,7 +172,11 @@ class Pipeline:
             while True:
                 msgs = inbox.take(block=not has_work(seqs))
                 try:
-                    iteration(msgs, seqs)
+                    if self._watch is None:
+                        iteration(msgs, seqs)
+                    else:
+                        with self._watch.busy(stage):
+                            iteration(msgs, seqs)
                 except Exception as e:
                     for state in list(seqs.values()):
                         self._fail(state.req, self._stage_error(stage, "loop", e))
@@ -162,6 +187,8 @@ class Pipeline:
                 let_go(state, seqs)
 
     def submit(self, req: Request) -> None:
+        if self.stall is not None:
+            raise EngineStalledError(str(self.stall))
         if not self.running or self._stopping:
             raise EngineClosedError("the engine is not running: use `async with engine:`")
         with self._lock:
@@ -188,6 +215,8 @@ class Pipeline:
         self._clear_frame0(req)
 
     def _post(self, req: Request, msg: Message) -> None:
+        if req.t_done is not None and not isinstance(msg, DoneOut):
+            return  # the response is over: a stage call that returns after a stall posts nothing more
         try:
             req.sink(msg)
         except Exception as e:  # the session is gone or cannot keep up: stop generating for it

@@ -238,8 +238,11 @@ class Server:
             }  # fmt: skip
             if (capacity := getattr(self.engine, "capacity", None)) is not None:  # the engine's own ceiling
                 health["engine"] = capacity.as_dict()
+            if (stall := getattr(self.engine, "stall", None)) is not None:  # the device stopped: restart
+                health.update(ok=False, error={"code": stall.code, "message": str(stall)})
             body = json.dumps(health)
-            return _response(HTTPStatus.OK, body.encode(), "application/json")
+            status = HTTPStatus.OK if health["ok"] else HTTPStatus.SERVICE_UNAVAILABLE
+            return _response(status, body.encode(), "application/json")
         if url.path == "/metrics" and hasattr(self.engine, "metrics"):  # a MeteredEngine (server/metrics.py)
             return _response(HTTPStatus.OK, *self.engine.metrics.exposition())
         return self._static(url.path)

@@ -1,0 +1,93 @@
+"""A device that stops making progress ends every response with `engine_stalled`, not silence."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from server_fakes import FakeEngine
+from test_pipeline_policy import IDS, request
+from test_server_static import http, req
+
+from omni_rt.config import EngineSettings
+from omni_rt.errors import EngineStalledError
+from omni_rt.pipeline.fake import FakeCode2Wav, FakeTalker, FakeThinker, FakeTimings
+from omni_rt.pipeline.request import AudioOut, DoneOut, ErrorOut
+from omni_rt.pipeline.scheduler import Pipeline
+from omni_rt.server import Server, ServerSettings
+
+
+class StoppingTalker(FakeTalker):
+    """A Talker whose device stops at its second step: the call blocks until `resume` is set (as a
+    read-back blocks inside CUDA while the GPU never finishes)."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.resume = threading.Event()
+        self.steps_taken = 0
+
+    def step(self, reqs, frames, text_ids):
+        self.steps_taken += 1
+        if self.steps_taken == 2:
+            self.resume.wait()
+        return super().step(reqs, frames, text_ids)
+
+
+def pipeline(talker, settings: EngineSettings, timings: FakeTimings) -> Pipeline:
+    p = Pipeline(FakeThinker(timings, IDS, reply_len=8), talker, FakeCode2Wav(timings), settings, IDS)
+    p.start()
+    return p
+
+
+def test_a_stage_call_that_never_returns_ends_every_response_with_engine_stalled(capfd):
+    t = FakeTimings()
+    talker = StoppingTalker(t, IDS)
+    p = pipeline(talker, EngineSettings(stall_timeout_s=0.3), t)
+    try:
+        reqs = [request(f"r{i}", slot=i) for i in range(2)]
+        for r, _ in reqs:
+            p.submit(r)
+        for _, sink in reqs:
+            assert sink.done.wait(10), "a response was left waiting on a stopped device"
+            (err,) = sink.of(ErrorOut)
+            assert isinstance(err.error, EngineStalledError) and err.error.code == "engine_stalled"
+            assert "talker" in str(err.error)
+            assert isinstance(sink.msgs[-1][1], DoneOut)  # the error, then its done: nothing after
+        assert isinstance(p.stall, EngineStalledError)
+        late, _ = request("late", slot=0)
+        with pytest.raises(EngineStalledError):  # refused at once, not queued behind the stopped stage
+            p.submit(late)
+        logged = capfd.readouterr().err
+        assert "the talker stage has not returned" in logged and "File " in logged  # the stacks
+        # the device comes back: the stage finds its responses let go and posts nothing more
+        before = [len(s.msgs) for _, s in reqs]
+        talker.resume.set()
+    finally:
+        talker.resume.set()
+        p.stop()
+    assert [len(s.msgs) for _, s in reqs] == before, [
+        s.msgs[b:] for (_, s), b in zip(reqs, before, strict=True)
+    ]
+
+
+def test_long_responses_of_quick_steps_are_no_stall():
+    # the watch times one stage iteration, not a response: 8 tokens of 0.1 s each outlast the timeout
+    t = FakeTimings(thinker_decode=0.1, talker_step=0.05)
+    p = pipeline(FakeTalker(t, IDS), EngineSettings(stall_timeout_s=0.4), t)
+    try:
+        r, sink = request("r0")
+        p.submit(r)
+        assert sink.done.wait(20)
+        assert not sink.of(ErrorOut) and sink.of(AudioOut) and p.stall is None
+    finally:
+        p.stop()
+
+
+async def test_health_says_503_with_the_stall():
+    engine = FakeEngine()
+    engine.stall = EngineStalledError("the talker stage has not returned from its call for 31 s")
+    async with Server(engine, ServerSettings(port=0)) as server:
+        status, _, body = await http(server.port, req("GET", b"/health"))
+    health = json.loads(body)
+    assert status == 503 and health["ok"] is False and health["error"]["code"] == "engine_stalled"

@@ -27,10 +27,7 @@ import argparse
 import asyncio
 import datetime as _dt
 import gc
-import json
-import os
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -40,6 +37,7 @@ from typing import Any
 import torch
 
 from omni_rt.bench_measure import Pass, Sample, bench_engine, chat_prompt, sampling_label, summarise
+from omni_rt.bench_output import commit_id, exit_if_stalled, format_table, plot, print_checks, save_json
 from omni_rt.bench_plan import (
     _greedy_name,
     _select_rows,
@@ -88,106 +86,7 @@ def _load_engine(args: argparse.Namespace, settings: Any, first: Any = None) -> 
 
 
 # ------------------------------------------------------------------------------------------------------
-# Output
-
-
-def _fmt(s: dict[str, float] | None, digits: int = 1) -> str:
-    if not s:
-        return "-"
-    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """The protocol rows; `yield->audio`: the fraction of the Thinker's yields that ended on first audio."""
-    head = (
-        f"{'row':42} {'sampling':>16} {'n':>3} {'TTFT ms':>22} {'TTFA ms':>22} {'text tok/s':>20} {'RTF':>20} "
-        f"{'thinker 1st':>11} {'talker 1st':>10} {'first PCM':>9} {'yield->audio':>12}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        if r.get("skipped"):
-            lines.append(f"{r['row']:42} skipped: {r['skipped']}")
-            continue
-        st = (r.get("median_request") or {}).get("stages") or {}
-
-        def ms(k: str, st: dict = st) -> str:
-            v = st.get(k)
-            return "-" if v is None else f"{v:.1f}"
-
-        frac = (r.get("thinker_yield") or {}).get("fraction_first_audio")
-        lines.append(
-            f"{r['row']:42} {r.get('sampling', '-'):>16} {r['requests']:>3} {_fmt(r['ttft_ms']):>22} "
-            f"{_fmt(r['ttfa_ms']):>22} {_fmt(r['text_tok_s']):>20} {_fmt(r['rtf'], 3):>20} "
-            f"{ms('thinker_first_token_ms'):>11} {ms('talker_first_code_ms'):>10} {ms('first_pcm_ms'):>9} "
-            f"{'-' if frac is None else f'{100 * frac:.0f} %':>12}"
-        )
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in rows if not r.get("skipped") and r.get("ttfa_ms")]
-    if not rows:
-        return
-    names = [r["row"] for r in rows]
-    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
-    for ax, (key, label, log) in zip(
-        axes.flat,
-        [
-            ("ttfa_ms", "TTFA, ms (median, min-max)", True),
-            ("ttft_ms", "TTFT, ms", True),
-            ("text_tok_s", "Thinker text tokens/s", False),
-            ("rtf", "RTF (lower is better)", True),
-        ],
-        strict=True,
-    ):
-        med = [(r[key] or {}).get("median", float("nan")) for r in rows]
-        lo = [m - (r[key] or {}).get("min", m) for m, r in zip(med, rows, strict=True)]
-        hi = [(r[key] or {}).get("max", m) - m for m, r in zip(med, rows, strict=True)]
-        ax.barh(range(len(rows)), med, xerr=[lo, hi], color="tab:blue", alpha=0.8)
-        ax.set_yticks(range(len(rows)), names, fontsize=8)
-        ax.invert_yaxis()
-        ax.set_title(label)
-        if log and all(m == m and m > 0 for m in med):
-            ax.set_xscale("log")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _commit() -> str:
-    """HEAD's short hash, "+dirty" when tracked files differ from it (a copied tree whose .git is stale
-    says so instead of naming a commit it does not run); OMNI_RT_COMMIT overrides."""
-    if os.environ.get("OMNI_RT_COMMIT"):
-        return os.environ["OMNI_RT_COMMIT"]
-
-    def git(*args: str) -> str:
-        out = subprocess.run(
-            ["git", *args], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
-        )
-        return out.stdout.strip()
-
-    try:
-        head = git("rev-parse", "--short", "HEAD")
-        if not head:
-            return "unknown"
-        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-    except Exception:  # noqa: BLE001 - no git (e.g. an installed wheel)
-        return "unknown"
-
-
-# ------------------------------------------------------------------------------------------------------
 # Entry point
-
-
-def _save(path: str, meta: dict[str, Any], rows: list[dict[str, Any]], load: list[dict[str, Any]]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({"meta": meta, "rows": rows, "load": load}, indent=1, default=str))
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -358,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     meta = {
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "commit": _commit(),
+        "commit": commit_id(),
         "device": torch.cuda.get_device_name()
         if args.device.startswith("cuda")
         else platform.processor() or "cpu",
@@ -388,9 +287,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.agreement:
             passes.append(Pass("greedy", greedy, timed=False))
         t_row = time.perf_counter()
-        results, conc = asyncio.run(
-            bench_engine(engine, prompts, args, passes, concurrency if idx >= timed else (), served)
-        )
+        try:
+            results, conc = asyncio.run(
+                bench_engine(engine, prompts, args, passes, concurrency if idx >= timed else (), served)
+            )
+        except Exception:
+            exit_if_stalled(engine, args.json, meta, rows + conc_rows, load_rows)
+            raise
         row_s = time.perf_counter() - t_row
         res, g = results["served"], results.get("greedy")
         new = [
@@ -422,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     aggregate_text_tok_s=agg, thinker_yield=y,
                 )
             )  # fmt: skip
-        _save(args.json, meta, rows + conc_rows, load_rows)  # partial results survive a run cut short
+        save_json(args.json, meta, rows + conc_rows, load_rows)  # partial results survive a run cut short
         if first is None:
             first = engine
     rows += conc_rows
@@ -474,10 +377,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"[bench] load {name}: engine ready in {time.perf_counter() - t_load:.1f} s", file=sys.stderr
             )
 
-            def saved(row: dict[str, Any], name: str = name) -> None:
+            def saved(row: dict[str, Any], name: str = name, engine: Any = engine) -> None:
                 row["variant"] = name
-                _save(args.json, meta, rows, load_rows + [row])
+                save_json(args.json, meta, rows, load_rows + [row])
                 load_rows.append(row)
+                exit_if_stalled(engine, args.json, meta, rows, load_rows)
 
             run_load(args, engine, saved)
             first = first or engine
@@ -515,10 +419,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if rows:
         print(format_table(rows))
-        _print_checks(rows, det)
+        print_checks(rows, det)
     if load_rows:
         print(format_load_table(load_rows))
-    _save(args.json, meta, rows, load_rows)
+    save_json(args.json, meta, rows, load_rows)
     title = f"omni-rt bench · {args.preset} · {meta['device']} · {meta['commit']}"
     try:
         if args.png and rows:
@@ -550,28 +454,6 @@ def _reference_row(args: argparse.Namespace, first: Any, prompts: list[list[int]
     if why:
         return {"row": name, "skipped": why}
     return summarise(name, samples, sampling="greedy (generate's own)")
-
-
-def _print_checks(rows: list[dict[str, Any]], det: dict[str, Any] | None) -> None:
-    agree = [
-        f"{r['row']}: {100 * r['greedy_text_agreement_vs_all_off']:.1f} %"
-        for r in rows
-        if r.get("greedy_text_agreement_vs_all_off") is not None
-    ]
-    if agree:
-        print("greedy text agreement with 'all off' (greedy passes): " + "; ".join(agree))
-    forced = [
-        f"{r['row']}: {100 * tf['agreement']:.1f} % (mismatches within {tf['max_mismatch_ulps']:.1f} ulp)"
-        for r in rows
-        if (tf := r.get("greedy_teacher_forced_agreement")) is not None
-    ]
-    if forced:
-        print("greedy next-token agreement with the plain path, per position: " + "; ".join(forced))
-    for label, d in (det or {}).items():
-        print(
-            f"deterministic mode (all on, {label}): {d['identical_runs']}/{d['runs']} runs bit-identical "
-            f"(2 alone, {d['alone_then_concurrent'][-1]} at once)"
-        )
 
 
 if __name__ == "__main__":

@@ -469,3 +469,27 @@ def test_set_overrides_parse_as_json_and_reject_unknown_settings():
     for bad in (["no_such_setting=1"], ["max_text_lead"]):
         with pytest.raises(SystemExit, match="KEY=VALUE"):
             parse_sets(bad)
+
+
+def test_a_stalled_engine_ends_the_run_with_what_was_measured(tmp_path, monkeypatch):
+    # a stage stuck inside the device would hold a normal exit (and the next row's engine) until the
+    # call's time limit: the run saves its rows with the stall and exits 3 at once
+    from omni_rt import bench_output
+    from omni_rt.errors import EngineStalledError
+
+    def exit_now(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(bench_output.os, "_exit", exit_now)
+    path = tmp_path / "b.json"
+    healthy = types.SimpleNamespace(stall=None)
+    bench_output.exit_if_stalled(healthy, str(path), {}, [{"row": "a"}], [])
+    assert not path.exists()  # nothing to do for an engine that is fine
+    stalled = types.SimpleNamespace(stall=EngineStalledError("the talker stage has not returned for 31 s"))
+    with pytest.raises(SystemExit) as stop:
+        bench_output.exit_if_stalled(
+            stalled, str(path), {"date": "d"}, [{"row": "a"}], [{"conversations": 8}]
+        )
+    saved = json.loads(path.read_text())
+    assert stop.value.code == 3 and "talker stage" in saved["meta"]["stall"]
+    assert saved["rows"] == [{"row": "a"}] and saved["load"] == [{"conversations": 8}]

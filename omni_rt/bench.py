@@ -383,7 +383,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 load_rows.append(row)
                 exit_if_stalled(engine, args.json, meta, rows, load_rows)
 
-            run_load(args, engine, saved)
+            try:
+                run_load(args, engine, saved)
+            except Exception:
+                exit_if_stalled(engine, args.json, meta, rows, load_rows)
+                raise
             first = first or engine
             if engine is not first:
                 del engine  # its caches and graphs go before the next variant's are built

@@ -91,3 +91,33 @@ async def test_health_says_503_with_the_stall():
         status, _, body = await http(server.port, req("GET", b"/health"))
     health = json.loads(body)
     assert status == 503 and health["ok"] is False and health["error"]["code"] == "engine_stalled"
+
+
+async def test_the_user_of_a_stalled_engine_gets_engine_stalled_and_no_hang():
+    # the real tiny engine; its Code2Wav call blocks from the second chunk on, as a read-back blocks in
+    # CUDA while the GPU never finishes: the response ends failed with engine_stalled, and so does the next
+    import omni_rt
+
+    engine = omni_rt.Engine.load("tiny", stall_timeout_s=0.5)
+    resume = threading.Event()
+    async with engine:
+        runner = engine.pipeline.code2wav
+        real, calls = runner.push_many, []
+
+        def stopping(reqs, frames):
+            calls.append(len(reqs))
+            if len(calls) == 2:
+                resume.wait()
+            return real(reqs, frames)
+
+        runner.push_many = stopping
+        try:
+            async with engine.session() as s:
+                events = [ev async for ev in s.respond("Hello there.", max_audio_frames=40)]
+                done = events[-1]
+                assert done.type == "response.done" and done.status == "failed"
+                assert done.error.code == "engine_stalled" and engine.stall is not None
+                again = [ev async for ev in s.respond("Are you there?")]
+                assert again[-1].type == "response.done" and again[-1].error.code == "engine_stalled"
+        finally:
+            resume.set()

@@ -219,12 +219,12 @@ class EngineSettings(_Settings):
         description="run every sequence's step on its own (batch-invariant results) instead of batching",
     )
     stall_timeout_s: float | None = Field(
-        30.0,
+        60.0,
         gt=0.0,
-        description="a stage iteration (normally milliseconds) that has not returned after this long means "
-        "the device stopped: every response in flight ends with `engine_stalled`, new ones are refused, the "
-        "server's /health says so (503) and the threads' stacks go to stderr (pipeline/watchdog.py); None: "
-        "no watch",
+        description="a stage iteration (milliseconds, or seconds where a first use compiles a kernel) that has "
+        "not returned after this long means the device stopped: every response in flight ends with "
+        "`engine_stalled`, new ones are refused, the server's /health says so (503) and the threads' stacks "
+        "go to stderr (pipeline/watchdog.py); None: no watch",
     )
 
     @model_validator(mode="after")

@@ -132,7 +132,7 @@ class Pipeline:
         for inbox in (self.thinker_inbox, self.talker_inbox, self.code2wav_inbox):
             inbox.close()
         for t in self._threads:
-            t.join(timeout)
+            t.join(timeout if self.stall is None else 1.0)  # a stalled stage never returns: do not wait
         self._threads = []
         self.running = False
         # Whatever a stage never got to (still in an inbox, or held for hand-off) ends here: every

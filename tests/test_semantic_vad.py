@@ -125,20 +125,44 @@ def test_a_400_ms_pause_mid_sentence_does_not_end_the_turn():
 
 @needs_espeak
 def test_where_the_model_is_unsure_of_a_pause_the_eagerness_decides():
-    # At "we went to the | store" Smart Turn v3.2 is unsure on espeak-ng's flat voice (about 0.57, just
-    # over medium's 0.5: at the default this pause would end the turn; measured 2 of 6 such sentences
-    # held at auto): "low" (0.7) gives the hesitating speaker time, "high" (0.3) answers at the pause.
+    # An answer between high's 0.3 and low's 0.7 at a real pause: "low" gives the hesitating speaker
+    # time, "high" answers at the pause. The answer is fixed here: which pauses Smart Turn v3.2 is unsure
+    # of depends on the CPU it runs on (its int8 kernels): at "we went to the | store" it said 0.57 on
+    # an AMD EPYC and 0.09 on an Intel Xeon (docs/turn-taking.md). The pauses are Silero's, on espeak-ng.
+    class Unsure(SemanticVad):
+        def __init__(self, cfg: SemanticVadConfig) -> None:
+            super().__init__(cfg)
+            self.asked: list[tuple[int, float]] = []
+
+        def load(self) -> None:
+            super().load()
+            self._turn_model = self.answer
+
+        def answer(self, audio: np.ndarray) -> float:
+            self.asked.append((self.elapsed_ms, 0.5))
+            return 0.5
+
     voice = speech('And then we went to the <break time="400ms"/> store to buy some bread.')
     end = 600 + ms(voice)
     clip = cat(silence(600), voice, silence(8500))
-    events, vad = run(clip, SemanticVadConfig(eagerness="low"))
-    assert [type(e) for e in events] == [SpeechStarted, SpeechStopped], (events, vad.asked)
-    assert len(vad.asked) == 2
-    assert vad.asked[0][0] < end - 1000 and EAGERNESS["high"][0] < vad.asked[0][1] < EAGERNESS["low"][0]
-    assert events[1].audio_end_ms > end
 
-    eager, eager_vad = run(clip, SemanticVadConfig(eagerness="high"))
-    assert eager_vad.asked[0] == vad.asked[0]  # the same answer, the other threshold
+    def run_unsure(eagerness: str):
+        vad = Unsure(SemanticVadConfig(eagerness=eagerness))
+        events = []
+        for i in range(0, len(clip), 320):
+            events += vad.push(clip[i : i + 320])
+        return events, vad
+
+    events, vad = run_unsure("low")
+    assert [type(e) for e in events] == [SpeechStarted, SpeechStopped], (events, vad.asked)
+    assert [p for _, p in vad.asked] == [0.5, 0.5]  # at the pause, then after the last word
+    assert vad.asked[0][0] < end - 1000
+    assert (
+        events[1].audio_end_ms - events[1].speech_end_ms == -(-EAGERNESS["low"][1] // 32) * 32
+    )  # low's wait
+
+    eager, eager_vad = run_unsure("high")
+    assert eager_vad.asked[0] == vad.asked[0]  # the same pause, the same answer, the other threshold
     assert eager[1].audio_end_ms == eager_vad.asked[0][0] < end - 1000
 
 

@@ -408,8 +408,7 @@ class TalkerRunner:
     @property
     def _batching(self) -> bool:
         """May responses that start together share a call? As the Thinker's prefills (`batch_starts`),
-        and not where graphs are on and only batch 1 has them (`prefill_graph_batches` 1: the GPU
-        default)."""
+        and not where graphs are on and only batch 1 has them (`prefill_graph_batches` 1)."""
         s = self.settings
         return s.batch_starts and (not self._last_graphs or s.prefill_graph_batches > 1)
 

@@ -121,3 +121,15 @@ async def test_the_user_of_a_stalled_engine_gets_engine_stalled_and_no_hang():
                 assert again[-1].type == "response.done" and again[-1].error.code == "engine_stalled"
         finally:
             resume.set()
+
+
+def test_a_stalled_replica_fails_its_health_check_so_serve_restarts_it():
+    import types
+
+    replica_mod = pytest.importorskip("omni_rt.cluster.replica")
+    check = replica_mod.OmniReplica.check_health  # on only what it reads: a replica needs Ray Serve
+    replica = types.SimpleNamespace(replica_id="r1", engine=types.SimpleNamespace(running=True, stall=None))
+    check(replica)  # healthy: no error
+    replica.engine.stall = EngineStalledError("the thinker stage has not returned from its call for 61 s")
+    with pytest.raises(RuntimeError, match="thinker stage has not returned"):
+        check(replica)

@@ -64,20 +64,14 @@ def _settings(base: dict[str, Any], overrides: dict[str, Any]) -> Any:
 
 
 def parse_sets(items: list[str]) -> dict[str, Any]:
-    """`--set KEY=VALUE` pairs as engine-setting overrides (VALUE as JSON, else a string); a clear error
-    for a malformed pair or a name that is no setting."""
-    from omni_rt.config import EngineSettings
+    """`--set KEY=VALUE` pairs as engine-setting overrides (`config.setting_overrides`); a malformed pair
+    or a name that is no setting ends the run with its message."""
+    from omni_rt.config import setting_overrides
 
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or key not in EngineSettings.model_fields:
-            raise SystemExit(f"--set {item!r}: expected KEY=VALUE with KEY an EngineSettings field")
-        try:
-            out[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key] = raw
-    return out
+    try:
+        return setting_overrides(items)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def parse_variants(

@@ -11,8 +11,10 @@ checkpoint's config.json or a preset).
 
 from __future__ import annotations
 
+import json
 import secrets
-from typing import Annotated, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -322,6 +324,23 @@ class EngineSettings(_Settings):
         lead = (self.playout_lead_ms or 0) / 80.0
         most = 1 + decoded * (rate - 1) + (lead - held) * rate
         return max((n for n in sizes if n <= most + 1e-9), default=sizes[0])
+
+
+def setting_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """`KEY=VALUE` pairs (a command line's `--set`) as EngineSettings overrides: VALUE read as JSON
+    (`urgent_text_lead=null`, `stall_timeout_s=20`), else as a string (`handoff=event`). A ValueError
+    names a malformed pair or a KEY that is no setting; the values are checked where the settings are
+    built."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or key not in EngineSettings.model_fields:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE with KEY an EngineSettings field")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
 
 
 class StageSampling(_Settings):

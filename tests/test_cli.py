@@ -1,5 +1,6 @@
 """`omni-rt say` as a new user runs it (a subprocess), and the lazy serve/bench dispatch."""
 
+import asyncio
 import subprocess
 import sys
 import types
@@ -161,3 +162,30 @@ def test_say_reports_an_unwritable_output_path(tmp_path, capsys):
     assert cli.say(["hi", "--out", str(tmp_path / "missing" / "x.wav"), "--max-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert "cannot write" in err and "x.wav" in err
+
+
+def test_serve_sets_engine_settings_and_checks_them_before_loading(monkeypatch):
+    # `--set KEY=VALUE` reaches Engine.load; a bad name or value is a usage error before any loading
+    from omni_rt.server import app
+
+    args = app.parse_args(
+        ["--set", "stall_timeout_s=20", "--set", "programmatic_launch=true", "--set", "handoff=event"]
+    )
+    assert args.engine_settings == {"stall_timeout_s": 20, "programmatic_launch": True, "handoff": "event"}
+    for bad in (["--set", "no_such=1"], ["--set", "stall_timeout_s=-1"], ["--set", "max_sessions=2"]):
+        with pytest.raises(SystemExit) as usage:
+            app.parse_args(bad)
+        assert usage.value.code == 2, bad
+    loaded = {}
+
+    class Stop(Exception):
+        pass
+
+    def load(model, **kw):
+        loaded.update(kw, model=model)
+        raise Stop  # what serve passes is all this test reads
+
+    monkeypatch.setattr("omni_rt.Engine.load", load)
+    with pytest.raises(Stop):
+        asyncio.run(app.serve_forever(app.parse_args(["--port", "0", "--set", "stall_timeout_s=20"])))
+    assert loaded["stall_timeout_s"] == 20 and loaded["max_sessions"] == 4 and loaded["model"] == "tiny"

@@ -59,8 +59,11 @@ def test_command_line_shares_serve_options_and_adds_the_cluster_ones():
     ours, s = parse_args(["--autoscale", "2,6", "--max-sessions", "5", "--port", "0", "--token", "t"])
     assert s.autoscale == (2, 6) and s.max_sessions == 5 and s.token == "t" and s.port == 0
     assert ours.address is None
-    _, fixed = parse_args(["--replicas", "3", "--model", "/m", "--num-gpus", "1"])
+    _, fixed = parse_args(
+        ["--replicas", "3", "--model", "/m", "--num-gpus", "1", "--set", "stall_timeout_s=20"]
+    )
     assert fixed.replicas == 3 and fixed.autoscale is None and fixed.gpus == 1
+    assert fixed.extra == {"stall_timeout_s": 20}  # serve's --set reaches every replica's Engine.load
     with pytest.raises(SystemExit):  # one or the other
         parse_args(["--replicas", "2", "--autoscale", "1,2"])
     with pytest.raises(SystemExit):

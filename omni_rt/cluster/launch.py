@@ -69,6 +69,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, ClusterS
             voice=shared.voice,
             max_audio_seconds=shared.max_audio_seconds,
             idle=shared.idle,
+            extra=shared.engine_settings,  # --set KEY=VALUE, for every replica's engine
         )
     except ValueError as exc:
         p.error(str(exc))

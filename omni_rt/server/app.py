@@ -32,6 +32,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.datastructures import Headers, MultipleValuesError
 from websockets.http11 import Request, Response
 
+from omni_rt.config import EngineSettings, setting_overrides
 from omni_rt.model.config import PRESETS, preset
 from omni_rt.server import protocol
 from omni_rt.server.http import BodyConnection
@@ -434,9 +435,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="what the audio track sends between replies (default: silence; nothing makes Chromium's "
         "jitter buffer grow when replies come less than ~3 s apart)",
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine setting (omni_rt.EngineSettings; VALUE as JSON), e.g. --set stall_timeout_s=20; "
+        "repeat for more",
+    )
     args = p.parse_args(argv)
     if args.max_sessions < 1:
         p.error("--max-sessions must be at least 1")
+    try:  # the values checked now, not after minutes of loading a checkpoint
+        args.engine_settings = setting_overrides(args.set)
+        if "max_sessions" in args.engine_settings:
+            p.error("--set max_sessions: use --max-sessions (the server admits as many as the engine)")
+        EngineSettings(max_sessions=args.max_sessions, **args.engine_settings)
+    except ValueError as exc:  # a pydantic ValidationError is one
+        p.error(str(exc))
     for origin in args.allow_origin:
         try:
             normalize_origin(origin)
@@ -479,7 +495,9 @@ async def serve_forever(args: argparse.Namespace) -> None:
     print(f"omni-rt: loading {args.model} ...", flush=True)
     try:
         # One engine slot per session the server admits.
-        engine = omni_rt.Engine.load(args.model, max_sessions=args.max_sessions, **load_kwargs)
+        engine = omni_rt.Engine.load(
+            args.model, max_sessions=args.max_sessions, **load_kwargs, **args.engine_settings
+        )
         _check_voice(engine.cfg, args.voice)
     except BaseException:
         sock.close()

@@ -52,11 +52,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--max-sessions", type=int, default=64, help="engine slots (the load protocol's: 64)")
     ap.add_argument("--out", default="request_profile")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    kw = dict(max_sessions=2, max_context=512, max_talker_context=512)
+    kw = dict(max_sessions=args.max_sessions, max_context=512, max_talker_context=512)
     engine = omni_rt.Engine.load(args.preset, random_weights=True, device=args.device, **kw)
     prompt = chat_prompt(20, 24, seed=0, ids=engine.cfg.ids)
 
@@ -96,8 +97,21 @@ def main(argv=None) -> int:
     for s in res["steps"]:
         stage[f"{s.stage}.{s.kind}"].append((s.t_end - s.t_start) * 1e3)
     stages = {k: {"count": len(v), "median_ms": sorted(v)[len(v) // 2]} for k, v in stage.items()}
+    # per request: does the Talker's prefix end before the Thinker's first token (the prefill's end)?
+    # If not, its last prompt position waits for it, and first audio with it (6.2 ms at the load
+    # protocol's level 1 on an H200, d6ed38d)
+    first: dict[str, dict[str, tuple[float, float]]] = defaultdict(dict)
+    for s in res["steps"]:
+        for rid in s.request_ids:
+            first[rid].setdefault(f"{s.stage}.{s.kind}", (s.t_start, s.t_end))
+    overrun = [
+        dict(request=rid, prefix_end_after_prefill_ms=(k["talker.prefix"][1] - k["thinker.prefill"][1]) * 1e3,
+             last_start_after_prefill_ms=(k["talker.last"][0] - k["thinker.prefill"][1]) * 1e3)
+        for rid, k in first.items() if {"talker.prefix", "thinker.prefill", "talker.last"} <= k.keys()
+    ]  # fmt: skip
     report = {"ttfa_ms": res["ttfa"], "warmup_ttfa_ms": res["warm"], "wall_s": res["wall"],
-              "runtime_calls": calls[:40], "per_thread": threads[:40], "stage_calls": stages}  # fmt: skip
+              "runtime_calls": calls[:40], "per_thread": threads[:40], "stage_calls": stages,
+              "prefix_vs_first_token": overrun}  # fmt: skip
     (out / "profile.json").write_text(json.dumps(report, indent=1))
     trace = out / "trace.json"
     prof.export_chrome_trace(str(trace))
@@ -108,6 +122,11 @@ def main(argv=None) -> int:
     print(f"{'stage call':24} {'n':>5} {'median ms':>10}")
     for k, v in sorted(stages.items()):
         print(f"{k:24} {v['count']:>5} {v['median_ms']:>10.2f}")
+    for o in overrun:
+        print(
+            f"{o['request']}: prefix ends {o['prefix_end_after_prefill_ms']:+.1f} ms after the first token, "
+            f"the last position starts {o['last_start_after_prefill_ms']:+.1f} ms after it"
+        )
     print(f"{'runtime call':36} {'n':>6} {'total ms':>9} {'max ms':>8}")
     for r in calls[:15]:
         print(f"{r['call'][:36]:36} {r['count']:>6} {r['total_ms']:>9.2f} {r['max_ms']:>8.2f}")

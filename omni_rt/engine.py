@@ -97,7 +97,7 @@ class KernelChoice(NamedTuple):
     moe_prefill: bool  # Triton MoE prefill kernel (rides with the decode kernel)
     fused: bool  # fused Triton kernels (RMSNorm, q/k norm + RoPE + cache, router, decode attention, ...)
     packed: bool  # packed projections (one GEMM for q/k/v and for gate/up; plain PyTorch)
-    programmatic_launch: bool = False  # the fused code frame's kernels as programmatic dependent launches
+    programmatic_launch: bool  # the fused code frame's kernels as programmatic dependent launches
 
 
 def kernel_choice(settings: EngineSettings, device: Any) -> KernelChoice:

@@ -38,8 +38,9 @@ class Recording(SemanticVad):
         return over
 
 
-def run(audio: np.ndarray, cfg: SemanticVadConfig | None = None, chunk: int = 320):
-    vad = Recording(cfg)
+def run(audio: np.ndarray, cfg: SemanticVadConfig | None = None, chunk: int = 320, detector=None):
+    """`audio` through a detector (`detector(cfg)`, a Recording by default) in `chunk`-sample pieces."""
+    vad = (detector or Recording)(cfg)
     events = []
     for i in range(0, len(audio), chunk):
         events += vad.push(audio[i : i + chunk])
@@ -146,14 +147,7 @@ def test_where_the_model_is_unsure_of_a_pause_the_eagerness_decides():
     end = 600 + ms(voice)
     clip = cat(silence(600), voice, silence(8500))
 
-    def run_unsure(eagerness: str):
-        vad = Unsure(SemanticVadConfig(eagerness=eagerness))
-        events = []
-        for i in range(0, len(clip), 320):
-            events += vad.push(clip[i : i + 320])
-        return events, vad
-
-    events, vad = run_unsure("low")
+    events, vad = run(clip, SemanticVadConfig(eagerness="low"), detector=Unsure)
     assert [type(e) for e in events] == [SpeechStarted, SpeechStopped], (events, vad.asked)
     assert [p for _, p in vad.asked] == [0.5, 0.5]  # at the pause, then after the last word
     assert vad.asked[0][0] < end - 1000
@@ -161,7 +155,7 @@ def test_where_the_model_is_unsure_of_a_pause_the_eagerness_decides():
         events[1].audio_end_ms - events[1].speech_end_ms == -(-EAGERNESS["low"][1] // 32) * 32
     )  # low's wait
 
-    eager, eager_vad = run_unsure("high")
+    eager, eager_vad = run(clip, SemanticVadConfig(eagerness="high"), detector=Unsure)
     assert eager_vad.asked[0] == vad.asked[0]  # the same pause, the same answer, the other threshold
     assert eager[1].audio_end_ms == eager_vad.asked[0][0] < end - 1000
 

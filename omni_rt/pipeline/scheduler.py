@@ -33,6 +33,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,11 +173,8 @@ class Pipeline:
             while True:
                 msgs = inbox.take(block=not has_work(seqs))
                 try:
-                    if self._watch is None:
+                    with self._watch.busy(stage) if self._watch is not None else nullcontext():
                         iteration(msgs, seqs)
-                    else:
-                        with self._watch.busy(stage):
-                            iteration(msgs, seqs)
                 except Exception as e:
                     for state in list(seqs.values()):
                         self._fail(state.req, self._stage_error(stage, "loop", e))

@@ -60,12 +60,16 @@ class Collector:
 
 
 def make(
-    settings: EngineSettings | None = None, timings: FakeTimings | None = None, reply_len: int = 8, **fail
+    settings: EngineSettings | None = None,
+    timings: FakeTimings | None = None,
+    reply_len: int = 8,
+    talker_stage: FakeTalker | None = None,
+    **fail,
 ):
     t = timings or FakeTimings()
     p = Pipeline(
         FakeThinker(t, IDS, reply_len=reply_len, fail_on=fail.get("thinker")),
-        FakeTalker(t, IDS, fail_on=fail.get("talker")),
+        talker_stage or FakeTalker(t, IDS, fail_on=fail.get("talker")),
         FakeCode2Wav(t, fail_on=fail.get("code2wav")),
         settings or EngineSettings(),
         IDS,

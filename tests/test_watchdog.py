@@ -7,14 +7,13 @@ import threading
 
 import pytest
 from server_fakes import FakeEngine
-from test_pipeline_policy import IDS, request
+from test_pipeline_policy import IDS, make, request
 from test_server_static import http, req
 
 from omni_rt.config import EngineSettings
 from omni_rt.errors import EngineStalledError
-from omni_rt.pipeline.fake import FakeCode2Wav, FakeTalker, FakeThinker, FakeTimings
+from omni_rt.pipeline.fake import FakeTalker, FakeTimings
 from omni_rt.pipeline.request import AudioOut, DoneOut, ErrorOut
-from omni_rt.pipeline.scheduler import Pipeline
 from omni_rt.server import Server, ServerSettings
 
 
@@ -34,16 +33,10 @@ class StoppingTalker(FakeTalker):
         return super().step(reqs, frames, text_ids)
 
 
-def pipeline(talker, settings: EngineSettings, timings: FakeTimings) -> Pipeline:
-    p = Pipeline(FakeThinker(timings, IDS, reply_len=8), talker, FakeCode2Wav(timings), settings, IDS)
-    p.start()
-    return p
-
-
 def test_a_stage_call_that_never_returns_ends_every_response_with_engine_stalled(capfd):
     t = FakeTimings()
     talker = StoppingTalker(t, IDS)
-    p = pipeline(talker, EngineSettings(stall_timeout_s=0.3), t)
+    p = make(EngineSettings(stall_timeout_s=0.3), t, talker_stage=talker)
     try:
         reqs = [request(f"r{i}", slot=i) for i in range(2)]
         for r, _ in reqs:
@@ -74,7 +67,7 @@ def test_a_stage_call_that_never_returns_ends_every_response_with_engine_stalled
 def test_long_responses_of_quick_steps_are_no_stall():
     # the watch times one stage iteration, not a response: 8 tokens of 0.1 s each outlast the timeout
     t = FakeTimings(thinker_decode=0.1, talker_step=0.05)
-    p = pipeline(FakeTalker(t, IDS), EngineSettings(stall_timeout_s=0.4), t)
+    p = make(EngineSettings(stall_timeout_s=0.4), t)
     try:
         r, sink = request("r0")
         p.submit(r)

@@ -583,9 +583,10 @@ def test_a_response_failed_during_its_last_chunk_gets_no_audio_done():
 def test_a_new_conversations_first_chunk_waits_for_one_chunk_not_for_anothers_backlog():
     # Code2Wav (30 ms a chunk, one frame each) is slower than A's frames (one per 10 ms Thinker step), so A
     # keeps a growing backlog of chunks. B arrives after A's third chunk: its first chunk must go next
-    # (it has no audio yet), at most the chunk decoding when its frame 0 came ahead of it.
+    # (it has no audio yet), at most the chunk decoding when its frame 0 came ahead of it. One chunk a call
+    # (batched, B's first chunk would share A's call: test_code2wav_batches_same_size_chunks_...).
     p = make(
-        EngineSettings(chunk_growth=False, first_chunk_frames=1, yield_to_talker_ms=0),
+        EngineSettings(chunk_growth=False, first_chunk_frames=1, yield_to_talker_ms=0, code2wav_batch=False),
         FakeTimings(thinker_decode=0.01, code2wav_chunk=0.03),
         reply_len=60,
     )

@@ -126,3 +126,18 @@ def test_a_stalled_replica_fails_its_health_check_so_serve_restarts_it():
     replica.engine.stall = EngineStalledError("the thinker stage has not returned from its call for 61 s")
     with pytest.raises(RuntimeError, match="thinker stage has not returned"):
         check(replica)
+
+
+def test_a_stall_report_names_the_native_frames_where_py_spy_can_attach():
+    # A Python stack ends at the torch call; the native frames say which CUDA call a thread waits in.
+    import shutil
+
+    from omni_rt.pipeline.watchdog import native_stacks
+
+    if shutil.which("py-spy") is None:
+        assert native_stacks() is None
+        pytest.skip("py-spy is not installed here")
+    out = native_stacks()
+    if "Permission" in out or "permission" in out:
+        pytest.skip(f"py-spy may not attach here: {out[-200:]}")
+    assert "native_stacks" in out and "libc" in out  # this very call, down to its native wait

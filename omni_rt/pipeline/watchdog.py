@@ -16,6 +16,9 @@ restarts it.
 from __future__ import annotations
 
 import faulthandler
+import os
+import shutil
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -75,9 +78,31 @@ class StallWatch:
 
 
 def dump_stacks(headline: str) -> None:
-    """Every thread's Python stack on stderr, under `headline` (what a hang report needs)."""
+    """Every thread's Python stack on stderr, under `headline` (what a hang report needs), then their
+    native stacks where py-spy is installed and may attach: a Python stack ends at the torch call, and
+    only the native frames say which CUDA call (or lock) a thread waits in."""
     try:
         print(headline + "; the threads' stacks follow", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        native = native_stacks()
+        if native:
+            print(native, file=sys.stderr, flush=True)
     except (OSError, ValueError, AttributeError):  # no usable stderr (a closed or replaced stream)
         pass
+
+
+def native_stacks(timeout_s: float = 30.0) -> str | None:
+    """`py-spy dump --native` of this process, or None without py-spy. A child tracing its parent needs
+    ptrace rights (root with CAP_SYS_PTRACE, or kernel.yama.ptrace_scope 0); where it has none, py-spy's
+    own error is what this returns."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return None
+    try:
+        done = subprocess.run(
+            [spy, "dump", "--native", "--pid", str(os.getpid())],
+            capture_output=True, text=True, timeout=timeout_s,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"py-spy dump failed: {e}"
+    return "native stacks (py-spy dump --native):\n" + done.stdout + done.stderr

@@ -6,6 +6,8 @@ device mismatch. Also: the Code2Wav first chunk (1 frame) replays its graph."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -131,3 +133,68 @@ def test_code2wav_first_chunk_replays_its_graph(monkeypatch):
     assert replays == [1, 2, 4]  # the first chunk (1 frame) replayed its graph
     for a, b in zip(out["eager"], out["graphed"], strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+class FakeStream:
+    """A pooled CUDA stream as PyTorch hands them out: `POOL` handles, round-robin."""
+
+    POOL, drawn = 4, 0
+
+    def __init__(self, device=None, priority=0):
+        self.device_index, self.cuda_stream = 0, 1000 + FakeStream.drawn % FakeStream.POOL
+        FakeStream.drawn += 1
+
+    def wait_stream(self, other):
+        pass
+
+
+def test_stage_streams_never_share_a_pooled_stream(monkeypatch):
+    # PyTorch's pool wraps after 32 streams; two stages on one stream would share the cuBLAS workspace
+    # their graphs were captured with (graphs.py), and their threads replay at once
+    from omni_rt.pipeline import stage_device
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(stage_device, "_stage_streams", type(stage_device._stage_streams)())
+    cuda = torch.device("cuda")
+    live = [stage_device.stage_stream(cuda, 0) for _ in range(3)]
+    for _ in range(5):  # other code draws from the pool meanwhile, so the next draw would collide
+        FakeStream()
+        s = stage_device.stage_stream(cuda, 0)
+        assert s.cuda_stream not in {x.cuda_stream for x in live}
+        del s  # a stage that is gone frees its stream for the next
+    live.append(stage_device.stage_stream(cuda, 0))
+    assert len({s.cuda_stream for s in live}) == 4
+    with pytest.raises(RuntimeError, match="no CUDA stream free"):
+        stage_device.stage_stream(cuda, 0)  # every pooled stream is a live stage's
+
+
+def test_a_runners_graphs_are_captured_on_its_pools_stream(monkeypatch):
+    # where the graph is captured keys its cuBLAS workspace: the runner's own stream, not a fresh one
+    seen = []
+
+    class Graph:
+        def replay(self):
+            pass
+
+    class Capture:
+        def __init__(self, graph, pool=None, stream=None):
+            seen.append(stream)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", Capture)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 1), raising=False)
+    own = FakeStream()
+    pool = graphs.GraphPool(own)
+    x = torch.zeros(2)
+    for _ in range(3):
+        graphs.Graphed(lambda t: t + 1, (x,), pool=pool)
+    assert seen == [own, own, own]

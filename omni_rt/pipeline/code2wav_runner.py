@@ -41,7 +41,7 @@ class Code2WavRunner:
 
     @torch.no_grad()
     def _capture_all(self, chunk_sizes: list[int]) -> None:
-        pool = GraphPool()
+        pool = GraphPool(self.stream)  # captured where they replay: graphs.py
         q = self.code2wav.cfg.num_quantizers
         for b in self._rows:
             work = self._work[b] = self.code2wav.new_state(b)

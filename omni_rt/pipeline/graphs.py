@@ -12,6 +12,15 @@ On the CPU, or with `enabled=False`, `capture` returns the eager function with t
 convention, so runners have one code path. Graphs of one runner share a memory pool (`GraphPool`), so
 buckets (batch sizes, Code2Wav chunk sizes) cost the memory of the largest, not of their sum.
 
+A runner's graphs are captured on the runner's own stream (`GraphPool.stream`, its stage stream), never
+on a stream that another stage's graphs were captured on. PyTorch keys cuBLAS's workspace by (handle,
+current stream), and a graph keeps the workspace address of its capture; our small-batch GEMMs are split-K
+kernels that keep partial sums and fix-up state there. Captured on fresh pooled streams (32 per
+priority, all from the loading thread), a Thinker graph and a Talker graph shared a workspace, and the
+two stage threads replayed them at once: on an H200 results came out wrong and the device stopped, every
+stage waiting on it (`scripts/gpu_graph_streams.py`; docs/performance.md, 2026-12-02 (evening)). Graphs
+of one runner replay one after another on its one stream, so sharing a workspace among them is safe.
+
 Capture runs `fn` `warmup` times eagerly on the static inputs first: a step that writes a KV cache
 writes there at the static inputs' positions and slots. Capture at engine start, before any sequence
 owns a slot (or point the static inputs at a scratch slot).
@@ -29,10 +38,12 @@ Tensors = Sequence[torch.Tensor]
 
 
 class GraphPool:
-    """A memory pool shared by the graphs captured through it (one per runner / stream)."""
+    """A memory pool shared by the graphs captured through it, and the stream they are captured on: one
+    per runner, `stream` the runner's stage stream (where they replay; see the module's docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stream: torch.cuda.Stream | None = None) -> None:
         self.handle = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+        self.stream = stream
 
 
 class Graphed:
@@ -51,6 +62,8 @@ class Graphed:
         self.fn = fn
         self.static_inputs = tuple(static_inputs)
         device = self.static_inputs[0].device
+        if stream is None and pool is not None:
+            stream = pool.stream
         side = torch.cuda.Stream(device=device) if stream is None else stream
         # Warm up on a side stream, as capture requires: lazy inits (cuBLAS handles, Triton compiles,
         # autotuning) must happen outside the graph.

@@ -106,7 +106,7 @@ class ThinkerRunner:
 
     @torch.no_grad()
     def _capture_all(self) -> None:
-        pool = GraphPool()
+        pool = GraphPool(self.stream)  # captured where they replay: graphs.py
         s = self.settings
         batches = [1] if s.deterministic else batch_buckets(s.max_sessions)
         max_len = self.cache.max_len
@@ -317,7 +317,7 @@ class TalkerRunner:
 
     @torch.no_grad()
     def _capture_all(self) -> None:
-        pool = GraphPool()
+        pool = GraphPool(self.stream)  # captured where they replay: graphs.py
         batches = [1] if self.settings.deterministic else batch_buckets(self.settings.max_sessions)
         groups = self.cfg.num_code_groups
         for b in batches:

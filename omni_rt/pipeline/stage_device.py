@@ -18,11 +18,26 @@ from omni_rt.pipeline.request import Request
 __all__ = ["LaunchGate", "host_ids", "kept", "row_groups", "stage_call", "stage_stream", "to_device"]
 
 
+_stage_streams: weakref.WeakValueDictionary[tuple[int, int], torch.cuda.Stream] = weakref.WeakValueDictionary()
+
+
 def stage_stream(device: torch.device, priority: int) -> torch.cuda.Stream | None:
     """A stage's own CUDA stream (None on the CPU). Every stage runs off the legacy default stream,
     which would serialise them; the Talker and Code2Wav get high priority, so that the Thinker's
-    weight streaming does not starve the small steps on the path to the first audio."""
-    return torch.cuda.Stream(device=device, priority=priority) if device.type == "cuda" else None
+    weight streaming does not starve the small steps on the path to the first audio.
+
+    Never a live stage's stream: PyTorch hands out streams from a pool of 32 per priority, and a stage's
+    graphs are captured on its stream, which keys their cuBLAS workspace (graphs.py): two stages on one
+    stream would share it while their threads replay at once."""
+    if device.type != "cuda":
+        return None
+    for _ in range(64):  # the pool is round-robin: a few draws pass any live stage's stream
+        stream = torch.cuda.Stream(device=device, priority=priority)
+        key = (stream.device_index, stream.cuda_stream)
+        if key not in _stage_streams:
+            _stage_streams[key] = stream
+            return stream
+    raise RuntimeError(f"no CUDA stream free of other stages on {device} (priority {priority})")
 
 
 def stage_call(fn):

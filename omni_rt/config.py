@@ -84,12 +84,14 @@ class EngineSettings(_Settings):
     first_chunk_frames: int = Field(1, ge=1, le=64, description="codec frames in the first Code2Wav chunk")
     chunk_growth: bool = Field(True, description="let the Code2Wav chunk grow, doubling (`chunk_plan_rate`)")
     max_chunk_frames: int = Field(16, ge=1, le=256, description="cap on a grown Code2Wav chunk")
-    code2wav_batch: bool = Field(
-        True,
+    code2wav_batch: bool | None = Field(
+        None,
         description="decode the next chunks of every response whose chunk has the size of the most urgent "
-        "one's in one batched call (each row exactly its own stream; one at a time in deterministic mode). "
-        "8 requests arriving at once on an H200: TTFA median 70.2 ms one chunk at a time, 50.9 ms batched, "
-        "with a single request's unchanged (30.7 / 31.0 ms; docs/performance.md, 2026-12-02 (second session))",
+        "one's in one batched call (each row its own stream, up to a batched kernel's float rounding: PCM "
+        "within one LSB; one at a time in deterministic mode). None: on where Engine.load puts the model on "
+        "a GPU (8 requests arriving at once on an H200: TTFA median 70.2 ms one chunk at a time, 50.9 ms "
+        "batched, a single request's unchanged, 30.7 / 31.0 ms; docs/performance.md), off on the CPU "
+        "(not measured there; one at a time, a response's PCM is the same alone or beside others)",
     )
     chunk_plan_rate: float | None = Field(
         None,
@@ -282,13 +284,15 @@ class EngineSettings(_Settings):
 
     def for_device(self, kind: str) -> EngineSettings:
         """These settings with the defaults that depend on the device (`chunk_plan_rate`,
-        `playout_lead_ms`) made concrete for a model on `kind` ("cpu", "cuda", ...)."""
+        `playout_lead_ms`, `code2wav_batch`) made concrete for a model on `kind` ("cpu", "cuda", ...)."""
         cpu = kind == "cpu"
         update: dict[str, object] = {}
         if self.chunk_plan_rate is None:
             update["chunk_plan_rate"] = 1.1 if cpu else 2.0
         if self.playout_lead_ms is None:
             update["playout_lead_ms"] = 100 if cpu else 0
+        if self.code2wav_batch is None:
+            update["code2wav_batch"] = not cpu
         return self.model_copy(update=update)
 
     @property
@@ -302,7 +306,7 @@ class EngineSettings(_Settings):
     def code2wav_batched(self) -> bool:
         """Do responses' same-size Code2Wav chunks share a call? `code2wav_batch`, except when
         deterministic (one at a time: batch-invariant)."""
-        return self.code2wav_batch and not self.deterministic
+        return bool(self.code2wav_batch) and not self.deterministic
 
     def chunk_size(self, decoded: int, held: float = 0.0) -> int:
         """Frames in a response's next Code2Wav chunk, after `decoded` frames of which `held` (in frames)

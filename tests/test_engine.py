@@ -30,9 +30,20 @@ class RecordingCode2Wav(Code2WavRunner):
 
     def push(self, req, frames):
         pcm = super().push(req, frames)
+        self._record(req, frames, pcm)
+        return pcm
+
+    def push_many(self, reqs, frames):  # with code2wav_batch, several responses' chunks in one call
+        if len(reqs) == 1:
+            return [self.push(reqs[0], frames[0])]
+        pcms = super().push_many(reqs, frames)
+        for req, f, pcm in zip(reqs, frames, pcms, strict=True):
+            self._record(req, f, pcm)
+        return pcms
+
+    def _record(self, req, frames, pcm):
         self.frames.setdefault(req.id, []).extend(frames)
         self.pcm.setdefault(req.id, []).append(pcm)
-        return pcm
 
 
 @pytest.fixture(scope="module")

@@ -107,6 +107,11 @@ def test_the_chunk_plan_doubles_only_when_the_frames_come_twice_as_fast_as_real_
             decoded += n
     # explicit settings are kept; no growth keeps the first size
     assert EngineSettings(chunk_plan_rate=2.0, playout_lead_ms=0).for_device("cpu").chunk_plan_rate == 2.0
+    # Code2Wav batches responses' chunks on a GPU (measured there), not on the CPU, unless asked
+    assert EngineSettings().for_device("cuda").code2wav_batched
+    assert not EngineSettings().for_device("cpu").code2wav_batched
+    assert EngineSettings(code2wav_batch=True).for_device("cpu").code2wav_batched
+    assert not EngineSettings(code2wav_batch=True, deterministic=True).for_device("cuda").code2wav_batched
     assert set(plan(EngineSettings.all_off().for_device("cpu"))) == {4}
 
 

@@ -18,7 +18,9 @@ from omni_rt.pipeline.request import Request
 __all__ = ["LaunchGate", "host_ids", "kept", "row_groups", "stage_call", "stage_stream", "to_device"]
 
 
-_stage_streams: weakref.WeakValueDictionary[tuple[int, int], torch.cuda.Stream] = weakref.WeakValueDictionary()
+_stage_streams: weakref.WeakValueDictionary[tuple[int, int], torch.cuda.Stream] = (
+    weakref.WeakValueDictionary()
+)
 
 
 def stage_stream(device: torch.device, priority: int) -> torch.cuda.Stream | None:

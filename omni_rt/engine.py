@@ -186,6 +186,12 @@ class Engine:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.settings = settings or EngineSettings()
+        kind = getattr(getattr(model, "device", None), "type", None)  # a torch.device's "cpu", "cuda"
+        if isinstance(kind, str):
+            # the defaults that depend on where the model runs, as Engine.load makes them (it needs them
+            # earlier, for the kernels): an Engine around an already built model (the bench's later
+            # rows and load variants) gets the same
+            self.settings = self.settings.for_device(kind)
         self.model = model
         self.name = name
         self._stages = stages

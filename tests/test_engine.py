@@ -514,6 +514,16 @@ def test_load_applies_overrides_over_given_settings():
     assert (e.settings.max_context, e.settings.max_sessions) == (64, 2)
 
 
+def test_an_engine_around_a_built_model_gets_the_device_defaults_load_gives(tiny):
+    # the bench's later rows wrap the first row's model: on a GPU they ran without Code2Wav batching,
+    # which only Engine.load turned on
+    wrapped = omni_rt.Engine(
+        tiny.cfg, tiny.tokenizer, lambda s: None, omni_rt.EngineSettings(), model=tiny.model
+    )
+    assert wrapped.settings == tiny.settings
+    assert (wrapped.settings.code2wav_batch, wrapped.settings.chunk_plan_rate) == (False, 1.1)  # the CPU's
+
+
 async def test_concurrent_start_and_stop_leave_one_pipeline_then_none(engine):
     # two start() calls racing (a lifespan hook and a lazy start) built two pipelines: one was orphaned,
     # its threads and caches never stopped

@@ -205,9 +205,9 @@ class EngineSettings(_Settings):
         False,
         description="launch the code-predictor frame's few-rows kernels as programmatic dependent launches "
         "(sm_90+: each kernel's launch and weight loads overlap the previous kernel's tail; the frame at batch "
-        "1 took 1.82 ms with them, 2.05 without, on an H200). Off: with them on, the served benchmark stopped "
-        "in 3 of 4 fresh engines on 2026-12-02 with the GPU busy and every stage waiting on it, and until a "
-        "GPU run with it on serves as many fresh engines without a stop it stays off (docs/performance.md)",
+        "1 took 1.82 ms with them, 2.05 without, on an H200). Off: first audio was no sooner with them (29.6 "
+        "vs 29.0 ms, 2026-12-02 (evening), docs/performance.md). The stops of 2026-12-02 first blamed on them "
+        "came without them too; their cause was a shared cuBLAS workspace (pipeline/graphs.py)",
     )
     cpu_stage_threads: int | None = Field(
         1,

@@ -2,7 +2,9 @@
 
 A stage iteration on the GPU takes milliseconds. When a device stops making progress (on 2026-12-02 an
 H200 stayed 100 % busy for minutes with every stage thread waiting on a read-back, docs/performance.md),
-the stage threads block inside CUDA and nothing in the process can take them out again. Without a
+the stage threads block inside CUDA and nothing in the process can take them out again. (Those stops'
+cause, two stages' graphs sharing cuBLAS's workspace, is fixed in graphs.py; the watch stays for whatever
+else stops a device: a driver fault, a kernel bug.) Without a
 watch, every session then waits forever: no audio, no error, a health check that still says ok.
 
 `StallWatch` keeps, per stage, when its current iteration began. A watch thread wakes a few times per

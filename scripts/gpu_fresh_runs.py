@@ -4,7 +4,7 @@
         --variants '{"served": {}, "lead off": {"urgent_text_lead": null}}' -- --load 32,64 --load-trace
     python scripts/gpu_fresh_runs.py --runs 2 --out /tmp/fr -- --preset tiny --device cpu --load 2 --load-seconds 3
 
-Why fresh processes: on 2026-12-02 four of eight bench processes on an H200 stopped (the GPU busy, every
+Why fresh processes: on 2026-12-02 5 of 13 bench processes on an H200 stopped (the GPU busy, every
 stage thread waiting on a read-back; docs/performance.md), with programmatic launches on and off, and a
 stopped device is not recoverable in-process. `bench --load-variants` in one process loses every variant
 after a stop; here a stop costs one run. Each run has a stall watch of `--stall-s` (the bench then exits 3,

@@ -2,7 +2,7 @@
 
     PYTHONUNBUFFERED=1 python scripts/gpu_graph_streams.py --out $OUT/graph_streams.json
 
-Why: four of eight fresh bench processes on an H200 stopped under load on 2026-12-02 with the Thinker and
+Why: 5 of 13 fresh bench processes on an H200 stopped under load on 2026-12-02, with the Thinker and
 the Talker threads both inside a read-back (`cuMemcpyDtoHAsync`, py-spy's native stacks) and the GPU
 busy. PyTorch keys cuBLAS's workspace by (handle, current stream); a graph keeps the workspace address it
 was captured with. `graphs.Graphed` captured every graph on a fresh `torch.cuda.Stream()`, which comes from

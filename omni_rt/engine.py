@@ -188,9 +188,9 @@ class Engine:
         self.settings = settings or EngineSettings()
         kind = getattr(getattr(model, "device", None), "type", None)  # a torch.device's "cpu", "cuda"
         if isinstance(kind, str):
-            # the defaults that depend on where the model runs, as Engine.load makes them (it needs them
-            # earlier, for the kernels): an Engine around an already built model (the bench's later
-            # rows and load variants) gets the same
+            # the defaults that depend on where the model runs (chunk plan, playout lead, Code2Wav
+            # batching), here for Engine.load's engines and for those around an already built model
+            # alike (the bench's later rows and load variants)
             self.settings = self.settings.for_device(kind)
         self.model = model
         self.name = name
@@ -259,7 +259,6 @@ class Engine:
         if kind == "cuda" and not torch.cuda.is_available():
             why = "this PyTorch was built without CUDA" if torch.version.cuda is None else "no GPU is visible"
             raise ConfigError(f"device {device!r}: CUDA is not available here ({why}); use device='cpu'")
-        settings = settings.for_device(kind)  # the chunk plan and playout lead of a CPU
         dtype = dtype or ("float32" if kind == "cpu" else "bfloat16")
         resolved = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype), None)
         if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:

@@ -21,6 +21,7 @@ about a bf16 ulp, as SDPA's own backends agree with each other.
 | "snake"     | `code2wav.SnakeBeta.forward`             | ~9 -> 1                                              |
 | "decode_attention" | sets `layers.Attention.attn_fn`   | 2 cache gathers + masked SDPA: 3-5 -> 1              |
 | "code_frame" | sets `talker.CodePredictor.frame_fn`   | a code-predictor frame: ~1,270 -> ~420 (code_frame.py) |
+| "code2wav"  | Code2Wav's attention, MLP, layers, blocks, convs | a streaming step: see code2wav_step.py's table |
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ from collections.abc import Collection
 
 import torch
 from omni_rt.kernels._common import FUSED_ATTR, require_triton
+from omni_rt.kernels.code2wav_step import install_code2wav
 from omni_rt.kernels.code_frame import install_code_frame
 from omni_rt.kernels.decode_attention import install_decode_attention
 from omni_rt.kernels.norm_rope import install_attention, install_rmsnorm
 from omni_rt.kernels.router import install_router
 from omni_rt.kernels.snake import install_snake
 
-KERNELS = ("rmsnorm", "attention", "router", "snake", "decode_attention", "code_frame")
-_PATCHED = ("forward", "route")  # instance attributes the hooks add (removed to undo)
+KERNELS = ("rmsnorm", "attention", "router", "snake", "decode_attention", "code_frame", "code2wav")
+_PATCHED = ("forward", "route", "step")  # instance attributes the hooks add (removed to undo)
 _SEAMS = ("qkv_fn", "attn_fn", "frame_fn")  # override points the model declares (reset to None to undo)
 
 
@@ -83,6 +85,8 @@ def install_all(
             done[name] = install_decode_attention(model, max_rows)
         elif name == "code_frame":
             done[name] = install_code_frame(model, programmatic_launch=programmatic_launch)
+        elif name == "code2wav":
+            done[name] = install_code2wav(model)
         else:
             done[name] = install_snake(model)
     return done

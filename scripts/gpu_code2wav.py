@@ -1,0 +1,248 @@
+"""Where a Code2Wav chunk's time goes at the real shapes: graphed step times per (rows, frames), the
+kernels of one step by name, and what `torch.compile` of the step would give.
+
+    PYTHONUNBUFFERED=1 python scripts/gpu_code2wav.py --out $OUT/gpu_code2wav.json
+
+Builds the `qwen3-omni-30b-a3b` Code2Wav alone (random bf16 weights), then for each set of fused kernels
+in `--variants` (default: "snake,rmsnorm" and "snake,rmsnorm,code2wav"):
+- graphed `Code2Wav.step` replays for rows 1, 4, 8, 16 and chunks of 1, 2, 4, 8, 16 frames (CUDA events,
+  median of 5 blocks of 10), and the largest difference of a 4-row 4-frame chunk from the first variant's;
+- one eager step under the profiler at (1 row, 1 frame), (1, 16) and (8, 16): kernels per step, and the
+  kernels' GPU time grouped by name (the top ones printed);
+- with `--compile`: the step through `torch.compile` (fresh state per shape), compile seconds, graphed
+  replay times, and the largest difference from the eager step's PCM;
+- with `--layouts`: each conv shape of the decoder alone, its input and weight as now ([B, C, T]
+  contiguous) against time-major ([B, T, C] contiguous, seen as [B, C, T]; weights likewise) and a 1x1
+  conv as a linear: kernels per call and graphed time.
+`--device cpu --preset tiny` checks the script's logic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from omni_rt.model.code2wav import Code2Wav  # noqa: E402
+from omni_rt.model.config import preset  # noqa: E402
+from omni_rt.model.weights import init_random  # noqa: E402
+from omni_rt.pipeline.graphs import capture  # noqa: E402
+
+
+def time_ms(fn, blocks=5, reps=10) -> float:
+    for _ in range(2):
+        fn()
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(blocks):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(reps):
+            fn()
+        e.record()
+        torch.cuda.synchronize()
+        out.append(s.elapsed_time(e) / reps)
+    return statistics.median(out)
+
+
+def graphed_step(c2w, step, rows, n, dev):
+    state = c2w.new_state(rows)
+    codes = torch.randint(0, c2w.cfg.codebook_size, (rows, c2w.cfg.num_quantizers, n), device=dev)
+    g = capture(lambda c: step(c, state), (codes,)) if dev.type == "cuda" else (lambda c: step(c, state))
+    return lambda: g(codes), state, codes
+
+
+def profile_step(c2w, rows, n, dev) -> dict:
+    state = c2w.new_state(rows)
+    codes = torch.randint(0, c2w.cfg.codebook_size, (rows, c2w.cfg.num_quantizers, n), device=dev)
+    c2w.step(codes, state)
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if dev.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=acts) as prof:
+        c2w.step(codes, state)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    n_kernels = 0
+    for ev in prof.events():
+        if dev.type == "cuda" and ev.device_type == torch.autograd.DeviceType.CUDA:
+            n_kernels += 1
+            rec = by_name[ev.name[:90]]
+            rec[0] += 1
+            rec[1] += ev.device_time / 1e3  # ms
+    total = sum(r[1] for r in by_name.values())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:14]
+    return dict(
+        rows=rows, frames=n, kernels=n_kernels, kernel_ms=total,
+        top=[dict(name=k, count=v[0], ms=v[1]) for k, v in top],
+    )  # fmt: skip
+
+
+def kernels_of(fn, dev) -> int:
+    if dev.type != "cuda":
+        return 0
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def layouts(c2w, dev, res) -> None:
+    """Each causal / transposed conv of the decoder at its real input length for (rows, frames)."""
+    from omni_rt.model.code2wav import CausalConv1d, CausalTransConv1d
+
+    F = torch.nn.functional
+    rate = {}  # module -> input samples per frame
+    r = 4  # after the upsampler
+    for block in c2w.decoder[1:-2]:
+        rate[block.block[1]] = r
+        r *= block.block[1].stride
+        for unit in block.block[2:]:
+            rate[unit.conv1] = rate[unit.conv2] = r
+    rate[c2w.decoder[0]], rate[c2w.decoder[-1]] = 4, r
+    res["layouts"] = []
+    for rows, n in ((1, 1), (1, 16), (8, 16)):
+        tot = collections.Counter()
+        for mod, spf in rate.items():
+            cv = mod.conv
+            T = spf * n + getattr(mod, "context", 0)
+            x = torch.randn(rows, cv.in_channels, T, device=dev, dtype=cv.weight.dtype)
+            xt = x.transpose(1, 2).contiguous().transpose(1, 2)
+            wt = cv.weight.detach().transpose(1, 2).contiguous().transpose(1, 2)
+            if isinstance(mod, CausalTransConv1d):
+                now = lambda x=x, cv=cv: F.conv_transpose1d(x, cv.weight, cv.bias, stride=cv.stride)  # noqa: E731
+                tm = lambda xt=xt, wt=wt, cv=cv: F.conv_transpose1d(xt, wt, cv.bias, stride=cv.stride)  # noqa: E731
+            else:
+                now = lambda x=x, cv=cv: F.conv1d(x, cv.weight, cv.bias, dilation=cv.dilation)  # noqa: E731
+                tm = lambda xt=xt, wt=wt, cv=cv: F.conv1d(xt, wt, cv.bias, dilation=cv.dilation)  # noqa: E731
+            variants = {"now": now, "time-major": tm}
+            if cv.kernel_size[0] == 1:
+                w2 = cv.weight.detach()[:, :, 0].contiguous()
+                xl = x.transpose(1, 2).contiguous()
+                variants["linear"] = lambda xl=xl, w2=w2, cv=cv: F.linear(xl, w2, cv.bias)
+            if cv.out_channels == 1:
+                w8 = torch.zeros(8, cv.in_channels, cv.kernel_size[0], device=dev, dtype=cv.weight.dtype)
+                w8[:1] = cv.weight.detach()
+                w8t = w8.transpose(1, 2).contiguous().transpose(1, 2)
+                variants["cout 8, time-major"] = lambda xt=xt, w8t=w8t: F.conv1d(xt, w8t)
+            row = dict(rows=rows, frames=n, conv=f"{cv.in_channels}->{cv.out_channels} k{cv.kernel_size[0]} "
+                       f"d{cv.dilation[0]} s{cv.stride[0]} T{T}")  # fmt: skip
+            for name, fn in variants.items():
+                k = kernels_of(fn, dev)
+                g = capture(lambda _x, fn=fn: fn(), (x,)) if dev.type == "cuda" else (lambda _x, fn=fn: fn())
+                ms = time_ms(lambda g=g, x=x: g(x), blocks=3, reps=20)
+                row[name] = dict(kernels=k, ms=ms)
+                if name in ("now", "time-major"):
+                    tot[name + " ms"] += ms
+                    tot[name + " kernels"] += k
+            res["layouts"].append(row)
+            print(row)
+        print(f"rows {rows} frames {n}: totals {dict(tot)}")
+        res["layouts"].append(dict(rows=rows, frames=n, totals=dict(tot)))
+
+
+@torch.no_grad()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen3-omni-30b-a3b")
+    ap.add_argument("--out", default="gpu_code2wav.json")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--dynamic", action="store_true", help="compile once for every shape")
+    ap.add_argument("--layouts", action="store_true")
+    ap.add_argument("--skip-graphed", action="store_true")
+    ap.add_argument("--variants", default="snake,rmsnorm;snake,rmsnorm,code2wav",
+                    help="fused kernel sets, ';' between sets")  # fmt: skip
+    ap.add_argument("--rows", default="1,4,8,16")
+    ap.add_argument("--frames", default="1,2,4,8,16")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cfg = preset(args.preset).code2wav
+    c2w = Code2Wav(cfg).to(dev, dtype).eval().requires_grad_(False)
+    init_random(c2w, seed=0)
+    res: dict = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+                 "torch": torch.__version__, "graphed": [], "profile": [], "compiled": []}  # fmt: skip
+    rows_list = [int(x) for x in args.rows.split(",")]
+    frames_list = [int(x) for x in args.frames.split(",")]
+    variants = [v.split(",") for v in args.variants.split(";")] if dev.type == "cuda" else [[]]
+    first_wav = None
+    for names in [] if args.skip_graphed else variants:
+        from omni_rt.kernels import fused
+
+        fused.uninstall_all(c2w)
+        if names:
+            fused.install_all(c2w, enabled=set(names))
+        label = "+".join(names) or "plain"
+        torch.manual_seed(1)
+        fn, _, _ = graphed_step(c2w, c2w.step, 4, 4, dev)
+        wav = fn().clone()
+        diff = 0.0 if first_wav is None else float((wav.float() - first_wav.float()).abs().max())
+        first_wav = wav if first_wav is None else first_wav
+        print(f"\n[{label}] 4x4 chunk: max difference from the first variant {diff:.3e}")
+        res.setdefault("diff", {})[label] = diff
+        for rows in rows_list:
+            for n in frames_list:
+                fn, _, _ = graphed_step(c2w, c2w.step, rows, n, dev)
+                ms = time_ms(fn)
+                res["graphed"].append(dict(variant=label, rows=rows, frames=n, ms=ms))
+                print(f"[{label}] graphed rows {rows:2} frames {n:2}: {ms:7.3f} ms  ({ms / (rows * n):.3f} ms/frame)")
+        for rows, n in ((1, 1), (1, 16), (8, 16)):
+            p = profile_step(c2w, rows, n, dev)
+            p["variant"] = label
+            res["profile"].append(p)
+            print(f"[{label}] profile rows {rows} frames {n}: {p['kernels']} kernels, {p['kernel_ms']:.3f} ms")
+            for t in p["top"][:8]:
+                print(f"  {t['count']:4} x {t['ms']:7.3f} ms  {t['name']}")
+    if args.layouts:
+        layouts(c2w, dev, res)
+    if args.compile:
+        plain = Code2Wav(cfg).to(dev, dtype).eval().requires_grad_(False)  # Inductor cannot trace our kernels
+        init_random(plain, seed=0)
+        cstep = torch.compile(plain.step, dynamic=args.dynamic)
+        for rows, n in ((1, 1), (1, 4), (1, 16), (8, 1), (8, 16)):
+            try:
+                st_e, st_c = c2w.new_state(rows), c2w.new_state(rows)
+                codes = torch.randint(0, cfg.codebook_size, (rows, cfg.num_quantizers, n), device=dev)
+                t0 = time.perf_counter()
+                got = cstep(codes, st_c).clone()
+                comp_s = time.perf_counter() - t0
+                ref = plain.step(codes, st_e)
+                diff = float((got.float() - ref.float()).abs().max())
+                fn, _, _ = graphed_step(plain, cstep, rows, n, dev)
+                ms = time_ms(fn)
+                res["compiled"].append(dict(rows=rows, frames=n, compile_s=comp_s, ms=ms, max_diff=diff))
+                print(f"compiled rows {rows} frames {n}: compile {comp_s:.1f} s, graphed {ms:.3f} ms, diff {diff:.2e}")
+            except Exception as e:  # noqa: BLE001 - report and go on
+                res["compiled"].append(dict(rows=rows, frames=n, error=repr(e)[:300]))
+                print(f"compiled rows {rows} frames {n}: FAILED {e!r}"[:400])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print("\n| variant | rows | " + " | ".join(f"{n} fr" for n in frames_list) + " |")
+    for label in dict.fromkeys(r["variant"] for r in res["graphed"]):
+        for rows in rows_list:
+            cells = [f"{r['ms']:.2f}" for r in res["graphed"] if r["rows"] == rows and r["variant"] == label]
+            print(f"| {label} | {rows} | " + " | ".join(cells) + " |")
+    for p in res["profile"]:
+        print(f"| {p['variant']} | kernels at ({p['rows']}, {p['frames']}) | {p['kernels']} | {p['kernel_ms']:.3f} ms |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -519,6 +519,32 @@ def test_code2wav_chunks_of_several_responses_in_one_call_are_each_its_own_strea
         )
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_chunk_size_without_a_graph_decodes_as_graphed_pieces(model, graphed, rows):
+    # a reply's last chunk can have any size: with graphs (sizes 1, 2, 4, 8, 16) a 7-frame chunk is the
+    # 4-, 2- and 1-frame graphs replayed in turn, not the eager step, and each stream's PCM is what its
+    # own stream decodes
+    from omni_rt.model.code2wav import Code2WavStream
+
+    s = EngineSettings(max_sessions=4, code2wav_batch=True, cuda_graphs=True)
+    runner = runners.Code2WavRunner(model, s)
+    gen = torch.Generator().manual_seed(5)
+    q, vocab = model.cfg.code2wav.num_quantizers, model.cfg.code2wav.codebook_size
+    codes = lambda n: torch.randint(0, vocab, (n, q), generator=gen).tolist()  # noqa: E731
+    reqs = [request(model, "Hi", slot=k) for k in range(rows)]
+    alone = [Code2WavStream(model.code2wav) for _ in reqs]
+    frames = [codes(7) for _ in reqs]
+    for r in reqs:
+        runner.open(r)
+    got = runner.push_many(reqs, frames)
+    bucket = 1 if rows == 1 else 4
+    assert [runner._graphs[(bucket, n)].replays for n in (1, 2, 4, 8)] == [1, 1, 1, 0]
+    for pcm, stream, f in zip(got, alone, frames, strict=True):
+        want = stream.push(torch.tensor(f).T).numpy()
+        assert len(pcm) == 7 * 1920 - 555
+        torch.testing.assert_close(torch.from_numpy(pcm), torch.from_numpy(want), rtol=0, atol=1e-6)
+
+
 def test_a_cut_spoken_turn_reaches_the_next_talker_prompt_through_carried_hidden(model):
     """A spoken turn whose reply was cut before the Talker prefilled it: the next (text) turn's Talker
     prompt must read that turn's audio positions from the Thinker's hidden states carried over, exactly

@@ -3,11 +3,9 @@
 Plain Python, as the rest of the scheduler (`scheduler.py` wires this loop to its inbox and shares its
 helpers: posting to the session, failing and releasing a request, the step log). Chunks follow the
 planned sizes (1, 2, 4, ... frames as `EngineSettings.chunk_size` plans them), or go early when the audio would run
-dry first (`pacing.chunk_to_decode`); at the end, the remainder. One chunk at a time, to the response whose
-audio runs dry first (`pacing.audio_urgency`): with many conversations, a new one's first chunk or one
-about to run dry never waits behind the chunks of those that are ahead; with `code2wav_batch` every other
-response with a chunk of that size ready goes in the same call. A request's end (`AudioDoneOut`)
-comes after its last PCM, and only if nothing stopped it meanwhile.
+dry first (`pacing.chunk_to_decode`); at the end, the remainder. Which chunks a call decodes:
+`chunk_batch`. A request's end (`AudioDoneOut`) comes after its last PCM, and only if nothing stopped it
+meanwhile.
 """
 
 from __future__ import annotations
@@ -23,6 +21,24 @@ from omni_rt.pipeline.request import AudioDoneOut, AudioOut, Request
 
 if TYPE_CHECKING:
     from omni_rt.pipeline.scheduler import Pipeline
+
+
+def chunk_batch(ready: list[tuple[AudioSeq, int]], batched: bool) -> tuple[list[AudioSeq], int]:
+    """The responses one Code2Wav call decodes and the frames each gets, from (response, frames due).
+
+    One at a time (not `batched`): the response whose audio runs dry first (`pacing.audio_urgency`), its
+    chunk as due; with many conversations a new one's first chunk, or one about to run dry, never waits
+    behind the chunks of those that are ahead. Batched (`code2wav_batch`): every response with a chunk due,
+    each the smallest due size. A call costs nearly the same for 1 row as for 16 (an H200 at the real shapes:
+    1.58 against 2.45 ms for 1-frame chunks, docs/performance.md 2026-12-03), and the plan's sizes differ
+    from response to response, so equal sizes alone rarely met: at 64 conversations Code2Wav was saturated
+    with one to three rows a call. A response cut to a smaller chunk keeps the rest queued for the next
+    call; its audio only comes sooner."""
+    if batched:
+        n = min(m for _, m in ready)
+        return [a for a, _ in ready], n
+    a, n = min(ready, key=lambda an: audio_urgency(an[0].req, an[0].t_first_frame or 0.0))
+    return [a], n
 
 
 @dataclass(eq=False)
@@ -83,10 +99,7 @@ class Code2WavLoop:
         ready = [(a, n) for a in seqs.values() if (n := self._chunk_now(a))]
         if not ready:
             return
-        a, n = min(ready, key=lambda an: audio_urgency(an[0].req, an[0].t_first_frame or 0.0))
-        batch = [a]
-        if self.p.settings.code2wav_batched:
-            batch += [b for b, m in ready if m == n and b is not a]  # they ride along: one call's cost
+        batch, n = chunk_batch(ready, self.p.settings.code2wav_batched)
         _, failed = self.p._shared_call(batch, lambda b: self._decode_chunks(b, n))
         for b, err in failed:
             self.p._fail(b.req, self.p._stage_error("code2wav", "decode", err))

@@ -209,6 +209,12 @@ class EngineSettings(_Settings):
         "vs 29.0 ms, 2026-12-02 (evening), docs/performance.md). The stops of 2026-12-02 first blamed on them "
         "came without them too; their cause was a shared cuBLAS workspace (pipeline/graphs.py)",
     )
+    fused_code2wav: bool = Field(
+        True,
+        description="with fused_kernels, Code2Wav's streaming step in fused kernels too (kernels/code2wav_step.py: "
+        "619 -> 411 launches, a 1-frame chunk 2.05 -> 1.58 ms on an H200); False keeps only its SnakeBeta and "
+        "RMSNorm fused, for comparison",
+    )
     cpu_stage_threads: int | None = Field(
         1,
         ge=1,

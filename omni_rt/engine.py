@@ -157,7 +157,9 @@ def apply_kernels(omni: Any, settings: EngineSettings) -> KernelChoice:
         if choice.fused:
             from omni_rt.kernels import fused as fused_kernels
 
-            fused_kernels.install_all(omni, programmatic_launch=choice.programmatic_launch)
+            names = [k for k in fused_kernels.KERNELS if k != "code2wav" or settings.fused_code2wav]
+            fused_kernels.uninstall_all(omni)  # none left from an engine of other settings sharing the model
+            fused_kernels.install_all(omni, names, programmatic_launch=choice.programmatic_launch)
         elif "omni_rt.kernels.fused" in sys.modules:  # never imported: nothing of it can be installed
             sys.modules["omni_rt.kernels.fused"].uninstall_all(omni)
         omni.fused_sampling = choice.fused  # the stage samplers read it (model/sampling.StageSampler)

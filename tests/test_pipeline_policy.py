@@ -375,55 +375,6 @@ def test_code2wav_batches_same_size_chunks_of_conversations_and_each_gets_its_ow
     assert (not batched) if deterministic else batched, steps(p, "code2wav", "chunk")
 
 
-def test_code2wav_batches_chunks_of_different_sizes_each_the_smallest_due(monkeypatch):
-    # A is well into its reply (its due chunks are 4 frames and more) when B's first frame comes: B's
-    # 1-frame chunk and A's frames share a call, A cut to 1 frame, and each conversation's PCM is what it
-    # gets alone (equal sizes alone would never meet here: A's plan never comes back to 1)
-    from omni_rt.pipeline.fake import FakeCode2Wav
-
-    calls: list[tuple[dict[str, int], list[int]]] = []  # (frames decoded per request before, this call's)
-    decoded: dict[str, int] = {}
-    plain = FakeCode2Wav.push_many
-
-    def recording(self, reqs, frames):
-        calls.append(({r.id: decoded.get(r.id, 0) for r in reqs}, [len(f) for f in frames]))
-        for r, f in zip(reqs, frames, strict=True):
-            decoded[r.id] = decoded.get(r.id, 0) + len(f)
-        return plain(self, reqs, frames)
-
-    monkeypatch.setattr(FakeCode2Wav, "push_many", recording)
-    s = EngineSettings(code2wav_batch=True, yield_to_talker_ms=0)
-    # Code2Wav (40 ms a call) far slower than the frames (2 ms): A always has a planned chunk waiting
-    t = FakeTimings(thinker_decode=0.001, talker_step=0.001, predict=0.001, code2wav_chunk=0.04)
-    pcm = lambda sink: np.concatenate([a.pcm for a in sink.of(AudioOut)]).tolist()  # noqa: E731
-    alone = []
-    for rid in ("a", "b"):
-        p = make(s, t, reply_len=80)
-        try:
-            r = request(rid, max_audio_frames=64)
-            run(p, r)
-            alone.append(pcm(r[1]))
-        finally:
-            p.stop()
-    calls.clear()
-    decoded.clear()
-    p = make(s, t, reply_len=80)
-    try:
-        a, b = request("a", max_audio_frames=64), request("b", slot=1, max_audio_frames=64)
-        p.submit(a[0])
-        deadline = time.monotonic() + 10
-        while decoded.get("a", 0) < 8 and time.monotonic() < deadline:  # A's plan is past its small chunks
-            time.sleep(0.001)
-        p.submit(b[0])
-        assert a[1].done.wait(20) and b[1].done.wait(20)
-    finally:
-        p.stop()
-    assert [pcm(a[1]), pcm(b[1])] == alone
-    shared = [(before, sizes) for before, sizes in calls if before.keys() == {"a", "b"}]
-    assert any(before["b"] == 0 and before["a"] >= 8 for before, _ in shared), calls
-    assert all(len(set(sizes)) == 1 for _, sizes in shared)  # one size a call: the graphs' shapes
-
-
 def test_a_batched_code2wav_call_that_fails_is_retried_alone_and_fails_only_its_request():
     # B's chunks fail wherever they are decoded; A's chunks share B's calls (same sizes, both waiting on
     # a slow Code2Wav): the failed batched call is tried again a response at a time, so A plays all of

@@ -26,19 +26,19 @@ if TYPE_CHECKING:
 def chunk_batch(ready: list[tuple[AudioSeq, int]], batched: bool) -> tuple[list[AudioSeq], int]:
     """The responses one Code2Wav call decodes and the frames each gets, from (response, frames due).
 
-    One at a time (not `batched`): the response whose audio runs dry first (`pacing.audio_urgency`), its
-    chunk as due; with many conversations a new one's first chunk, or one about to run dry, never waits
-    behind the chunks of those that are ahead. Batched (`code2wav_batch`): every response with a chunk due,
-    each the smallest due size. A call costs nearly the same for 1 row as for 16 (an H200 at the real shapes:
-    1.58 against 2.45 ms for 1-frame chunks, docs/performance.md 2026-12-03), and the plan's sizes differ
-    from response to response, so equal sizes alone rarely met: at 64 conversations Code2Wav was saturated
-    with one to three rows a call. A response cut to a smaller chunk keeps the rest queued for the next
-    call; its audio only comes sooner."""
-    if batched:
-        n = min(m for _, m in ready)
-        return [a for a, _ in ready], n
+    The response whose audio runs dry first (`pacing.audio_urgency`), its chunk as due: with many
+    conversations a new one's first chunk, or one about to run dry, never waits behind the chunks of those
+    that are ahead. With `code2wav_batch`, every other response with a chunk of that size due rides along
+    (one call's cost: on an H200 a 1-frame chunk of 1 row takes 1.58 ms, of 16 rows 2.45 ms).
+
+    Why not every due chunk, each cut to the smallest due size: measured at 64 conversations (2026-12-03,
+    docs/performance.md) that took 6.4 rows a call instead of 1-3, but whenever a conversation started, the
+    others were cut to 1-frame chunks, which each wait for a frame to come and for their call; more replies
+    ran late for longer (lateness p50 472 ms against 257-297 with this rule)."""
     a, n = min(ready, key=lambda an: audio_urgency(an[0].req, an[0].t_first_frame or 0.0))
-    return [a], n
+    if not batched:
+        return [a], n
+    return [a] + [b for b, m in ready if m == n and b is not a], n
 
 
 @dataclass(eq=False)

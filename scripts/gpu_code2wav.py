@@ -36,25 +36,13 @@ from omni_rt.model.config import preset  # noqa: E402
 from omni_rt.model.weights import init_random  # noqa: E402
 from omni_rt.pipeline.graphs import capture  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_stages import time_fn  # noqa: E402
+
 
 def time_ms(fn, blocks=5, reps=10) -> float:
-    for _ in range(2):
-        fn()
-    if not torch.cuda.is_available():
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(blocks):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(reps):
-            fn()
-        e.record()
-        torch.cuda.synchronize()
-        out.append(s.elapsed_time(e) / reps)
-    return statistics.median(out)
+    """`gpu_stages.time_fn`'s median of blocks of replays between CUDA events, in ms."""
+    return time_fn(fn, blocks=blocks, reps=reps)
 
 
 def graphed_step(c2w, step, rows, n, dev):

@@ -1,0 +1,100 @@
+"""What a load level's timeline says (`omni-rt bench --load N --load-trace`): each stage's calls, and for
+every late reply whether its audio was late because the frame was not made in time (the Talker) or because
+it was made in time and decoded late (Code2Wav).
+
+    python scripts/load_trace.py docs/img/bench-2026-12-03-b4ecec0-h200.json.gz --level 64
+
+Per stage and kind (Thinker decode, Talker step and predict, Code2Wav chunk): calls, rows a call, call
+time p50 / mean (host step records), and busy (the calls' summed time over the level's span). Then the late
+replies (lateness > 20 ms, `bench_load.LATE_MS`), each classified at its first late delta as
+`playback_lateness` defines it: the frame that delta starts with (`(samples before + shortfall) // 1920`)
+was made (its `talker.predict` record ended) after the delta was due, or before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from omni_rt.bench_load import LATE_MS  # noqa: E402
+
+RATE, SAMPLES_PER_FRAME, SHORTFALL = 24000, 1920, 555  # the real Code2Wav's (model/code2wav.py)
+STAGES = (("thinker", "decode"), ("talker", "step"), ("talker", "predict"), ("code2wav", "chunk"))
+
+
+def first_late_delta(arrivals: list, rate: int = RATE) -> tuple[float, int, float] | None:
+    """(arrival, samples before it, due time) of the first delta later than LATE_MS; None if none is."""
+    t_first, played = arrivals[0][0], 0
+    for t, n in arrivals:
+        due = t_first + played / rate
+        if (t - due) * 1e3 > LATE_MS:
+            return t, played, due
+        played += n
+    return None
+
+
+def why_late(response: dict, frames_made: list[float]) -> str | None:
+    """"frame late" (made after its audio was due), "decode late" (made in time), None (not late)."""
+    late = first_late_delta(response["arrivals"])
+    if late is None:
+        return None
+    _, played, due = late
+    k = (played + SHORTFALL) // SAMPLES_PER_FRAME  # the first frame of the late delta's chunk
+    if k >= len(frames_made):
+        return "no frame record"
+    return "frame late" if frames_made[k] > due else "decode late"
+
+
+def analyse(level: dict) -> dict:
+    steps, responses = level["trace"]["steps"], level["trace"]["responses"]
+    span = max(s[3] for s in steps) - min(s[2] for s in steps)
+    stages = {}
+    for stage, kind in STAGES:
+        calls = [s for s in steps if s[0] == stage and s[1] == kind]
+        if not calls:
+            continue
+        ms = [(s[3] - s[2]) * 1e3 for s in calls]
+        stages[f"{stage}.{kind}"] = dict(
+            calls=len(calls), rows=statistics.mean(len(s[4]) for s in calls), p50_ms=statistics.median(ms),
+            mean_ms=statistics.mean(ms), busy=sum(ms) / 1e3 / span,
+        )  # fmt: skip
+    made = collections.defaultdict(list)  # response index -> end of each of its frames' predict call
+    for stage, kind, _, t_end, ids in steps:
+        if stage == "talker" and kind == "predict":
+            for i in ids:
+                made[i].append(t_end)
+    why = collections.Counter(why_late(r, made.get(i, [])) for i, r in enumerate(responses))
+    why.pop(None, None)
+    return dict(conversations=level["conversations"], late=level["late_replies"], stages=stages, why_late=dict(why))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bench_json", help="the bench's JSON (.json or .json.gz) of a run with --load-trace")
+    ap.add_argument("--level", type=int, action="append", help="conversations (default: every traced level)")
+    args = ap.parse_args(argv)
+    opener = gzip.open if args.bench_json.endswith(".gz") else open
+    with opener(args.bench_json, "rt") as f:
+        data = json.load(f)
+    levels = [lv for lv in data["load"] if lv.get("trace") and (not args.level or lv["conversations"] in args.level)]
+    if not levels:
+        print("no traced level (run the bench with --load-trace)", file=sys.stderr)
+        return 1
+    for lv in levels:
+        a = analyse(lv)
+        print(f"\n{a['conversations']} conversations: {a['late']} late replies; why: {a['why_late']}")
+        for name, s in a["stages"].items():
+            print(f"  {name:18} {s['calls']:5} calls, {s['rows']:5.1f} rows, {s['p50_ms']:5.1f} / "
+                  f"{s['mean_ms']:5.1f} ms p50 / mean, busy {s['busy']:.2f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

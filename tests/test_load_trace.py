@@ -1,0 +1,44 @@
+"""scripts/load_trace.py: which stage made a late reply late, from a traced load level."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import load_trace as lt  # noqa: E402
+
+
+def test_a_late_delta_is_blamed_on_the_frame_or_on_its_decode():
+    # first chunk 1365 samples (57 ms) at 1.0 s; the next 1-frame chunk is due at 1.057 s but comes at
+    # 1.2 s: its frame (frame 1) was made at 1.03 s (decode late) or at 1.15 s (frame late)
+    reply = {"arrivals": [[1.0, 1365], [1.2, 1920], [1.28, 1920]]}
+    assert lt.first_late_delta(reply["arrivals"]) == (1.2, 1365, 1.0 + 1365 / 24000)
+    assert lt.why_late(reply, [0.99, 1.03, 1.1]) == "decode late"
+    assert lt.why_late(reply, [0.99, 1.15, 1.2]) == "frame late"
+    on_time = {"arrivals": [[1.0, 1365], [1.05, 1920], [1.12, 1920]]}
+    assert lt.why_late(on_time, [0.99, 1.03, 1.1]) is None
+    # within LATE_MS (20 ms) of due is not late
+    assert lt.first_late_delta([[1.0, 1365], [1.0569 + 0.019, 1920]]) is None
+
+
+def test_analyse_counts_stage_calls_and_the_late_replies():
+    level = {
+        "conversations": 2,
+        "late_replies": 1,
+        "trace": {
+            "responses": [
+                {"arrivals": [[1.0, 1365], [1.2, 1920]]},
+                {"arrivals": [[1.0, 1365], [1.05, 1920]]},
+            ],
+            "steps": [
+                ["talker", "predict", 0.9, 0.99, [0, 1]],
+                ["talker", "predict", 1.0, 1.03, [0, 1]],
+                ["code2wav", "chunk", 0.99, 1.0, [0, 1]],
+                ["code2wav", "chunk", 1.03, 1.2, [0]],
+            ],
+        },
+    }
+    a = lt.analyse(level)
+    assert a["why_late"] == {"decode late": 1}
+    assert a["stages"]["code2wav.chunk"]["calls"] == 2 and a["stages"]["code2wav.chunk"]["rows"] == 1.5
+    assert abs(a["stages"]["talker.predict"]["busy"] - (0.09 + 0.03) / 0.3) < 1e-9

@@ -61,9 +61,9 @@ class Code2WavRunner:
         rows, n = codes.shape[0], codes.shape[-1]
         b = next((r for r in self._rows if r >= rows), None)
         graph = self._graphs.get((b, n))
-        if graph is None and (sizes := [m for m in self._sizes if m < n]):
+        if graph is None and b is not None and (sizes := [m for m in self._sizes if m < n]):
             # a size without a graph (a reply's last chunk): graphed pieces one after another, the PCM
-            # exactly the chunk's as streaming is exact (eager, the step is ~15x a replay at real shapes);
+            # exactly the chunk's as streaming is exact (eager, a step took ~10x a replay at real shapes);
             # each piece copied out of its graph's output buffer before the next replay
             m = sizes[-1]
             head = self._decode(codes[..., :m], states).clone()

@@ -94,10 +94,10 @@ class Code2WavRunner:
             return [self.push(reqs[0], frames[0])]
         codes = to_device(frames, self.device).transpose(1, 2)  # [B, 16, n]
         streams = [self._streams[r.slot] for r in reqs]
-        # a copy: a graph's output buffer is the next replay's
-        wav = self._decode(codes, [s.state for s in streams])[:, 0].to(torch.float32, copy=True)
-        pcm = [s.take(0, wav[i], codes.shape[-1]) for i, s in enumerate(streams)]
-        return [x.cpu().numpy() for x in pcm]
+        # one copy to the host for all rows (not one read-back each), out of the graph's output buffer,
+        # which the next replay overwrites
+        wav = self._decode(codes, [s.state for s in streams])[:, 0].float().to("cpu", copy=True)
+        return [s.take(0, wav[i], codes.shape[-1]).numpy() for i, s in enumerate(streams)]
 
     @stage_call
     def flush(self, req: Request) -> np.ndarray:

@@ -7,6 +7,6 @@
 - `packed`: one GEMM for q/k/v and for a dense MLP's gate/up, weights packed in place (plain PyTorch).
 - `norm_rope`, `router`, `snake`, `decode_attention`: fused decode kernels (Triton) for RMSNorm, q/k norm +
   RoPE + KV-cache write, the MoE router, Code2Wav's SnakeBeta and attention over the slot cache, each
-  beside the model code it equals; `fused.install_all(model)` patches a model with all of them from
+  beside the model code it equals; `code2wav_step`: Code2Wav's streaming step in fewer launches; `fused.install_all(model)` patches a model with all of them from
   outside (`fused.uninstall_all` undoes it). Shared: `_common` (no Triton), `_triton` (rounding, math).
 """

@@ -6,7 +6,8 @@ kernels of one step by name, and what `torch.compile` of the step would give.
 Builds the `qwen3-omni-30b-a3b` Code2Wav alone (random bf16 weights), then for each set of fused kernels
 in `--variants` (default: "snake,rmsnorm" and "snake,rmsnorm,code2wav"):
 - graphed `Code2Wav.step` replays for rows 1, 4, 8, 16 and chunks of 1, 2, 4, 8, 16 frames (CUDA events,
-  median of 5 blocks of 10), and the largest difference of a 4-row 4-frame chunk from the first variant's;
+  median of 5 blocks of 10), and the largest difference from the first variant's PCM of a 2-row stream of
+  graphed chunks of several sizes (`STREAM_CHUNKS`), restarted midway;
 - one eager step under the profiler at (1 row, 1 frame), (1, 16) and (8, 16): kernels per step, and the
   kernels' GPU time grouped by name (the top ones printed);
 - with `--compile`: the step through `torch.compile` (fresh state per shape), compile seconds, graphed
@@ -50,6 +51,29 @@ def graphed_step(c2w, step, rows, n, dev):
     codes = torch.randint(0, c2w.cfg.codebook_size, (rows, c2w.cfg.num_quantizers, n), device=dev)
     g = capture(lambda c: step(c, state), (codes,)) if dev.type == "cuda" else (lambda c: step(c, state))
     return lambda: g(codes), state, codes
+
+
+STREAM_CHUNKS = (1, 2, 4, 3, 1, 8, 16)  # 3: a size without a graph (graphed pieces in the runner)
+
+
+def stream_pcm(c2w, dev) -> torch.Tensor:
+    """A 2-row stream through graphed steps (one graph per size, sharing one state), restarted before its
+    5th chunk: every step's context and ring updates feed the next, so a wrong update shows in the PCM."""
+    torch.manual_seed(1)
+    state = c2w.new_state(2)
+    codes = torch.randint(0, c2w.cfg.codebook_size, (2, c2w.cfg.num_quantizers, sum(STREAM_CHUNKS)), device=dev)
+    step = lambda c: c2w.step(c, state)  # noqa: E731
+    graphs_by_size = {
+        n: capture(step, (codes[..., :n].clone(),)) if dev.type == "cuda" else step for n in set(STREAM_CHUNKS)
+    }
+    state.reset()  # capturing ran steps on it
+    out, t = [], 0
+    for i, n in enumerate(STREAM_CHUNKS):
+        if i == 4:
+            state.reset()
+        out.append(graphs_by_size[n](codes[..., t : t + n]).clone())
+        t += n
+    return torch.cat(out, dim=-1)
 
 
 def profile_step(c2w, rows, n, dev) -> dict:
@@ -178,12 +202,11 @@ def main(argv=None) -> int:
         if names:
             fused.install_all(c2w, enabled=set(names))
         label = "+".join(names) or "plain"
-        torch.manual_seed(1)
-        fn, _, _ = graphed_step(c2w, c2w.step, 4, 4, dev)
-        wav = fn().clone()
+        wav = stream_pcm(c2w, dev)
         diff = 0.0 if first_wav is None else float((wav.float() - first_wav.float()).abs().max())
         first_wav = wav if first_wav is None else first_wav
-        print(f"\n[{label}] 4x4 chunk: max difference from the first variant {diff:.3e}")
+        print(f"\n[{label}] a 2-row stream of chunks {STREAM_CHUNKS} (restarted at the 5th), graphed: max "
+              f"difference from the first variant {diff:.3e} (peak {float(wav.abs().max()):.3f})")  # fmt: skip
         res.setdefault("diff", {})[label] = diff
         for rows in rows_list:
             for n in frames_list:

@@ -25,8 +25,8 @@ GEMMs (`packed.pack_linears`) sum in cuBLAS's order for the packed shape, which 
 an ulp, as `packed.install_packed` does for the Thinker. In fp32 a product and a sum may be contracted
 into one FMA on the GPU (an fp32 ulp).
 
-The hooks patch module instances (`forward` of the attention, MLP and transformer layers, `step` of the
-decoder blocks and the convs that look back), and each falls back to the plain code for inputs it does
+The hooks fill the attention's `qkv_fn` seam and patch module instances (`forward` of the MLP and
+transformer layers, `step` of the decoder blocks and the convs that look back), and each falls back to the plain code for inputs it does
 not cover. Offline `Code2Wav.forward` keeps the plain path except where it shares a patched `forward`.
 """
 
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from omni_rt.kernels._common import FLOATS, mark, next_pow2, require_triton, rnd
 from omni_rt.kernels.moe_decode import triton_cdiv
-from omni_rt.kernels.packed import pack_linears
+from omni_rt.kernels.packed import pack_linears, packed_mlp_forward
 
 from omni_rt.model import code2wav as c2w
 
@@ -290,40 +290,20 @@ def _covers(*ts: torch.Tensor) -> bool:
     return all(t.dtype == ts[0].dtype and t.dtype in FLOATS and not t.requires_grad for t in ts)
 
 
-def _attention_forward(attn: c2w.Attention):
+def _attention_qkv(attn: c2w.Attention):
     packed = pack_linears(attn, ("q_proj", "k_proj", "v_proj"))
     sizes = [attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.v_proj.weight.shape[0]]
-    plain = c2w.Attention.forward.__get__(attn)
 
-    def forward(x, cos, sin, mask, past=None):
+    def qkv(attn, x, cos, sin):
         D = attn.head_dim
         if D % 2 or D & (D - 1) or not _covers(x, cos, sin, packed) or cos.dim() != 3:
-            return plain(x, cos, sin, mask, past)
+            return c2w.Attention.qkv(attn, x, cos, sin)
         B, T, _ = x.shape
         q, k, v = F.linear(x, packed).split(sizes, dim=-1)  # one GEMM, three row-strided views
         q, k = rope_qk(q, k, cos, sin, attn.n_heads, attn.n_kv)
-        v = v.view(B, T, attn.n_kv, D).transpose(1, 2)
-        keys, values = k, v
-        if past is not None:
-            keys, values = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        if attn.n_kv != attn.n_heads:
-            keys = keys.repeat_interleave(attn.n_heads // attn.n_kv, dim=1)
-            values = values.repeat_interleave(attn.n_heads // attn.n_kv, dim=1)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hq, T, D]
-        return attn.o_proj(o.transpose(1, 2).reshape(B, T, -1)), k, v
+        return q, k, v.view(B, T, attn.n_kv, D).transpose(1, 2)
 
-    return mark(forward, "code2wav")
-
-
-def _mlp_forward(mlp: c2w.Mlp):
-    packed = pack_linears(mlp, ("gate_proj", "up_proj"))
-    inter = mlp.gate_proj.weight.shape[0]
-
-    def forward(x):
-        gate, up = F.linear(x, packed).split(inter, dim=-1)
-        return mlp.down_proj(F.silu(gate) * up)
-
-    return mark(forward, "code2wav")
+    return mark(qkv, "code2wav")
 
 
 def _layer_forward(layer: c2w.TransformerLayer):
@@ -383,9 +363,9 @@ def install_code2wav(model: torch.nn.Module) -> int:
     changed = 0
     for m in model.modules():
         if isinstance(m, c2w.Attention):
-            m.forward = _attention_forward(m)
+            m.qkv_fn = _attention_qkv(m)
         elif isinstance(m, c2w.Mlp):
-            m.forward = _mlp_forward(m)
+            m.forward = mark(packed_mlp_forward(m, pack_linears(m, ("gate_proj", "up_proj"))), "code2wav")
         elif isinstance(m, c2w.TransformerLayer):
             m.forward = _layer_forward(m)
         elif isinstance(m, c2w.DecoderBlock):

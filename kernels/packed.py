@@ -62,13 +62,20 @@ def _proj_fn(packed: torch.Tensor, sizes: list[int]):
     return proj
 
 
-def _mlp_forward(mlp: layers.MLP, packed: torch.Tensor):
+def packed_mlp_forward(mlp: nn.Module, packed: torch.Tensor):
+    """A gate/up/down MLP's `forward` with gate and up as one GEMM over `packed` (`pack_linears`), unmarked:
+    also Code2Wav's MLP (`kernels/code2wav_step.py`, which marks it as its own hook)."""
     inter = mlp.gate_proj.weight.shape[0]
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, packed).split(inter, dim=-1)
         return mlp.down_proj(F.silu(gate) * up)
 
+    return forward
+
+
+def _mlp_forward(mlp: layers.MLP, packed: torch.Tensor):
+    forward = packed_mlp_forward(mlp, packed)
     setattr(forward, PACKED_ATTR, "mlp")
     return forward
 

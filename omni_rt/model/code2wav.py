@@ -257,6 +257,16 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        # set from outside to compute q, k, v in fused kernels (kernels/code2wav_step.py), same contract as `qkv`
+        self.qkv_fn: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, T, H] -> q [B, Hq, T, D], k and v [B, Hkv, T, D]; q and k rotated."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, D]
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(
         self,
@@ -270,10 +280,7 @@ class Attention(nn.Module):
 
         Returns (out [B, T, H], k, v [B, Hkv, T, D] of the new frames, rotated, for the caller's cache)."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, Hq, T, D]
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (self.qkv_fn or Attention.qkv)(self, x, cos, sin)
         keys, values = k, v
         if past is not None:
             keys, values = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)  # [B, Hkv, S+T, D]

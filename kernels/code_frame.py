@@ -62,7 +62,9 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _linear(
+    def _linear_tile(
+        pid_n,  # the tile of output columns [pid_n * BN, (pid_n + 1) * BN)
+        pid_m,  # the tile of rows [pid_m * BM, (pid_m + 1) * BM)
         x_ptr,  # [rows, K] (X_GATHER: an embedding table, rows picked by idx)
         idx_ptr,  # [M] int64 (X_GATHER / R_GATHER)
         w_ptr,  # [N (+ up_off), K] weight, unit stride along K
@@ -92,11 +94,10 @@ if triton is not None:
         PRECISE: tl.constexpr,
         SINGLE: tl.constexpr,  # K <= BK: one tile
         PDL: tl.constexpr,  # launched as a programmatic dependent launch (`_triton.pdl_runs`)
+        XC: tl.constexpr,  # the cache modifier of loads of what this launch may have written ("" or ".cg")
     ):
-        if PDL:  # let the next kernel's programs start and fetch their weights while this one runs
-            gdc_launch_dependents()
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
+        """One [BM, BN] tile of y = epilogue(norm(x) @ w^T): the body of `_linear`, and of each GEMV phase of
+        the persistent frame (`code_frame_persistent`), whose programs loop over tiles."""
         rm = pid_m * BM + tl.arange(0, BM)
         mm = rm < M
         rm64 = rm.to(tl.int64)
@@ -116,13 +117,14 @@ if triton is not None:
         if PDL:  # everything below reads what earlier kernels wrote
             gdc_wait()
         if X_GATHER or R_GATHER:
-            gathered = tl.load(idx_ptr + rm, mask=mm, other=0).to(tl.int64)
+            gathered = tl.load(idx_ptr + rm, mask=mm, other=0, cache_modifier=XC).to(tl.int64)
         else:
             gathered = rm64
         xrow = gathered if X_GATHER else rm64
         x_rows = x_ptr + xrow[:, None] * stride_x  # [BM, 1]
         if SINGLE:
-            xv = tl.load(x_rows + rk[None, :], mask=mm[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
+            xm = mm[:, None] & (rk < K)[None, :]
+            xv = tl.load(x_rows + rk[None, :], mask=xm, other=0.0, cache_modifier=XC).to(tl.float32)
             if NORM:  # RMSNorm as layers.RMSNorm: x * rstd rounded, then weight * that rounded
                 rstd = rsqrt_f32(tl.sum(xv * xv, axis=1) * inv_k + eps, PRECISE)
                 xv = round_to(g0[None, :] * round_to(xv * rstd[:, None], RND), RND)
@@ -134,14 +136,15 @@ if triton is not None:
                 ss = tl.zeros([BM], tl.float32)
                 for k0 in range(0, K, BK):
                     km = (k0 + rk) < K
-                    xv = tl.load(x_rows + k0 + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-                    xv = xv.to(tl.float32)
+                    xv = tl.load(x_rows + k0 + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0,
+                                 cache_modifier=XC).to(tl.float32)
                     ss += tl.sum(xv * xv, axis=1)
                 rstd = rsqrt_f32(ss * inv_k + eps, PRECISE)
             for k0 in range(0, K, BK):
                 kk = k0 + rk
                 km = kk < K
-                xv = tl.load(x_rows + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(tl.float32)
+                xm = mm[:, None] & km[None, :]
+                xv = tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=XC).to(tl.float32)
                 if NORM:
                     gv = tl.load(g_ptr + kk, mask=km, other=0.0).to(tl.float32)
                     xv = round_to(gv[None, :] * round_to(xv * rstd[:, None], RND), RND)
@@ -155,13 +158,25 @@ if triton is not None:
         out_mask = mm[:, None] & nm[None, :]
         if EPI == 1:
             rrow = gathered if R_GATHER else rm64
-            rv = tl.load(r_ptr + rrow[:, None] * stride_r + rn[None, :], mask=out_mask, other=0.0)
+            rv = tl.load(r_ptr + rrow[:, None] * stride_r + rn[None, :], mask=out_mask, other=0.0, cache_modifier=XC)
             y = round_to(rv.to(tl.float32) + y, RND)
         if EPI == 2:  # F.silu(gate) * up, each op rounded as PyTorch's bf16 kernels do
             up = round_to(acc_up, RND)
             s = round_to(tl.div_rn(y, 1.0 + exp_f32(-y, PRECISE)), RND)
             y = round_to(s * up, RND)
         tl.store(y_ptr + rm64[:, None] * stride_y + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def _linear(x_ptr, idx_ptr, w_ptr, g_ptr, r_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_r, stride_y, up_off,
+                eps, inv_k, NORM: tl.constexpr, X_GATHER: tl.constexpr, R_GATHER: tl.constexpr, EPI: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, F32_DOT: tl.constexpr,
+                RND: tl.constexpr, PRECISE: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        """A GEMV (or small GEMM) with its prologue and epilogue: one program per `_linear_tile`."""
+        if PDL:  # let the next kernel's programs start and fetch their weights while this one runs
+            gdc_launch_dependents()
+        _linear_tile(tl.program_id(0), tl.program_id(1), x_ptr, idx_ptr, w_ptr, g_ptr, r_ptr, y_ptr, M, N, K,
+                     stride_x, stride_w, stride_r, stride_y, up_off, eps, inv_k, NORM, X_GATHER, R_GATHER, EPI,
+                     BM, BN, BK, DOT, F32_DOT, RND, PRECISE, SINGLE, PDL, "")  # fmt: skip
 
     @triton.jit
     def _norm_rope(lo, hi, w_ptr, c_lo, c_hi, s_lo, s_hi, half, eps, inv_d, HAS_NORM: tl.constexpr,
@@ -182,24 +197,26 @@ if triton is not None:
     @triton.jit
     def _new_row(row, pos, cos_ptr, sin_ptr, kw_ptr, half, g, eps, inv_d, HQ: tl.constexpr, KV: tl.constexpr,
                  D: tl.constexpr, HAS_NORM: tl.constexpr, RND: tl.constexpr, RND_C: tl.constexpr,
-                 PRECISE: tl.constexpr):  # fmt: skip
+                 PRECISE: tl.constexpr, XC: tl.constexpr):  # fmt: skip
         """A new position's RoPE rows and kv head g's k (normed, rotated) and v, each rounded to the cache's
         dtype as the plain path reads them back: (cos lo, cos hi, sin lo, sin hi, k lo, k hi, v lo, v hi)."""
         c_lo = tl.load(cos_ptr + pos * D + half).to(tl.float32)
         c_hi = tl.load(cos_ptr + pos * D + D // 2 + half).to(tl.float32)
         s_lo = tl.load(sin_ptr + pos * D + half).to(tl.float32)
         s_hi = tl.load(sin_ptr + pos * D + D // 2 + half).to(tl.float32)
-        k_lo = tl.load(row + (HQ + g) * D + half).to(tl.float32)
-        k_hi = tl.load(row + (HQ + g) * D + D // 2 + half).to(tl.float32)
+        k_lo = tl.load(row + (HQ + g) * D + half, cache_modifier=XC).to(tl.float32)
+        k_hi = tl.load(row + (HQ + g) * D + D // 2 + half, cache_modifier=XC).to(tl.float32)
         k_lo, k_hi = _norm_rope(k_lo, k_hi, kw_ptr, c_lo, c_hi, s_lo, s_hi, half, eps, inv_d, HAS_NORM, RND,
                                 PRECISE, D)  # fmt: skip
-        v_lo = tl.load(row + (HQ + KV + g) * D + half).to(tl.float32)
-        v_hi = tl.load(row + (HQ + KV + g) * D + D // 2 + half).to(tl.float32)
+        v_lo = tl.load(row + (HQ + KV + g) * D + half, cache_modifier=XC).to(tl.float32)
+        v_hi = tl.load(row + (HQ + KV + g) * D + D // 2 + half, cache_modifier=XC).to(tl.float32)
         return (c_lo, c_hi, s_lo, s_hi, round_to(k_lo, RND_C), round_to(k_hi, RND_C), round_to(v_lo, RND_C),
                 round_to(v_hi, RND_C))  # fmt: skip
 
     @triton.jit
-    def _attention(
+    def _attention_item(
+        b,  # the batch row
+        h,  # the query head
         qkv_ptr,  # [B*T, (HQ + 2 KV) * D] the packed projection's rows (b * T + t)
         qw_ptr,  # [D] q_norm weight
         kw_ptr,  # [D] k_norm weight
@@ -227,16 +244,12 @@ if triton is not None:
         RND: tl.constexpr,
         RND_C: tl.constexpr,
         PRECISE: tl.constexpr,
-        PDL: tl.constexpr,
+        XC: tl.constexpr,  # the cache modifier of loads of what this launch may have written
     ):
-        """One program per (batch row, query head). The new rows of k and v stay in registers: the
+        """One (batch row, query head) of the attention. The new rows of k and v stay in registers: the
         cached rows are read from memory, the new ones are not read back (no barrier, one round of
         loads); the first query head of each kv group writes them to the cache for later steps."""
-        if PDL:
-            gdc_launch_dependents()
-            gdc_wait()  # the cache and the projections are earlier kernels' writes
-        b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
+        b = tl.cast(b, tl.int64)
         g = h // REP
         half = tl.arange(0, D // 2)
         kc = kc_ptr + b * stride_cs + g * stride_ch
@@ -244,21 +257,21 @@ if triton is not None:
         rows = tl.arange(0, BL)
         cached = rows < p0
         cm = cached[:, None]
-        k_lo_c = tl.load(kc + rows[:, None] * stride_cl + half[None, :], mask=cm, other=0.0).to(tl.float32)
-        k_hi_c = tl.load(kc + rows[:, None] * stride_cl + D // 2 + half[None, :], mask=cm, other=0.0)
-        v_lo_c = tl.load(vc + rows[:, None] * stride_cl + half[None, :], mask=cm, other=0.0).to(tl.float32)
-        v_hi_c = tl.load(vc + rows[:, None] * stride_cl + D // 2 + half[None, :], mask=cm, other=0.0)
+        k_lo_c = tl.load(kc + rows[:, None] * stride_cl + half[None, :], mask=cm, other=0.0, cache_modifier=XC).to(tl.float32)
+        k_hi_c = tl.load(kc + rows[:, None] * stride_cl + D // 2 + half[None, :], mask=cm, other=0.0, cache_modifier=XC)
+        v_lo_c = tl.load(vc + rows[:, None] * stride_cl + half[None, :], mask=cm, other=0.0, cache_modifier=XC).to(tl.float32)
+        v_hi_c = tl.load(vc + rows[:, None] * stride_cl + D // 2 + half[None, :], mask=cm, other=0.0, cache_modifier=XC)
         k_hi_c = k_hi_c.to(tl.float32)
         v_hi_c = v_hi_c.to(tl.float32)
         # the new rows: k normed and rotated, both rounded to the cache's dtype as the plain path reads them
         row0 = qkv_ptr + (b * T) * stride_qkv
         c_lo0, c_hi0, s_lo0, s_hi0, k_lo0, k_hi0, v_lo0, v_hi0 = _new_row(
-            row0, p0, cos_ptr, sin_ptr, kw_ptr, half, g, eps, inv_d, HQ, KV, D, HAS_NORM, RND, RND_C, PRECISE
+            row0, p0, cos_ptr, sin_ptr, kw_ptr, half, g, eps, inv_d, HQ, KV, D, HAS_NORM, RND, RND_C, PRECISE, XC
         )
         if T == 2:
             c_lo1, c_hi1, s_lo1, s_hi1, k_lo1, k_hi1, v_lo1, v_hi1 = _new_row(
                 row0 + stride_qkv, p0 + 1, cos_ptr, sin_ptr, kw_ptr, half, g, eps, inv_d, HQ, KV, D, HAS_NORM,
-                RND, RND_C, PRECISE,
+                RND, RND_C, PRECISE, XC,
             )  # fmt: skip
         if h % REP == 0:  # one writer per kv head
             dt = kc_ptr.dtype.element_ty
@@ -277,8 +290,8 @@ if triton is not None:
                 c_lo, c_hi, s_lo, s_hi = c_lo0, c_hi0, s_lo0, s_hi0
             else:
                 c_lo, c_hi, s_lo, s_hi = c_lo1, c_hi1, s_lo1, s_hi1
-            q_lo = tl.load(row + h * D + half).to(tl.float32)
-            q_hi = tl.load(row + h * D + D // 2 + half).to(tl.float32)
+            q_lo = tl.load(row + h * D + half, cache_modifier=XC).to(tl.float32)
+            q_hi = tl.load(row + h * D + D // 2 + half, cache_modifier=XC).to(tl.float32)
             q_lo, q_hi = _norm_rope(q_lo, q_hi, qw_ptr, c_lo, c_hi, s_lo, s_hi, half, eps, inv_d, HAS_NORM,
                                     RND, PRECISE, D)  # fmt: skip
             score = tl.sum(k_lo_c * q_lo[None, :], axis=1) + tl.sum(k_hi_c * q_hi[None, :], axis=1)
@@ -306,6 +319,19 @@ if triton is not None:
             tl.store(out + half, round_to(tl.div_rn(o_lo, l_sum), RND).to(o_ptr.dtype.element_ty))
             tl.store(out + D // 2 + half, round_to(tl.div_rn(o_hi, l_sum), RND).to(o_ptr.dtype.element_ty))
 
+    @triton.jit
+    def _attention(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, o_ptr, p0, eps, inv_d, scale,
+                   stride_qkv, stride_o, stride_cs, stride_ch, stride_cl, T: tl.constexpr, HQ: tl.constexpr,
+                   KV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, BL: tl.constexpr, HAS_NORM: tl.constexpr,
+                   RND: tl.constexpr, RND_C: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+        """The attention of one step: one program per (batch row, query head), each an `_attention_item`."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()  # the cache and the projections are earlier kernels' writes
+        _attention_item(tl.program_id(0), tl.program_id(1), qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr,
+                        vc_ptr, o_ptr, p0, eps, inv_d, scale, stride_qkv, stride_o, stride_cs, stride_ch, stride_cl,
+                        T, HQ, KV, REP, D, BL, HAS_NORM, RND, RND_C, PRECISE, "")  # fmt: skip
+
 
 # Block shapes. A GEMV at batch 1 reads each weight once, so what matters is enough programs in flight
 # to pull the bandwidth (N / BN of them) and few K iterations (each one a dependent round of loads: BK
@@ -325,7 +351,7 @@ class CodeFrame:
     `CodePredictor.predict` (static shapes, no host sync: a whole frame can be captured in one graph).
     """
 
-    def __init__(self, cp, programmatic_launch: bool = False) -> None:
+    def __init__(self, cp, programmatic_launch: bool = False, persistent: bool = False) -> None:
         require_triton()
         cfg = cp.cfg
         head = cp.lm_head[0].weight
@@ -359,6 +385,8 @@ class CodeFrame:
         self.eps = cfg.rms_norm_eps
         self.pdl = programmatic_launch and pdl_runs(head.device)
         self.launch = {"launch_pdl": True} if self.pdl else {}
+        self.persistent = persistent  # frames of few rows as one launch (`code_frame_persistent`)
+        self._persistent = None  # its stacked weights, made at the first such frame
 
     def _linear(self, x, w, m, *, norm=None, idx=None, gather_x=False, residual=None, gather_r=False,
                 swiglu=False, stride_x=None):  # fmt: skip
@@ -407,6 +435,12 @@ class CodeFrame:
 
     def __call__(self, cp, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, sample) -> torch.Tensor:
         b, width = talker_hidden.shape
+        if self.persistent and persistent_fits(b, sample):
+            if self._persistent is None:
+                from omni_rt.kernels.code_frame_persistent import PersistentFrame
+
+                self._persistent = PersistentFrame(self)
+            return self._persistent(cp, talker_hidden, code0_embed, sample)
         cache = cp._cache_for(b, talker_hidden)
         x = torch.stack((talker_hidden, code0_embed), dim=1).view(2 * b, width)  # rows b * 2 + t
         codes: list[torch.Tensor] = []
@@ -434,15 +468,25 @@ class CodeFrame:
         return torch.stack(codes, dim=1)  # [B, 15]
 
 
-def install_code_frame(model: torch.nn.Module, programmatic_launch: bool = False) -> int:
+def persistent_fits(rows: int, sample) -> bool:
+    """Can a frame of `rows` drawn by `sample` run as one persistent launch? Few rows, and draws the
+    kernel can make itself: a `FrameDraws` of a fused sampler (the pipeline's); a plain callable is not."""
+    from omni_rt.kernels.code_frame_persistent import MAX_ROWS
+    from omni_rt.model.sampling import FrameDraws
+
+    return rows <= MAX_ROWS and isinstance(sample, FrameDraws) and sample.sampler.fused
+
+
+def install_code_frame(model: torch.nn.Module, programmatic_launch: bool = False, persistent: bool = False) -> int:
     """Set `frame_fn` on every `CodePredictor` in `model` (dense, Triton-runnable); returns the count.
-    programmatic_launch: the few-rows kernels as programmatic dependent launches where the card runs them."""
+    programmatic_launch: the few-rows kernels as programmatic dependent launches where the card runs them.
+    persistent: frames of at most `code_frame_persistent.MAX_ROWS` rows as one launch."""
     from omni_rt.model.talker import CodePredictor
 
     require_triton()
     changed = 0
     for m in model.modules():
         if isinstance(m, CodePredictor):
-            m.frame_fn = mark(CodeFrame(m, programmatic_launch), "code_frame")
+            m.frame_fn = mark(CodeFrame(m, programmatic_launch, persistent), "code_frame")
             changed += 1
     return changed

@@ -209,6 +209,12 @@ class EngineSettings(_Settings):
         "vs 29.0 ms, 2026-12-02 (evening), docs/performance.md). The stops of 2026-12-02 first blamed on them "
         "came without them too; their cause was a shared cuBLAS workspace (pipeline/graphs.py)",
     )
+    persistent_code_frame: bool = Field(
+        True,
+        description="with fused_kernels, a code-predictor frame of one or two rows (the first audio's) as one "
+        "persistent launch with grid-wide barriers between its phases (kernels/code_frame_persistent.py) "
+        "instead of ~405 launches; the same kernels' numbers. False: the per-step kernels, for comparison",
+    )
     fused_code2wav: bool = Field(
         True,
         description="with fused_kernels, Code2Wav's streaming step in fused kernels too (kernels/code2wav_step.py: "

@@ -37,9 +37,14 @@ except ImportError:  # pragma: no cover - depends on the machine
     triton = None
 
 MAX_ROWS = 2  # frames of more rows take the per-step kernels (their phases are wider than the grid)
-CG = ".cg"  # loads of what this launch wrote: from L2, never a stale L1 line
+# Measured on an H200 by scripts/gpu_code_frame.py (docs/performance.md): output columns per tile, warps
+# and programs per SM (all of them must be resident at once), and whether each phase asks L2 for the next
+# phase's weights.
+PERSISTENT_BLOCKS = {"BN": 4, "num_warps": 4, "per_sm": 1}
+PREFETCH = True
 
 if triton is not None:
+    CG = tl.constexpr(".cg")  # loads of what this launch wrote: from L2, never a stale L1 line
 
     @triton.jit
     def _grid_sync(bar_ptr, epoch, nprog):
@@ -55,6 +60,27 @@ if triton is not None:
         return epoch
 
     @triton.jit
+    def _prefetch(w_ptr, n, pid, nprog, LINE: tl.constexpr, PREFETCH: tl.constexpr):
+        """Ask L2 for this program's share of the n elements at w_ptr (one 128-byte line per thread and
+        round), a phase ahead: the weights stream from memory while the phase before runs and waits."""
+        if PREFETCH:
+            offs = tl.arange(0, 128) * LINE
+            for base in range(pid * 128 * LINE, n, nprog * 128 * LINE):
+                p = w_ptr + tl.where(base + offs < n, base + offs, 0)
+                tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [p],
+                                          dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+
+    @triton.jit
+    def _next_weights(layer, L, i, qkv_w, s_wl_qkv, head_w, s_hg, n_qkv, n_head):
+        """What the layer's phase 4 prefetches: the next layer's q/k/v, after the last layer head i."""
+        if layer + 1 < L:
+            w = qkv_w + (layer + 1) * s_wl_qkv
+        else:
+            w = head_w + i * s_hg
+        n = tl.where(layer + 1 < L, n_qkv, n_head)
+        return w, n
+
+    @triton.jit
     def _gemv(pid, nprog, x_ptr, idx_ptr, w_ptr, g_ptr, r_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, stride_w, stride_r,
               stride_y, up_off, eps, NORM: tl.constexpr, X_GATHER: tl.constexpr, R_GATHER: tl.constexpr,
               EPI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RND: tl.constexpr,
@@ -67,7 +93,7 @@ if triton is not None:
 
     @triton.jit
     def _layer(
-        pid, nprog, bar_ptr, epoch, layer, x_ptr, idx_ptr, h_ptr, qkv_ptr, att_ptr, mid_ptr, act_ptr,
+        pid, nprog, bar_ptr, epoch, layer, x_ptr, idx_ptr, h_ptr, qkv_ptr, att_ptr, mid_ptr, act_ptr, next_w, next_n,
         ln1_ptr, qkv_w, qn_ptr, kn_ptr, o_w, ln2_ptr, gu_w, down_w, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
         B, p0, eps, inv_d, scale,
         s_h, s_qkv, s_att, s_mid, s_act, s_x, s_wl_qkv, s_wl_o, s_wl_gu, s_wl_down, s_cly, s_cs, s_ch, s_cp,
@@ -75,6 +101,7 @@ if triton is not None:
         T: tl.constexpr, GATHER: tl.constexpr, HQ: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
         P: tl.constexpr, HAS_QK_NORM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK_H: tl.constexpr,
         BK_O: tl.constexpr, BK_I: tl.constexpr, RND: tl.constexpr, RND_C: tl.constexpr, PRECISE: tl.constexpr,
+        LINE: tl.constexpr, PREFETCH: tl.constexpr,
     ):  # fmt: skip
         """One decoder layer's five phases over the step's rows (b * T + t), each after a barrier. The
         layer's input is x (GATHER: the embedding rows of the codes at idx) or h; its output is h."""
@@ -83,9 +110,11 @@ if triton is not None:
         x = x_ptr if GATHER else h_ptr
         sx = s_x if GATHER else s_h
         epoch = _grid_sync(bar_ptr, epoch, nprog)  # 1. input RMSNorm + packed q/k/v
+        _prefetch(o_w + lay * s_wl_o, H * HQ * D, pid, nprog, LINE, PREFETCH)
         _gemv(pid, nprog, x, idx_ptr, qkv_w + lay * s_wl_qkv, ln1_ptr + lay * H, qkv_ptr, qkv_ptr, m, NQKV, H,
               sx, H, 0, s_qkv, 0, eps, True, GATHER, False, 0, BM, BN, BK_H, RND, PRECISE)  # fmt: skip
         epoch = _grid_sync(bar_ptr, epoch, nprog)  # 2. q/k norm, RoPE, cache write, attention
+        _prefetch(gu_w + lay * s_wl_gu, 2 * I * H, pid, nprog, LINE, PREFETCH)
         kc = kc_ptr + lay * s_cly
         vc = vc_ptr + lay * s_cly
         for item in range(pid, B * HQ, nprog):
@@ -93,9 +122,11 @@ if triton is not None:
                             kc, vc, att_ptr, p0, eps, inv_d, scale, s_qkv, s_att, s_cs, s_ch, s_cp, T, HQ, KV,
                             HQ // KV, D, P, HAS_QK_NORM, RND, RND_C, PRECISE, CG)  # fmt: skip
         epoch = _grid_sync(bar_ptr, epoch, nprog)  # 3. o_proj + residual
+        _prefetch(down_w + lay * s_wl_down, H * I, pid, nprog, LINE, PREFETCH)
         _gemv(pid, nprog, att_ptr, idx_ptr, o_w + lay * s_wl_o, o_w, x, mid_ptr, m, H, HQ * D, s_att, HQ * D, sx,
               s_mid, 0, eps, False, False, GATHER, 1, BM, BN, BK_O, RND, PRECISE)  # fmt: skip
         epoch = _grid_sync(bar_ptr, epoch, nprog)  # 4. post-attention RMSNorm + gate/up + SwiGLU
+        _prefetch(next_w, next_n, pid, nprog, LINE, PREFETCH)  # the next layer's q/k/v, or the head
         _gemv(pid, nprog, mid_ptr, idx_ptr, gu_w + lay * s_wl_gu, ln2_ptr + lay * H, mid_ptr, act_ptr, m, I, H,
               s_mid, H, 0, s_act, I, eps, True, False, False, 2, BM, BN, BK_H, RND, PRECISE)  # fmt: skip
         epoch = _grid_sync(bar_ptr, epoch, nprog)  # 5. down_proj + residual
@@ -105,12 +136,12 @@ if triton is not None:
 
     @triton.jit
     def _head_and_draw(
-        pid, nprog, bar_ptr, epoch, i, h_ptr, logit_ptr, codes_ptr, fnorm_ptr, head_w,
+        pid, nprog, bar_ptr, epoch, i, h_ptr, logit_ptr, codes_ptr, fnorm_ptr, head_w, next_w, next_n,
         slots_ptr, keys_ptr, temp_ptr, topk_ptr, topp_ptr, pen_ptr, dos_ptr, seed_ptr, seen_ptr, supp_ptr,
         B, eps, s_h, s_hg, s_logit, H: tl.constexpr, V: tl.constexpr,
         T: tl.constexpr, STAGE: tl.constexpr, HAS_SEEN: tl.constexpr, HAS_SUPP: tl.constexpr,
         BLOCK_V: tl.constexpr, KEY16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        RND: tl.constexpr, PRECISE: tl.constexpr,
+        RND: tl.constexpr, PRECISE: tl.constexpr, LINE: tl.constexpr, PREFETCH: tl.constexpr,
     ):  # fmt: skip
         """Code group i + 1: the final norm and head i on each row's last position, then each row's draw
         into codes[i]."""
@@ -120,6 +151,7 @@ if triton is not None:
               logit_ptr, B, V, H, T * s_h, H, 0, s_logit, 0, eps, True, False, False, 0, BM, BN, BK, RND,
               PRECISE)  # fmt: skip
         epoch = _grid_sync(bar_ptr, epoch, nprog)
+        _prefetch(next_w, next_n, pid, nprog, LINE, PREFETCH)  # the next step's first q/k/v
         for row in range(pid, B, nprog):
             _sample_row(row, logit_ptr, slots_ptr, keys_ptr, temp_ptr, topk_ptr, topp_ptr, pen_ptr, dos_ptr,
                         seed_ptr, seen_ptr, supp_ptr, codes_ptr + i * B, V, s_logit, i, STAGE, HAS_SEEN, HAS_SUPP,
@@ -139,6 +171,7 @@ if triton is not None:
         HAS_QK_NORM: tl.constexpr, STAGE: tl.constexpr, HAS_SEEN: tl.constexpr, HAS_SUPP: tl.constexpr,
         BLOCK_V: tl.constexpr, KEY16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK_H: tl.constexpr,
         BK_O: tl.constexpr, BK_I: tl.constexpr, RND: tl.constexpr, RND_C: tl.constexpr, PRECISE: tl.constexpr,
+        LINE: tl.constexpr, PREFETCH: tl.constexpr,
     ):  # fmt: skip
         """A whole frame: step 0 over 2 positions (the Talker's hidden state and code 0's embedding, in h),
         then steps 1..G-1 over the embedding of the code drawn before; codes_ptr [G, B]."""
@@ -146,45 +179,45 @@ if triton is not None:
         nprog = tl.num_programs(0)
         epoch = 0
         for layer in range(L):  # step 0: positions 0 and 1 of every row
+            nw, nn = _next_weights(layer, L, 0, qkv_w, s_wl_qkv, head_w, s_hg, NQKV * H, V * H)
             epoch = _layer(
                 pid, nprog, bar_ptr, epoch, layer, h_ptr, codes_ptr, h_ptr, qkv_ptr, att_ptr, mid_ptr, act_ptr,
-                ln1_ptr, qkv_w, qn_ptr, kn_ptr, o_w, ln2_ptr, gu_w, down_w, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
-                B, 0, eps, inv_d, scale,
-                s_h, s_qkv, s_att, s_mid, s_act, s_h, s_wl_qkv, s_wl_o, s_wl_gu, s_wl_down, s_cly, s_cs, s_ch, s_cp,
-                H, NQKV, I, 2, False, HQ, KV, D, P, HAS_QK_NORM, BM, BN, BK_H, BK_O, BK_I, RND, RND_C, PRECISE,
+                nw, nn, ln1_ptr, qkv_w, qn_ptr, kn_ptr, o_w, ln2_ptr, gu_w, down_w, cos_ptr, sin_ptr, kc_ptr,
+                vc_ptr, B, 0, eps, inv_d, scale, s_h, s_qkv, s_att, s_mid, s_act, s_h, s_wl_qkv, s_wl_o, s_wl_gu,
+                s_wl_down, s_cly, s_cs, s_ch, s_cp, H, NQKV, I, 2, False, HQ, KV, D, P, HAS_QK_NORM, BM, BN, BK_H,
+                BK_O, BK_I, RND, RND_C, PRECISE, LINE, PREFETCH,
             )  # fmt: skip
         epoch = _head_and_draw(
-            pid, nprog, bar_ptr, epoch, 0, h_ptr, logit_ptr, codes_ptr, fnorm_ptr, head_w, slots_ptr, keys_ptr,
-            temp_ptr, topk_ptr, topp_ptr, pen_ptr, dos_ptr, seed_ptr, seen_ptr, supp_ptr, B, eps, s_h, s_hg,
-            s_logit, H, V, 2, STAGE, HAS_SEEN, HAS_SUPP, BLOCK_V, KEY16, BM, BN, BK_H, RND, PRECISE,
+            pid, nprog, bar_ptr, epoch, 0, h_ptr, logit_ptr, codes_ptr, fnorm_ptr, head_w, qkv_w, NQKV * H,
+            slots_ptr, keys_ptr, temp_ptr, topk_ptr, topp_ptr, pen_ptr, dos_ptr, seed_ptr, seen_ptr, supp_ptr, B,
+            eps, s_h, s_hg, s_logit, H, V, 2, STAGE, HAS_SEEN, HAS_SUPP, BLOCK_V, KEY16, BM, BN, BK_H, RND, PRECISE,
+            LINE, PREFETCH,
         )  # fmt: skip
         for i in range(1, G):  # step i: position i + 1, input codec_embedding[i - 1] of code i
             emb = emb_w + (i - 1) * s_eg
             idx = codes_ptr + (i - 1) * B
-            for layer in range(L):
-                if layer == 0:
-                    epoch = _layer(
-                        pid, nprog, bar_ptr, epoch, layer, emb, idx, h_ptr, qkv_ptr, att_ptr, mid_ptr, act_ptr,
-                        ln1_ptr, qkv_w, qn_ptr, kn_ptr, o_w, ln2_ptr, gu_w, down_w, cos_ptr, sin_ptr, kc_ptr,
-                        vc_ptr, B, i + 1, eps, inv_d, scale,
-                        s_h, s_qkv, s_att, s_mid, s_act, H, s_wl_qkv, s_wl_o, s_wl_gu, s_wl_down, s_cly, s_cs, s_ch,
-                        s_cp, H, NQKV, I, 1, True, HQ, KV, D, P, HAS_QK_NORM, BM, BN, BK_H, BK_O, BK_I, RND, RND_C,
-                        PRECISE,
-                    )  # fmt: skip
-                else:
-                    epoch = _layer(
-                        pid, nprog, bar_ptr, epoch, layer, h_ptr, idx, h_ptr, qkv_ptr, att_ptr, mid_ptr, act_ptr,
-                        ln1_ptr, qkv_w, qn_ptr, kn_ptr, o_w, ln2_ptr, gu_w, down_w, cos_ptr, sin_ptr, kc_ptr,
-                        vc_ptr, B, i + 1, eps, inv_d, scale,
-                        s_h, s_qkv, s_att, s_mid, s_act, s_h, s_wl_qkv, s_wl_o, s_wl_gu, s_wl_down, s_cly, s_cs,
-                        s_ch, s_cp, H, NQKV, I, 1, False, HQ, KV, D, P, HAS_QK_NORM, BM, BN, BK_H, BK_O, BK_I, RND,
-                        RND_C, PRECISE,
-                    )  # fmt: skip
+            nw, nn = _next_weights(0, L, i, qkv_w, s_wl_qkv, head_w, s_hg, NQKV * H, V * H)
+            epoch = _layer(  # layer 0 reads its input, and its residual, from the embedding table
+                pid, nprog, bar_ptr, epoch, 0, emb, idx, h_ptr, qkv_ptr, att_ptr, mid_ptr, act_ptr, nw, nn,
+                ln1_ptr, qkv_w, qn_ptr, kn_ptr, o_w, ln2_ptr, gu_w, down_w, cos_ptr, sin_ptr, kc_ptr, vc_ptr, B,
+                i + 1, eps, inv_d, scale, s_h, s_qkv, s_att, s_mid, s_act, H, s_wl_qkv, s_wl_o, s_wl_gu, s_wl_down,
+                s_cly, s_cs, s_ch, s_cp, H, NQKV, I, 1, True, HQ, KV, D, P, HAS_QK_NORM, BM, BN, BK_H, BK_O, BK_I,
+                RND, RND_C, PRECISE, LINE, PREFETCH,
+            )  # fmt: skip
+            for layer in range(1, L):
+                nw, nn = _next_weights(layer, L, i, qkv_w, s_wl_qkv, head_w, s_hg, NQKV * H, V * H)
+                epoch = _layer(
+                    pid, nprog, bar_ptr, epoch, layer, h_ptr, idx, h_ptr, qkv_ptr, att_ptr, mid_ptr, act_ptr, nw,
+                    nn, ln1_ptr, qkv_w, qn_ptr, kn_ptr, o_w, ln2_ptr, gu_w, down_w, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
+                    B, i + 1, eps, inv_d, scale, s_h, s_qkv, s_att, s_mid, s_act, s_h, s_wl_qkv, s_wl_o, s_wl_gu,
+                    s_wl_down, s_cly, s_cs, s_ch, s_cp, H, NQKV, I, 1, False, HQ, KV, D, P, HAS_QK_NORM, BM, BN,
+                    BK_H, BK_O, BK_I, RND, RND_C, PRECISE, LINE, PREFETCH,
+                )  # fmt: skip
             epoch = _head_and_draw(
-                pid, nprog, bar_ptr, epoch, i, h_ptr, logit_ptr, codes_ptr, fnorm_ptr, head_w, slots_ptr,
-                keys_ptr, temp_ptr, topk_ptr, topp_ptr, pen_ptr, dos_ptr, seed_ptr, seen_ptr, supp_ptr, B,
+                pid, nprog, bar_ptr, epoch, i, h_ptr, logit_ptr, codes_ptr, fnorm_ptr, head_w, qkv_w, NQKV * H,
+                slots_ptr, keys_ptr, temp_ptr, topk_ptr, topp_ptr, pen_ptr, dos_ptr, seed_ptr, seen_ptr, supp_ptr, B,
                 eps, s_h, s_hg, s_logit, H, V, 1, STAGE, HAS_SEEN, HAS_SUPP, BLOCK_V, KEY16, BM, BN, BK_H, RND,
-                PRECISE,
+                PRECISE, LINE, PREFETCH,
             )  # fmt: skip
 
 
@@ -214,7 +247,6 @@ class PersistentFrame:
         self.heads = torch.stack(frame.heads).contiguous()  # [G - 1, V, H]
         self.embeds = torch.stack(frame.embeds).contiguous()  # [G - 1, V, H]
         self.frame = frame
-        self.bar = torch.zeros(1, dtype=torch.int32, device=self.heads.device)
 
     def __call__(self, cp, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, draws) -> torch.Tensor:
         f, cfg = self.frame, self.frame.cfg
@@ -238,10 +270,10 @@ class PersistentFrame:
         seen, supp = s.seen, s.suppress
         vocab = self.heads.shape[1]
         kc, vc = cache.k, cache.v  # [layers, S, KV, P, D]
-        self.bar.zero_()
-        bn, bk = GEMV_BLOCKS["BN"], GEMV_BLOCKS["BK"]
-        _frame[(programs(dev),)](
-            h, qkv, att, mid, act, logits, codes, self.bar,
+        bar = torch.zeros(1, dtype=torch.int32, device=dev)  # the barriers' counter: each graph its own
+        bn, bk = PERSISTENT_BLOCKS["BN"], GEMV_BLOCKS["BK"]
+        _frame[(programs(dev) * PERSISTENT_BLOCKS["per_sm"],)](
+            h, qkv, att, mid, act, logits, codes, bar,
             self.ln1, self.qkv, self.qn, self.kn, self.o, self.ln2, self.gu, self.down, f.final_norm, self.heads,
             self.embeds, f.cos, f.sin, kc, vc,
             draws.slots, draws.base, s.temperature, s.top_k, s.top_p, s.repetition_penalty, s.do_sample, s.seed,
@@ -255,6 +287,7 @@ class PersistentFrame:
             BLOCK_V=next_pow2(vocab), KEY16=SHORT_KEYS and dt == torch.bfloat16 and seen is None,
             BM=next_pow2(2 * b), BN=bn, BK_H=min(bk, next_pow2(width)), BK_O=min(bk, next_pow2(hq * d)),
             BK_I=min(bk, next_pow2(inter)), RND=f.rnd,
-            RND_C=rnd(kc.dtype), PRECISE=precise(), num_warps=4,
+            RND_C=rnd(kc.dtype), PRECISE=precise(), LINE=128 // dt.itemsize,
+            PREFETCH=PREFETCH and not _interpreting(), num_warps=PERSISTENT_BLOCKS["num_warps"],
         )  # fmt: skip
         return codes.t()  # [B, G]

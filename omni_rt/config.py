@@ -210,10 +210,12 @@ class EngineSettings(_Settings):
         "came without them too; their cause was a shared cuBLAS workspace (pipeline/graphs.py)",
     )
     persistent_code_frame: bool = Field(
-        True,
+        False,
         description="with fused_kernels, a code-predictor frame of one or two rows (the first audio's) as one "
         "persistent launch with grid-wide barriers between its phases (kernels/code_frame_persistent.py) "
-        "instead of ~405 launches; the same kernels' numbers. False: the per-step kernels, for comparison",
+        "instead of ~405 launches, with the same kernels' numbers (codes equal on an H200). Off: it is slower "
+        "as it stands, 4.14 ms a batch-1 frame against 2.08 (H200, 2026-12-04, docs/performance.md): each "
+        "program walks its tiles one after another, where the per-step kernels have them all in flight",
     )
     fused_code2wav: bool = Field(
         True,

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from omni_rt.kernels import code_frame, fused  # noqa: E402
+from omni_rt.kernels import code_frame, code_frame_persistent, fused  # noqa: E402
 from omni_rt.kernels import packed as packed_kernels  # noqa: E402
 from omni_rt.kernels import sample as sample_kernel  # noqa: E402
 
@@ -91,8 +91,9 @@ def set_variant(cp: CodePredictor, variant: str) -> None:
         return
     packed_kernels.install_packed(host)
     fused.install_all(host, [k for k in fused.KERNELS if k != "code_frame"])
-    if variant.startswith("code_frame"):
-        fused.install_all(host, ["code_frame"], programmatic_launch=variant == "code_frame")
+    if variant.startswith("code_frame") or variant == "persistent":
+        fused.install_all(host, ["code_frame"], programmatic_launch=variant == "code_frame",
+                          persistent_frame=variant == "persistent")  # fmt: skip
 
 
 @torch.no_grad()
@@ -101,9 +102,9 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="qwen3-omni-30b-a3b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--batches", default="1,2,8,32")
     ap.add_argument("--out", default="gpu_code_frame.json")
-    ap.add_argument("--quick", action="store_true", help="two batch-1 shapes, no batch-8 sweep")
+    ap.add_argument("--quick", action="store_true", help="the fused variants only, no GEMV sweeps")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -127,16 +128,29 @@ def main(argv=None) -> int:
     )
     for slot in range(max(batches)):
         sampler.assign(slot, S.residual_code_sampling(Sampling().code_predictor), seed=1000 + slot)
+    # greedy as the engine serves it: the same fused sampler with do_sample off (the persistent frame
+    # draws only through a FrameDraws); `greedy` (torch.argmax) for the plain frame
+    greedy_sampler = S.StageSampler(
+        "code_predictor", max(batches), vocab, dev, history=False, fused=dev.type == "cuda"
+    )
+    for slot in range(max(batches)):
+        greedy_sampler.assign(slot, S.residual_code_sampling(Sampling.greedy().code_predictor), seed=1000 + slot)
 
     def frame_fn(mode):
         def frame(hidden, code0_embed, slots, keys):
-            sample = greedy if mode == "greedy" else S.frame_sampler(sampler, slots, keys)
+            if mode == "greedy":
+                sample = S.frame_sampler(greedy_sampler, slots, keys) if cp.frame_fn else greedy
+            else:
+                sample = S.frame_sampler(sampler, slots, keys)
             return cp.predict(hidden, code0_embed, sample)
 
         return frame
 
     outputs = {}
-    for variant in ("plain", "fused layers", "code_frame no PDL", "code_frame"):
+    variants = ("plain", "fused layers", "code_frame no PDL", "code_frame", "persistent")
+    if args.quick:
+        variants = variants[2:]
+    for variant in variants:
         set_variant(cp, variant)
         for b in batches:
             inputs = (
@@ -152,7 +166,7 @@ def main(argv=None) -> int:
                 print(
                     f"{variant:14} batch {b:3} {mode:8} {ms if ms is None else round(ms, 3)} ms", flush=True
                 )
-                if b == max(batches):
+                if b in (1, max(batches)):
                     torch.manual_seed(5)  # the same inputs for every variant
                     h = torch.randn(b, width, device=dev).to(dtype)
                     c = torch.randn(b, width, device=dev).to(dtype)
@@ -161,10 +175,21 @@ def main(argv=None) -> int:
                     replay()
                     first = out.clone()
                     replay()
-                    outputs[(variant, mode)] = (first, torch.equal(first, out))
+                    outputs[(variant, b, mode)] = (first, torch.equal(first, out))
     for mode in ("greedy", "sampled"):
-        ref, _ = outputs[("fused layers", mode)]
-        got, repeat = outputs[("code_frame", mode)]
+        for b in (1, 2):  # the persistent frame's own rows: its codes against the per-step kernels'
+            if ("persistent", b, mode) in outputs:
+                got, repeat = outputs[("persistent", b, mode)]
+                ref, _ = outputs[("code_frame no PDL", b, mode)]
+                res["checks"][f"persistent batch {b} {mode}: codes equal to code_frame (fraction)"] = float(
+                    (got == ref).float().mean()
+                )
+                res["checks"][f"persistent batch {b} {mode}: replay repeats"] = repeat
+    for mode in ("greedy", "sampled"):
+        if ("fused layers", max(batches), mode) not in outputs:
+            continue
+        ref, _ = outputs[("fused layers", max(batches), mode)]
+        got, repeat = outputs[("code_frame", max(batches), mode)]
         res["checks"][f"code_frame {mode}: codes equal to fused layers (fraction)"] = float(
             (got == ref).float().mean()
         )
@@ -173,10 +198,32 @@ def main(argv=None) -> int:
         )
         res["checks"][f"code_frame {mode}: replay repeats"] = repeat
         res["checks"][f"code_frame {mode}: PDL == no PDL"] = bool(
-            torch.equal(got, outputs[("code_frame no PDL", mode)][0])
+            torch.equal(got, outputs[("code_frame no PDL", max(batches), mode)][0])
         )
-    # block shapes: the batch-1 GEMV, then batch 8 (the few-rows path over more rows, or tl.dot tiles)
+    # the persistent frame's shapes: columns per tile, warps, programs per SM, the L2 prefetch
     if dev.type == "cuda":
+        set_variant(cp, "persistent")
+        res["persistent_sweep"] = []
+        saved = (dict(code_frame_persistent.PERSISTENT_BLOCKS), code_frame_persistent.PREFETCH)
+        for blocks, prefetch in [
+            ({}, False), ({"BN": 8}, True), ({"BN": 8, "num_warps": 8}, True), ({"BN": 16, "num_warps": 8}, True),
+            ({"per_sm": 2}, True), ({"BN": 8, "per_sm": 2}, True),
+        ]:  # fmt: skip
+            code_frame_persistent.PERSISTENT_BLOCKS.update(blocks)
+            code_frame_persistent.PREFETCH = prefetch
+            for b in (1, 2):
+                inputs = (torch.randn(b, width, device=dev).to(dtype), torch.randn(b, width, device=dev).to(dtype),
+                          torch.arange(b, device=dev), torch.arange(b, device=dev))  # fmt: skip
+                replay, _ = graph_of(frame_fn("sampled"), inputs, dev)
+                ms = time_ms(replay, dev, args.reps)
+                row = dict(code_frame_persistent.PERSISTENT_BLOCKS, prefetch=prefetch, batch=b, ms=ms)
+                res["persistent_sweep"].append(row)
+                print(f"persistent sweep {row}", flush=True)
+            code_frame_persistent.PERSISTENT_BLOCKS.clear()
+            code_frame_persistent.PERSISTENT_BLOCKS.update(saved[0])
+            code_frame_persistent.PREFETCH = saved[1]
+    # block shapes: the batch-1 GEMV, then batch 8 (the few-rows path over more rows, or tl.dot tiles)
+    if dev.type == "cuda" and not args.quick:
         set_variant(cp, "code_frame")  # with PDL where it runs
         saved = (dict(code_frame.GEMV_BLOCKS), dict(code_frame.DOT_BLOCKS), code_frame.SMALL_M)
 

@@ -158,7 +158,8 @@ if triton is not None:
         out_mask = mm[:, None] & nm[None, :]
         if EPI == 1:
             rrow = gathered if R_GATHER else rm64
-            rv = tl.load(r_ptr + rrow[:, None] * stride_r + rn[None, :], mask=out_mask, other=0.0, cache_modifier=XC)
+            r_at = r_ptr + rrow[:, None] * stride_r + rn[None, :]
+            rv = tl.load(r_at, mask=out_mask, other=0.0, cache_modifier=XC)
             y = round_to(rv.to(tl.float32) + y, RND)
         if EPI == 2:  # F.silu(gate) * up, each op rounded as PyTorch's bf16 kernels do
             up = round_to(acc_up, RND)
@@ -257,12 +258,11 @@ if triton is not None:
         rows = tl.arange(0, BL)
         cached = rows < p0
         cm = cached[:, None]
-        k_lo_c = tl.load(kc + rows[:, None] * stride_cl + half[None, :], mask=cm, other=0.0, cache_modifier=XC).to(tl.float32)
-        k_hi_c = tl.load(kc + rows[:, None] * stride_cl + D // 2 + half[None, :], mask=cm, other=0.0, cache_modifier=XC)
-        v_lo_c = tl.load(vc + rows[:, None] * stride_cl + half[None, :], mask=cm, other=0.0, cache_modifier=XC).to(tl.float32)
-        v_hi_c = tl.load(vc + rows[:, None] * stride_cl + D // 2 + half[None, :], mask=cm, other=0.0, cache_modifier=XC)
-        k_hi_c = k_hi_c.to(tl.float32)
-        v_hi_c = v_hi_c.to(tl.float32)
+        lo = rows[:, None] * stride_cl + half[None, :]
+        k_lo_c = tl.load(kc + lo, mask=cm, other=0.0, cache_modifier=XC).to(tl.float32)
+        k_hi_c = tl.load(kc + lo + D // 2, mask=cm, other=0.0, cache_modifier=XC).to(tl.float32)
+        v_lo_c = tl.load(vc + lo, mask=cm, other=0.0, cache_modifier=XC).to(tl.float32)
+        v_hi_c = tl.load(vc + lo + D // 2, mask=cm, other=0.0, cache_modifier=XC).to(tl.float32)
         # the new rows: k normed and rotated, both rounded to the cache's dtype as the plain path reads them
         row0 = qkv_ptr + (b * T) * stride_qkv
         c_lo0, c_hi0, s_lo0, s_hi0, k_lo0, k_hi0, v_lo0, v_hi0 = _new_row(
@@ -472,6 +472,7 @@ def persistent_fits(rows: int, sample) -> bool:
     """Can a frame of `rows` drawn by `sample` run as one persistent launch? Few rows, and draws the
     kernel can make itself: a `FrameDraws` of a fused sampler (the pipeline's); a plain callable is not."""
     from omni_rt.kernels.code_frame_persistent import MAX_ROWS
+
     from omni_rt.model.sampling import FrameDraws
 
     return rows <= MAX_ROWS and isinstance(sample, FrameDraws) and sample.sampler.fused

@@ -81,8 +81,8 @@ if triton is not None:
         return w, n
 
     @triton.jit
-    def _gemv(pid, nprog, x_ptr, idx_ptr, w_ptr, g_ptr, r_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, stride_w, stride_r,
-              stride_y, up_off, eps, NORM: tl.constexpr, X_GATHER: tl.constexpr, R_GATHER: tl.constexpr,
+    def _gemv(pid, nprog, x_ptr, idx_ptr, w_ptr, g_ptr, r_ptr, y_ptr, M, N, K: tl.constexpr, stride_x, stride_w,
+              stride_r, stride_y, up_off, eps, NORM: tl.constexpr, X_GATHER: tl.constexpr, R_GATHER: tl.constexpr,
               EPI: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RND: tl.constexpr,
               PRECISE: tl.constexpr):  # fmt: skip
         """One GEMV phase: this program's column tiles of `code_frame._linear_tile`."""
@@ -97,7 +97,7 @@ if triton is not None:
         ln1_ptr, qkv_w, qn_ptr, kn_ptr, o_w, ln2_ptr, gu_w, down_w, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
         B, p0, eps, inv_d, scale,
         s_h, s_qkv, s_att, s_mid, s_act, s_x, s_wl_qkv, s_wl_o, s_wl_gu, s_wl_down, s_cly, s_cs, s_ch, s_cp,
-        H: tl.constexpr, NQKV: tl.constexpr, I: tl.constexpr,
+        H: tl.constexpr, NQKV: tl.constexpr, INTER: tl.constexpr,
         T: tl.constexpr, GATHER: tl.constexpr, HQ: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
         P: tl.constexpr, HAS_QK_NORM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK_H: tl.constexpr,
         BK_O: tl.constexpr, BK_I: tl.constexpr, RND: tl.constexpr, RND_C: tl.constexpr, PRECISE: tl.constexpr,
@@ -114,7 +114,7 @@ if triton is not None:
         _gemv(pid, nprog, x, idx_ptr, qkv_w + lay * s_wl_qkv, ln1_ptr + lay * H, qkv_ptr, qkv_ptr, m, NQKV, H,
               sx, H, 0, s_qkv, 0, eps, True, GATHER, False, 0, BM, BN, BK_H, RND, PRECISE)  # fmt: skip
         epoch = _grid_sync(bar_ptr, epoch, nprog)  # 2. q/k norm, RoPE, cache write, attention
-        _prefetch(gu_w + lay * s_wl_gu, 2 * I * H, pid, nprog, LINE, PREFETCH)
+        _prefetch(gu_w + lay * s_wl_gu, 2 * INTER * H, pid, nprog, LINE, PREFETCH)
         kc = kc_ptr + lay * s_cly
         vc = vc_ptr + lay * s_cly
         for item in range(pid, B * HQ, nprog):
@@ -122,15 +122,15 @@ if triton is not None:
                             kc, vc, att_ptr, p0, eps, inv_d, scale, s_qkv, s_att, s_cs, s_ch, s_cp, T, HQ, KV,
                             HQ // KV, D, P, HAS_QK_NORM, RND, RND_C, PRECISE, CG)  # fmt: skip
         epoch = _grid_sync(bar_ptr, epoch, nprog)  # 3. o_proj + residual
-        _prefetch(down_w + lay * s_wl_down, H * I, pid, nprog, LINE, PREFETCH)
+        _prefetch(down_w + lay * s_wl_down, H * INTER, pid, nprog, LINE, PREFETCH)
         _gemv(pid, nprog, att_ptr, idx_ptr, o_w + lay * s_wl_o, o_w, x, mid_ptr, m, H, HQ * D, s_att, HQ * D, sx,
               s_mid, 0, eps, False, False, GATHER, 1, BM, BN, BK_O, RND, PRECISE)  # fmt: skip
         epoch = _grid_sync(bar_ptr, epoch, nprog)  # 4. post-attention RMSNorm + gate/up + SwiGLU
         _prefetch(next_w, next_n, pid, nprog, LINE, PREFETCH)  # the next layer's q/k/v, or the head
-        _gemv(pid, nprog, mid_ptr, idx_ptr, gu_w + lay * s_wl_gu, ln2_ptr + lay * H, mid_ptr, act_ptr, m, I, H,
-              s_mid, H, 0, s_act, I, eps, True, False, False, 2, BM, BN, BK_H, RND, PRECISE)  # fmt: skip
+        _gemv(pid, nprog, mid_ptr, idx_ptr, gu_w + lay * s_wl_gu, ln2_ptr + lay * H, mid_ptr, act_ptr, m, INTER, H,
+              s_mid, H, 0, s_act, INTER, eps, True, False, False, 2, BM, BN, BK_H, RND, PRECISE)  # fmt: skip
         epoch = _grid_sync(bar_ptr, epoch, nprog)  # 5. down_proj + residual
-        _gemv(pid, nprog, act_ptr, idx_ptr, down_w + lay * s_wl_down, down_w, mid_ptr, h_ptr, m, H, I, s_act, I,
+        _gemv(pid, nprog, act_ptr, idx_ptr, down_w + lay * s_wl_down, down_w, mid_ptr, h_ptr, m, H, INTER, s_act, INTER,
               s_mid, s_h, 0, eps, False, False, False, 1, BM, BN, BK_I, RND, PRECISE)  # fmt: skip
         return epoch
 
@@ -167,7 +167,8 @@ if triton is not None:
         B, eps, inv_d, scale,
         s_h, s_qkv, s_att, s_mid, s_act, s_logit, s_wl_qkv, s_wl_o, s_wl_gu, s_wl_down, s_hg, s_eg,
         s_cly, s_cs, s_ch, s_cp,
-        H: tl.constexpr, NQKV: tl.constexpr, I: tl.constexpr, V: tl.constexpr, L: tl.constexpr, G: tl.constexpr, HQ: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+        H: tl.constexpr, NQKV: tl.constexpr, INTER: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+        G: tl.constexpr, HQ: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
         HAS_QK_NORM: tl.constexpr, STAGE: tl.constexpr, HAS_SEEN: tl.constexpr, HAS_SUPP: tl.constexpr,
         BLOCK_V: tl.constexpr, KEY16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK_H: tl.constexpr,
         BK_O: tl.constexpr, BK_I: tl.constexpr, RND: tl.constexpr, RND_C: tl.constexpr, PRECISE: tl.constexpr,
@@ -184,7 +185,7 @@ if triton is not None:
                 pid, nprog, bar_ptr, epoch, layer, h_ptr, codes_ptr, h_ptr, qkv_ptr, att_ptr, mid_ptr, act_ptr,
                 nw, nn, ln1_ptr, qkv_w, qn_ptr, kn_ptr, o_w, ln2_ptr, gu_w, down_w, cos_ptr, sin_ptr, kc_ptr,
                 vc_ptr, B, 0, eps, inv_d, scale, s_h, s_qkv, s_att, s_mid, s_act, s_h, s_wl_qkv, s_wl_o, s_wl_gu,
-                s_wl_down, s_cly, s_cs, s_ch, s_cp, H, NQKV, I, 2, False, HQ, KV, D, P, HAS_QK_NORM, BM, BN, BK_H,
+                s_wl_down, s_cly, s_cs, s_ch, s_cp, H, NQKV, INTER, 2, False, HQ, KV, D, P, HAS_QK_NORM, BM, BN, BK_H,
                 BK_O, BK_I, RND, RND_C, PRECISE, LINE, PREFETCH,
             )  # fmt: skip
         epoch = _head_and_draw(
@@ -201,7 +202,7 @@ if triton is not None:
                 pid, nprog, bar_ptr, epoch, 0, emb, idx, h_ptr, qkv_ptr, att_ptr, mid_ptr, act_ptr, nw, nn,
                 ln1_ptr, qkv_w, qn_ptr, kn_ptr, o_w, ln2_ptr, gu_w, down_w, cos_ptr, sin_ptr, kc_ptr, vc_ptr, B,
                 i + 1, eps, inv_d, scale, s_h, s_qkv, s_att, s_mid, s_act, H, s_wl_qkv, s_wl_o, s_wl_gu, s_wl_down,
-                s_cly, s_cs, s_ch, s_cp, H, NQKV, I, 1, True, HQ, KV, D, P, HAS_QK_NORM, BM, BN, BK_H, BK_O, BK_I,
+                s_cly, s_cs, s_ch, s_cp, H, NQKV, INTER, 1, True, HQ, KV, D, P, HAS_QK_NORM, BM, BN, BK_H, BK_O, BK_I,
                 RND, RND_C, PRECISE, LINE, PREFETCH,
             )  # fmt: skip
             for layer in range(1, L):
@@ -210,7 +211,7 @@ if triton is not None:
                     pid, nprog, bar_ptr, epoch, layer, h_ptr, idx, h_ptr, qkv_ptr, att_ptr, mid_ptr, act_ptr, nw,
                     nn, ln1_ptr, qkv_w, qn_ptr, kn_ptr, o_w, ln2_ptr, gu_w, down_w, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
                     B, i + 1, eps, inv_d, scale, s_h, s_qkv, s_att, s_mid, s_act, s_h, s_wl_qkv, s_wl_o, s_wl_gu,
-                    s_wl_down, s_cly, s_cs, s_ch, s_cp, H, NQKV, I, 1, False, HQ, KV, D, P, HAS_QK_NORM, BM, BN,
+                    s_wl_down, s_cly, s_cs, s_ch, s_cp, H, NQKV, INTER, 1, False, HQ, KV, D, P, HAS_QK_NORM, BM, BN,
                     BK_H, BK_O, BK_I, RND, RND_C, PRECISE, LINE, PREFETCH,
                 )  # fmt: skip
             epoch = _head_and_draw(
@@ -282,7 +283,8 @@ class PersistentFrame:
             h.stride(0), qkv.stride(0), att.stride(0), mid.stride(0), act.stride(0), logits.stride(0),
             self.qkv.stride(0), self.o.stride(0), self.gu.stride(0), self.down.stride(0), self.heads.stride(0),
             self.embeds.stride(0), kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
-            H=width, NQKV=nqkv, I=inter, V=vocab, L=self.qkv.shape[0], G=groups, HQ=hq, KV=kv, D=d, P=max(next_pow2(cache.max_len), 2),
+            H=width, NQKV=nqkv, INTER=inter, V=vocab, L=self.qkv.shape[0], G=groups, HQ=hq, KV=kv, D=d,
+            P=max(next_pow2(cache.max_len), 2),
             HAS_QK_NORM=self.qk_norm, STAGE=s.stage, HAS_SEEN=seen is not None, HAS_SUPP=supp is not None,
             BLOCK_V=next_pow2(vocab), KEY16=SHORT_KEYS and dt == torch.bfloat16 and seen is None,
             BM=next_pow2(2 * b), BN=bn, BK_H=min(bk, next_pow2(width)), BK_O=min(bk, next_pow2(hq * d)),

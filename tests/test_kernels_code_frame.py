@@ -113,3 +113,30 @@ def test_few_rows_path_over_several_row_and_k_blocks(monkeypatch):
     got, k_got, _ = run(cp, True, hidden, code0)
     assert got.tolist() == want.tolist()
     torch.testing.assert_close(k_got, k_want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, batch", [(torch.float32, 2), (torch.bfloat16, 1)])
+def test_persistent_frame_makes_the_per_step_kernels_codes_and_cache(dtype, batch):
+    """The whole frame as one persistent launch (kernels/code_frame_persistent.py) runs the per-step
+    kernels' own tile functions: the same codes, sampled and greedy rows together, and the same cache."""
+    from omni_rt.kernels.code_frame import CodeFrame, persistent_fits
+
+    cp = predictor(dtype, seed=3)
+    sampler = S.StageSampler("code_predictor", 2, 64, history=False, fused=True)
+    sampler.assign(0, S.residual_code_sampling(Sampling().code_predictor), seed=50)
+    sampler.assign(1, S.residual_code_sampling(Sampling.greedy().code_predictor), seed=51)
+    slots, keys = torch.arange(batch), torch.tensor([9, 10])[:batch]
+    hidden, code0 = inputs(batch, cp.cfg.hidden_size, dtype)
+    assert persistent_fits(batch, S.frame_sampler(sampler, slots, keys))
+    assert not persistent_fits(batch, greedy)  # a plain callable: the per-step kernels draw
+    got = []
+    for persistent in (False, True):
+        cp.frame_fn = CodeFrame(cp, persistent=persistent)
+        cp.cache = None
+        codes = cp.predict(hidden, code0, S.frame_sampler(sampler, slots, keys))
+        got.append((codes, cp.cache.k.clone(), cp.cache.v.clone()))
+    (want, k_want, v_want), (codes, k_got, v_got) = got
+    assert codes.tolist() == want.tolist()
+    assert len(set(want.flatten().tolist())) > 8  # the codes vary: the check can fail
+    assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+    assert cp.frame_fn._persistent is not None  # the persistent launch ran

@@ -40,7 +40,7 @@ MAX_ROWS = 2  # frames of more rows take the per-step kernels (their phases are 
 # Measured on an H200 by scripts/gpu_code_frame.py (docs/performance.md): output columns per tile, warps
 # and programs per SM (all of them must be resident at once), and whether each phase asks L2 for the next
 # phase's weights.
-PERSISTENT_BLOCKS = {"BN": 4, "num_warps": 4, "per_sm": 1}
+PERSISTENT_BLOCKS = {"BN": 4, "WIDE": 1, "num_warps": 4, "per_sm": 1}  # WIDE: BN's factor for q/k/v, gate/up
 PREFETCH = True
 
 if triton is not None:
@@ -101,7 +101,7 @@ if triton is not None:
         T: tl.constexpr, GATHER: tl.constexpr, HQ: tl.constexpr, KV: tl.constexpr, D: tl.constexpr,
         P: tl.constexpr, HAS_QK_NORM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK_H: tl.constexpr,
         BK_O: tl.constexpr, BK_I: tl.constexpr, RND: tl.constexpr, RND_C: tl.constexpr, PRECISE: tl.constexpr,
-        LINE: tl.constexpr, PREFETCH: tl.constexpr,
+        LINE: tl.constexpr, PREFETCH: tl.constexpr, WIDE: tl.constexpr,
     ):  # fmt: skip
         """One decoder layer's five phases over the step's rows (b * T + t), each after a barrier. The
         layer's input is x (GATHER: the embedding rows of the codes at idx) or h; its output is h."""
@@ -112,7 +112,7 @@ if triton is not None:
         epoch = _grid_sync(bar_ptr, epoch, nprog)  # 1. input RMSNorm + packed q/k/v
         _prefetch(o_w + lay * s_wl_o, H * HQ * D, pid, nprog, LINE, PREFETCH)
         _gemv(pid, nprog, x, idx_ptr, qkv_w + lay * s_wl_qkv, ln1_ptr + lay * H, qkv_ptr, qkv_ptr, m, NQKV, H,
-              sx, H, 0, s_qkv, 0, eps, True, GATHER, False, 0, BM, BN, BK_H, RND, PRECISE)  # fmt: skip
+              sx, H, 0, s_qkv, 0, eps, True, GATHER, False, 0, BM, BN * WIDE, BK_H, RND, PRECISE)  # fmt: skip
         epoch = _grid_sync(bar_ptr, epoch, nprog)  # 2. q/k norm, RoPE, cache write, attention
         _prefetch(gu_w + lay * s_wl_gu, 2 * INTER * H, pid, nprog, LINE, PREFETCH)
         kc = kc_ptr + lay * s_cly
@@ -128,7 +128,7 @@ if triton is not None:
         epoch = _grid_sync(bar_ptr, epoch, nprog)  # 4. post-attention RMSNorm + gate/up + SwiGLU
         _prefetch(next_w, next_n, pid, nprog, LINE, PREFETCH)  # the next layer's q/k/v, or the head
         _gemv(pid, nprog, mid_ptr, idx_ptr, gu_w + lay * s_wl_gu, ln2_ptr + lay * H, mid_ptr, act_ptr, m, INTER, H,
-              s_mid, H, 0, s_act, INTER, eps, True, False, False, 2, BM, BN, BK_H, RND, PRECISE)  # fmt: skip
+              s_mid, H, 0, s_act, INTER, eps, True, False, False, 2, BM, BN * WIDE, BK_H, RND, PRECISE)  # fmt: skip
         epoch = _grid_sync(bar_ptr, epoch, nprog)  # 5. down_proj + residual
         _gemv(pid, nprog, act_ptr, idx_ptr, down_w + lay * s_wl_down, down_w, mid_ptr, h_ptr, m, H, INTER, s_act, INTER,
               s_mid, s_h, 0, eps, False, False, False, 1, BM, BN, BK_I, RND, PRECISE)  # fmt: skip
@@ -172,7 +172,7 @@ if triton is not None:
         HAS_QK_NORM: tl.constexpr, STAGE: tl.constexpr, HAS_SEEN: tl.constexpr, HAS_SUPP: tl.constexpr,
         BLOCK_V: tl.constexpr, KEY16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK_H: tl.constexpr,
         BK_O: tl.constexpr, BK_I: tl.constexpr, RND: tl.constexpr, RND_C: tl.constexpr, PRECISE: tl.constexpr,
-        LINE: tl.constexpr, PREFETCH: tl.constexpr,
+        LINE: tl.constexpr, PREFETCH: tl.constexpr, WIDE: tl.constexpr, BM1: tl.constexpr,
     ):  # fmt: skip
         """A whole frame: step 0 over 2 positions (the Talker's hidden state and code 0's embedding, in h),
         then steps 1..G-1 over the embedding of the code drawn before; codes_ptr [G, B]."""
@@ -186,7 +186,7 @@ if triton is not None:
                 nw, nn, ln1_ptr, qkv_w, qn_ptr, kn_ptr, o_w, ln2_ptr, gu_w, down_w, cos_ptr, sin_ptr, kc_ptr,
                 vc_ptr, B, 0, eps, inv_d, scale, s_h, s_qkv, s_att, s_mid, s_act, s_h, s_wl_qkv, s_wl_o, s_wl_gu,
                 s_wl_down, s_cly, s_cs, s_ch, s_cp, H, NQKV, INTER, 2, False, HQ, KV, D, P, HAS_QK_NORM, BM, BN, BK_H,
-                BK_O, BK_I, RND, RND_C, PRECISE, LINE, PREFETCH,
+                BK_O, BK_I, RND, RND_C, PRECISE, LINE, PREFETCH, WIDE,
             )  # fmt: skip
         epoch = _head_and_draw(
             pid, nprog, bar_ptr, epoch, 0, h_ptr, logit_ptr, codes_ptr, fnorm_ptr, head_w, qkv_w, NQKV * H,
@@ -202,8 +202,8 @@ if triton is not None:
                 pid, nprog, bar_ptr, epoch, 0, emb, idx, h_ptr, qkv_ptr, att_ptr, mid_ptr, act_ptr, nw, nn,
                 ln1_ptr, qkv_w, qn_ptr, kn_ptr, o_w, ln2_ptr, gu_w, down_w, cos_ptr, sin_ptr, kc_ptr, vc_ptr, B,
                 i + 1, eps, inv_d, scale, s_h, s_qkv, s_att, s_mid, s_act, H, s_wl_qkv, s_wl_o, s_wl_gu, s_wl_down,
-                s_cly, s_cs, s_ch, s_cp, H, NQKV, INTER, 1, True, HQ, KV, D, P, HAS_QK_NORM, BM, BN, BK_H, BK_O, BK_I,
-                RND, RND_C, PRECISE, LINE, PREFETCH,
+                s_cly, s_cs, s_ch, s_cp, H, NQKV, INTER, 1, True, HQ, KV, D, P, HAS_QK_NORM, BM1, BN, BK_H, BK_O,
+                BK_I, RND, RND_C, PRECISE, LINE, PREFETCH, WIDE,
             )  # fmt: skip
             for layer in range(1, L):
                 nw, nn = _next_weights(layer, L, i, qkv_w, s_wl_qkv, head_w, s_hg, NQKV * H, V * H)
@@ -211,13 +211,13 @@ if triton is not None:
                     pid, nprog, bar_ptr, epoch, layer, h_ptr, idx, h_ptr, qkv_ptr, att_ptr, mid_ptr, act_ptr, nw,
                     nn, ln1_ptr, qkv_w, qn_ptr, kn_ptr, o_w, ln2_ptr, gu_w, down_w, cos_ptr, sin_ptr, kc_ptr, vc_ptr,
                     B, i + 1, eps, inv_d, scale, s_h, s_qkv, s_att, s_mid, s_act, s_h, s_wl_qkv, s_wl_o, s_wl_gu,
-                    s_wl_down, s_cly, s_cs, s_ch, s_cp, H, NQKV, INTER, 1, False, HQ, KV, D, P, HAS_QK_NORM, BM, BN,
-                    BK_H, BK_O, BK_I, RND, RND_C, PRECISE, LINE, PREFETCH,
+                    s_wl_down, s_cly, s_cs, s_ch, s_cp, H, NQKV, INTER, 1, False, HQ, KV, D, P, HAS_QK_NORM, BM1,
+                    BN, BK_H, BK_O, BK_I, RND, RND_C, PRECISE, LINE, PREFETCH, WIDE,
                 )  # fmt: skip
             epoch = _head_and_draw(
                 pid, nprog, bar_ptr, epoch, i, h_ptr, logit_ptr, codes_ptr, fnorm_ptr, head_w, qkv_w, NQKV * H,
                 slots_ptr, keys_ptr, temp_ptr, topk_ptr, topp_ptr, pen_ptr, dos_ptr, seed_ptr, seen_ptr, supp_ptr, B,
-                eps, s_h, s_hg, s_logit, H, V, 1, STAGE, HAS_SEEN, HAS_SUPP, BLOCK_V, KEY16, BM, BN, BK_H, RND,
+                eps, s_h, s_hg, s_logit, H, V, 1, STAGE, HAS_SEEN, HAS_SUPP, BLOCK_V, KEY16, BM1, BN, BK_H, RND,
                 PRECISE, LINE, PREFETCH,
             )  # fmt: skip
 
@@ -272,6 +272,9 @@ class PersistentFrame:
         vocab = self.heads.shape[1]
         kc, vc = cache.k, cache.v  # [layers, S, KV, P, D]
         bar = torch.zeros(1, dtype=torch.int32, device=dev)  # the barriers' counter: each graph its own
+        per_sm, warps = PERSISTENT_BLOCKS["per_sm"], PERSISTENT_BLOCKS["num_warps"]
+        if per_sm > 1 and per_sm * warps > 8:  # all must be resident: 255 registers a thread fit 8 warps an SM
+            raise ValueError(f"{per_sm} programs of {warps} warps per SM may not all be resident (a hang)")
         bn, bk = PERSISTENT_BLOCKS["BN"], GEMV_BLOCKS["BK"]
         _frame[(programs(dev) * PERSISTENT_BLOCKS["per_sm"],)](
             h, qkv, att, mid, act, logits, codes, bar,
@@ -290,6 +293,7 @@ class PersistentFrame:
             BM=next_pow2(2 * b), BN=bn, BK_H=min(bk, next_pow2(width)), BK_O=min(bk, next_pow2(hq * d)),
             BK_I=min(bk, next_pow2(inter)), RND=f.rnd,
             RND_C=rnd(kc.dtype), PRECISE=precise(), LINE=128 // dt.itemsize,
-            PREFETCH=PREFETCH and not _interpreting(), num_warps=PERSISTENT_BLOCKS["num_warps"],
+            PREFETCH=PREFETCH and not _interpreting(), WIDE=PERSISTENT_BLOCKS["WIDE"], BM1=next_pow2(b),
+            num_warps=PERSISTENT_BLOCKS["num_warps"],
         )  # fmt: skip
         return codes.t()  # [B, G]

@@ -36,6 +36,18 @@ from omni_rt.model.talker import CodePredictor, greedy  # noqa: E402
 
 BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s
 
+if code_frame_persistent.triton is not None:
+    import triton
+    import triton.language as tl
+    from omni_rt.kernels.code_frame_persistent import _grid_sync
+
+    @triton.jit
+    def _barriers(bar_ptr, n):
+        """n grid-wide barriers and nothing else: what one costs (the persistent frame has 405)."""
+        epoch = 0
+        for _ in range(n):
+            epoch = _grid_sync(bar_ptr, epoch, tl.num_programs(0))
+
 
 def build(name: str, device, dtype) -> CodePredictor:
     cfg = preset(name)
@@ -105,6 +117,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,2,8,32")
     ap.add_argument("--out", default="gpu_code_frame.json")
     ap.add_argument("--quick", action="store_true", help="the fused variants only, no GEMV sweeps")
+    ap.add_argument("--variants", default="", help="comma-separated variants to time (default: all)")
+    ap.add_argument(
+        "--persistent-sweep",
+        default='[[{}, false], [{"BN": 8}, true], [{"BN": 8, "num_warps": 8}, true], [{"per_sm": 2}, true]]',
+        help="JSON list of [PERSISTENT_BLOCKS overrides, prefetch] timed at batch 1, sampled",
+    )
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -150,6 +168,8 @@ def main(argv=None) -> int:
     variants = ("plain", "fused layers", "code_frame no PDL", "code_frame", "persistent")
     if args.quick:
         variants = variants[2:]
+    if args.variants:
+        variants = tuple(args.variants.split(","))
     for variant in variants:
         set_variant(cp, variant)
         for b in batches:
@@ -205,13 +225,10 @@ def main(argv=None) -> int:
         set_variant(cp, "persistent")
         res["persistent_sweep"] = []
         saved = (dict(code_frame_persistent.PERSISTENT_BLOCKS), code_frame_persistent.PREFETCH)
-        for blocks, prefetch in [
-            ({}, False), ({"BN": 8}, True), ({"BN": 8, "num_warps": 8}, True), ({"BN": 16, "num_warps": 8}, True),
-            ({"per_sm": 2}, True), ({"BN": 8, "per_sm": 2}, True),
-        ]:  # fmt: skip
+        for blocks, prefetch in json.loads(args.persistent_sweep):
             code_frame_persistent.PERSISTENT_BLOCKS.update(blocks)
             code_frame_persistent.PREFETCH = prefetch
-            for b in (1, 2):
+            for b in (1,):
                 inputs = (torch.randn(b, width, device=dev).to(dtype), torch.randn(b, width, device=dev).to(dtype),
                           torch.arange(b, device=dev), torch.arange(b, device=dev))  # fmt: skip
                 replay, _ = graph_of(frame_fn("sampled"), inputs, dev)
@@ -222,6 +239,14 @@ def main(argv=None) -> int:
             code_frame_persistent.PERSISTENT_BLOCKS.clear()
             code_frame_persistent.PERSISTENT_BLOCKS.update(saved[0])
             code_frame_persistent.PREFETCH = saved[1]
+        res["barrier_us"] = {}
+        for per_sm in (1, 2):  # one grid-wide barrier alone: 405 in a launch, as many as a frame has
+            progs = code_frame_persistent.programs(dev) * per_sm
+            bar = torch.zeros(1, dtype=torch.int32, device=dev)
+            replay, _ = graph_of(lambda bar=bar, n=progs: (bar.zero_(), _barriers[(n,)](bar, 405)), (), dev)
+            ms = time_ms(replay, dev, args.reps)
+            res["barrier_us"][f"{progs} programs"] = ms * 1e3 / 405
+            print(f"grid barrier, {progs} programs: {ms * 1e3 / 405:.2f} us each", flush=True)
     # block shapes: the batch-1 GEMV, then batch 8 (the few-rows path over more rows, or tl.dot tiles)
     if dev.type == "cuda" and not args.quick:
         set_variant(cp, "code_frame")  # with PDL where it runs

@@ -433,11 +433,12 @@ def test_apply_kernels_installs_what_settings_ask_and_removes_the_rest(tiny_mode
         False,
         False,
         False,
+        False,
     )  # "auto": these need CUDA
     demand = EngineSettings(moe_backend="triton", moe_prefill_kernel=True, fused_kernels=True)
-    assert kernel_choice(demand, cpu) == (True, True, True, False, False)
+    assert kernel_choice(demand, cpu) == (True, True, True, False, False, False)
     demand = EngineSettings(moe_backend="triton", fused_kernels=True, packed_projections=True)
-    assert kernel_choice(demand, cpu) == (True, False, True, True, False)
+    assert kernel_choice(demand, cpu) == (True, False, True, True, False, False)
 
     def installed():
         moe = [m.experts_fn is not None for m in tiny_model.modules() if hasattr(m, "experts_fn")]
@@ -478,6 +479,10 @@ def test_programmatic_launch_is_off_unless_asked_and_reaches_the_code_frame(tiny
         assert frames() and all(not f.pdl and f.launch == {} for f in frames())
         apply_kernels(tiny_model, EngineSettings(fused_kernels=True, programmatic_launch=True))
         assert frames() and all(f.pdl and f.launch == {"launch_pdl": True} for f in frames())
+        # the persistent frame likewise: off unless asked (slower as it stands: EngineSettings says so)
+        assert all(not f.persistent for f in frames())
+        apply_kernels(tiny_model, EngineSettings(fused_kernels=True, persistent_code_frame=True))
+        assert frames() and all(f.persistent for f in frames())
     finally:
         apply_kernels(tiny_model, EngineSettings.all_off())
 

@@ -214,8 +214,9 @@ class EngineSettings(_Settings):
         description="with fused_kernels, a code-predictor frame of one or two rows (the first audio's) as one "
         "persistent launch with grid-wide barriers between its phases (kernels/code_frame_persistent.py) "
         "instead of ~405 launches, with the same kernels' numbers (codes equal on an H200). Off: it is slower "
-        "as it stands, 4.14 ms a batch-1 frame against 2.08 (H200, 2026-12-04, docs/performance.md): each "
-        "program walks its tiles one after another, where the per-step kernels have them all in flight",
+        "as it stands, 3.12 ms a sampled batch-1 frame at its best shape against 2.23 (H200, 2026-12-04, "
+        "docs/performance.md): a barrier costs 0.9 us, but with at most two programs an SM each phase is a "
+        "chain of memory round trips that the per-step kernels' ~1,000 programs hide",
     )
     fused_code2wav: bool = Field(
         True,

@@ -332,6 +332,40 @@ if triton is not None:
                         vc_ptr, o_ptr, p0, eps, inv_d, scale, stride_qkv, stride_o, stride_cs, stride_ch, stride_cl,
                         T, HQ, KV, REP, D, BL, HAS_NORM, RND, RND_C, PRECISE, "")  # fmt: skip
 
+    @triton.jit
+    def _qkv_attention(
+        x_ptr, idx_ptr, w_ptr, g_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, eps, inv_k,
+        cnt_ptr,  # [HQ] int32 zeros: per query head, the q/k/v tiles it needs that are done
+        qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, o_ptr, B, p0, inv_d, scale, stride_o, stride_cs,
+        stride_ch, stride_cl, X_GATHER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        RND: tl.constexpr, PRECISE: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr, T: tl.constexpr,
+        HQ: tl.constexpr, KV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, BL: tl.constexpr,
+        HAS_NORM: tl.constexpr, RND_C: tl.constexpr,
+    ):  # fmt: skip
+        """The input RMSNorm + packed q/k/v GEMV (`_linear_tile`), and the attention of each query head
+        made by the program that finishes the last q/k/v tile it needs (a counter per head: its q tiles,
+        its kv group's k and v tiles): one launch instead of two. It reads the other programs' tiles from
+        L2 after an acq_rel add, as the persistent frame's barrier does."""
+        if PDL:
+            gdc_launch_dependents()
+        pid_n = tl.program_id(0)
+        _linear_tile(pid_n, 0, x_ptr, idx_ptr, w_ptr, g_ptr, y_ptr, y_ptr, M, N, K, stride_x, stride_w, 0,
+                     stride_y, 0, eps, inv_k, True, X_GATHER, False, 0, BM, BN, BK, False, False, RND, PRECISE,
+                     SINGLE, PDL, "")  # fmt: skip
+        head = (pid_n * BN) // D  # a tile's rows lie in one head of [q heads, k heads, v heads]
+        # a q head's tile counts for its head; a k or a v head's for every query head of its group
+        first = tl.where(head < HQ, head, ((head - HQ) % KV) * REP)
+        count = tl.where(head < HQ, 1, REP)
+        tl.debug_barrier()  # all of this program's stores before its adds
+        for j in range(count):
+            done = tl.atomic_add(cnt_ptr + first + j, 1, sem="acq_rel", scope="gpu")
+            if done == 3 * (D // BN) - 1:  # the last of the head's q, k and v tiles
+                tl.atomic_xchg(cnt_ptr + first + j, 0)  # zero again for the next layer's launch
+                for b in range(B):
+                    _attention_item(b, first + j, y_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, o_ptr,
+                                    p0, eps, inv_d, scale, stride_y, stride_o, stride_cs, stride_ch, stride_cl, T,
+                                    HQ, KV, REP, D, BL, HAS_NORM, RND, RND_C, PRECISE, ".cg")  # fmt: skip
+
 
 # Block shapes. A GEMV at batch 1 reads each weight once, so what matters is enough programs in flight
 # to pull the bandwidth (N / BN of them) and few K iterations (each one a dependent round of loads: BK
@@ -351,7 +385,9 @@ class CodeFrame:
     `CodePredictor.predict` (static shapes, no host sync: a whole frame can be captured in one graph).
     """
 
-    def __init__(self, cp, programmatic_launch: bool = False, persistent: bool = False) -> None:
+    def __init__(
+        self, cp, programmatic_launch: bool = False, persistent: bool = False, fold_attention: bool = True
+    ) -> None:
         require_triton()
         cfg = cp.cfg
         head = cp.lm_head[0].weight
@@ -386,6 +422,7 @@ class CodeFrame:
         self.pdl = programmatic_launch and pdl_runs(head.device)
         self.launch = {"launch_pdl": True} if self.pdl else {}
         self.persistent = persistent  # frames of few rows as one launch (`code_frame_persistent`)
+        self.fold_attention = fold_attention  # few rows: the attention inside the q/k/v launch
         self._persistent = None  # its stacked weights, made at the first such frame
 
     def _linear(self, x, w, m, *, norm=None, idx=None, gather_x=False, residual=None, gather_r=False,
@@ -433,6 +470,32 @@ class CodeFrame:
         )  # fmt: skip
         return out
 
+    def _qkv_attention(self, h, qkv_w, m, ln1, idx, gather, q_w, k_w, cache, layer, b, t, p0, counters):
+        """`_linear` (norm + q/k/v) then `_attention` in one launch, for few rows (`_qkv_attention`)."""
+        cfg = self.cfg
+        hq, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        n, k = qkv_w.shape
+        qkv = torch.empty(m, n, dtype=qkv_w.dtype, device=qkv_w.device)
+        out = torch.empty(b * t, hq * d, dtype=qkv_w.dtype, device=qkv_w.device)
+        kc, vc = cache.k[layer], cache.v[layer]  # [S, KV, L, D]
+        bn, bk = GEMV_BLOCKS["BN"], min(GEMV_BLOCKS["BK"], next_pow2(k))
+        _qkv_attention[(triton.cdiv(n, bn),)](
+            h, idx if idx is not None else qkv, qkv_w, ln1, qkv, m, n, k, h.stride(0), qkv_w.stride(0),
+            qkv.stride(0), self.eps, 1.0 / k, counters,
+            q_w if q_w is not None else qkv, k_w if k_w is not None else qkv, self.cos, self.sin, kc, vc, out, b, p0,
+            1.0 / d, d**-0.5, out.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
+            X_GATHER=gather, BM=min(next_pow2(m), GEMV_BLOCKS["BM"]), BN=bn, BK=bk, RND=self.rnd,
+            PRECISE=precise(), SINGLE=k <= bk, PDL=self.pdl, T=t, HQ=hq, KV=kv, REP=hq // kv, D=d,
+            BL=max(next_pow2(p0), 2), HAS_NORM=q_w is not None, RND_C=rnd(kc.dtype),
+            num_warps=GEMV_BLOCKS["num_warps"], **self.launch,
+        )  # fmt: skip
+        return qkv, out
+
+    def _folds(self, m: int) -> bool:
+        """Does a step of m rows make its attention inside the q/k/v launch?"""
+        bm = min(next_pow2(m), GEMV_BLOCKS["BM"])
+        return self.fold_attention and m <= SMALL_M and m <= bm and self.cfg.head_dim % GEMV_BLOCKS["BN"] == 0
+
     def __call__(self, cp, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, sample) -> torch.Tensor:
         b, width = talker_hidden.shape
         if self.persistent and persistent_fits(b, sample):
@@ -446,14 +509,21 @@ class CodeFrame:
         codes: list[torch.Tensor] = []
         idx = None  # set: the step's input rows are this code's rows of an embedding table
         n = cp.num_code_groups - 1
+        counters = None
+        if self._folds(b):  # zeroed once a frame; each head's last tile zeroes its counter again
+            counters = torch.zeros(self.cfg.num_attention_heads, dtype=torch.int32, device=talker_hidden.device)
         for i in range(n):
             t, p0 = (2, 0) if i == 0 else (1, i + 1)  # step 0 is the 2-position prefill (see predict)
             m = b * t
             h = x
             for layer, (ln1, qkv_w, q_w, k_w, o_w, ln2, gate_up, down) in enumerate(self.layers):
                 gather = idx is not None and layer == 0
-                qkv = self._linear(h, qkv_w, m, norm=ln1, idx=idx, gather_x=gather)
-                attn = self._attention(qkv, q_w, k_w, cache, layer, b, t, p0)
+                if counters is not None and self._folds(m):
+                    _, attn = self._qkv_attention(h, qkv_w, m, ln1, idx, gather, q_w, k_w, cache, layer, b, t, p0,
+                                                  counters)  # fmt: skip
+                else:
+                    qkv = self._linear(h, qkv_w, m, norm=ln1, idx=idx, gather_x=gather)
+                    attn = self._attention(qkv, q_w, k_w, cache, layer, b, t, p0)
                 mid = self._linear(attn, o_w, m, idx=idx, residual=h, gather_r=gather)
                 act = self._linear(mid, gate_up, m, norm=ln2, swiglu=True)
                 h = self._linear(act, down, m, residual=mid)
@@ -478,16 +548,19 @@ def persistent_fits(rows: int, sample) -> bool:
     return rows <= MAX_ROWS and isinstance(sample, FrameDraws) and sample.sampler.fused
 
 
-def install_code_frame(model: torch.nn.Module, programmatic_launch: bool = False, persistent: bool = False) -> int:
+def install_code_frame(
+    model: torch.nn.Module, programmatic_launch: bool = False, persistent: bool = False, fold_attention: bool = True
+) -> int:
     """Set `frame_fn` on every `CodePredictor` in `model` (dense, Triton-runnable); returns the count.
     programmatic_launch: the few-rows kernels as programmatic dependent launches where the card runs them.
-    persistent: frames of at most `code_frame_persistent.MAX_ROWS` rows as one launch."""
+    persistent: frames of at most `code_frame_persistent.MAX_ROWS` rows as one launch. fold_attention:
+    steps of few rows make their attention inside the q/k/v launch (`_qkv_attention`)."""
     from omni_rt.model.talker import CodePredictor
 
     require_triton()
     changed = 0
     for m in model.modules():
         if isinstance(m, CodePredictor):
-            m.frame_fn = mark(CodeFrame(m, programmatic_launch, persistent), "code_frame")
+            m.frame_fn = mark(CodeFrame(m, programmatic_launch, persistent, fold_attention), "code_frame")
             changed += 1
     return changed

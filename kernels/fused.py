@@ -51,6 +51,7 @@ def install_all(
     fuse_gate: bool = False,
     programmatic_launch: bool = False,
     persistent_frame: bool = False,
+    fold_frame_attention: bool = True,
 ) -> dict[str, int]:
     """Install the `enabled` kernels (True: all of KERNELS, False: none) on `model`; modules patched per kernel.
 
@@ -64,6 +65,7 @@ def install_all(
     programmatic_launch: the code frame's few-rows kernels as programmatic dependent launches, where the
     card runs them (`EngineSettings.programmatic_launch` says why it is off by default). persistent_frame:
     the code frame of one or two rows as one persistent launch (`EngineSettings.persistent_code_frame`).
+    fold_frame_attention: its steps of few rows make their attention inside the q/k/v launch.
     Installing twice replaces the earlier hooks.
     """
     names = list(KERNELS) if enabled is True else [] if enabled is False else list(enabled)
@@ -87,8 +89,9 @@ def install_all(
             done[name] = install_decode_attention(model, max_rows)
         elif name == "code_frame":
             done[name] = install_code_frame(
-                model, programmatic_launch=programmatic_launch, persistent=persistent_frame
-            )
+                model, programmatic_launch=programmatic_launch, persistent=persistent_frame,
+                fold_attention=fold_frame_attention,
+            )  # fmt: skip
         elif name == "code2wav":
             done[name] = install_code2wav(model)
         else:

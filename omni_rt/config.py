@@ -218,6 +218,12 @@ class EngineSettings(_Settings):
         "docs/performance.md): a barrier costs 0.9 us, but with at most two programs an SM each phase is a "
         "chain of memory round trips that the per-step kernels' ~1,000 programs hide",
     )
+    fold_frame_attention: bool = Field(
+        True,
+        description="with fused_kernels, the code-predictor frame's steps of at most 4 rows make each head's "
+        "attention inside the q/k/v launch, in the program that finishes the head's last q/k/v tile (one launch "
+        "fewer per layer, 75 a frame; bit-equal); False: a launch of its own, for comparison",
+    )
     fused_code2wav: bool = Field(
         True,
         description="with fused_kernels, Code2Wav's streaming step in fused kernels too (kernels/code2wav_step.py: "

@@ -99,6 +99,7 @@ class KernelChoice(NamedTuple):
     packed: bool  # packed projections (one GEMM for q/k/v and for gate/up; plain PyTorch)
     programmatic_launch: bool  # the fused code frame's kernels as programmatic dependent launches
     persistent_frame: bool  # the fused code frame of one or two rows as one persistent launch
+    fold_frame_attention: bool  # the fused code frame's attention inside its q/k/v launch (few rows)
 
 
 def kernel_choice(settings: EngineSettings, device: Any) -> KernelChoice:
@@ -118,6 +119,7 @@ def kernel_choice(settings: EngineSettings, device: Any) -> KernelChoice:
         packed=wanted(settings.packed_projections, device.type == "cuda"),
         programmatic_launch=settings.programmatic_launch,
         persistent_frame=settings.persistent_code_frame,
+        fold_frame_attention=settings.fold_frame_attention,
     )
     demanded = [
         name
@@ -163,7 +165,7 @@ def apply_kernels(omni: Any, settings: EngineSettings) -> KernelChoice:
             fused_kernels.uninstall_all(omni)  # none left from an engine of other settings sharing the model
             fused_kernels.install_all(
                 omni, names, programmatic_launch=choice.programmatic_launch,
-                persistent_frame=choice.persistent_frame,
+                persistent_frame=choice.persistent_frame, fold_frame_attention=choice.fold_frame_attention,
             )  # fmt: skip
         elif "omni_rt.kernels.fused" in sys.modules:  # never imported: nothing of it can be installed
             sys.modules["omni_rt.kernels.fused"].uninstall_all(omni)

@@ -105,7 +105,8 @@ def set_variant(cp: CodePredictor, variant: str) -> None:
     fused.install_all(host, [k for k in fused.KERNELS if k != "code_frame"])
     if variant.startswith("code_frame") or variant == "persistent":
         fused.install_all(host, ["code_frame"], programmatic_launch=variant == "code_frame",
-                          persistent_frame=variant == "persistent")  # fmt: skip
+                          persistent_frame=variant == "persistent",
+                          fold_frame_attention=not variant.endswith("no fold"))  # fmt: skip
 
 
 @torch.no_grad()
@@ -165,7 +166,7 @@ def main(argv=None) -> int:
         return frame
 
     outputs = {}
-    variants = ("plain", "fused layers", "code_frame no PDL", "code_frame", "persistent")
+    variants = ("plain", "fused layers", "code_frame no PDL no fold", "code_frame no PDL", "code_frame", "persistent")
     if args.quick:
         variants = variants[2:]
     if args.variants:
@@ -196,6 +197,15 @@ def main(argv=None) -> int:
                     first = out.clone()
                     replay()
                     outputs[(variant, b, mode)] = (first, torch.equal(first, out))
+    for mode in ("greedy", "sampled"):
+        for b in (1, 2, max(batches)):  # the attention folded into the q/k/v launch: the same codes?
+            if ("code_frame no PDL no fold", b, mode) in outputs and ("code_frame no PDL", b, mode) in outputs:
+                got, repeat = outputs[("code_frame no PDL", b, mode)]
+                ref, _ = outputs[("code_frame no PDL no fold", b, mode)]
+                res["checks"][f"folded attention batch {b} {mode}: codes equal to unfolded (fraction)"] = float(
+                    (got == ref).float().mean()
+                )
+                res["checks"][f"folded attention batch {b} {mode}: replay repeats"] = repeat
     for mode in ("greedy", "sampled"):
         for b in (1, 2):  # the persistent frame's own rows: its codes against the per-step kernels'
             if ("persistent", b, mode) in outputs:

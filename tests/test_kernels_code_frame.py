@@ -140,3 +140,30 @@ def test_persistent_frame_makes_the_per_step_kernels_codes_and_cache(dtype, batc
     assert len(set(want.flatten().tolist())) > 8  # the codes vary: the check can fail
     assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
     assert cp.frame_fn._persistent is not None  # the persistent launch ran
+
+
+def test_attention_folded_into_the_qkv_launch_equals_two_launches(monkeypatch):
+    """Few rows make each head's attention in the q/k/v launch, by the program that finishes the head's
+    last tile (tiny's predictor: 4 query heads over 2 kv heads, so a k or v tile counts for two heads):
+    the same codes and a bit-equal cache as the q/k/v launch followed by the attention launch."""
+    from omni_rt.kernels import code_frame
+
+    cp = predictor(torch.bfloat16)
+    hidden, code0 = inputs(2, cp.cfg.hidden_size, torch.bfloat16)
+    folded = []
+    monkeypatch.setattr(code_frame.CodeFrame, "_qkv_attention", spy(code_frame.CodeFrame._qkv_attention, folded))
+    got, k_got, v_got = run(cp, True, hidden, code0)
+    assert len(folded) == 15 * cp.cfg.num_hidden_layers  # every step of the frame folded
+    monkeypatch.setattr(code_frame.CodeFrame, "_folds", lambda self, m: False)  # fold_attention=False
+    want, k_want, v_want = run(cp, True, hidden, code0)
+    assert len(folded) == 15 * cp.cfg.num_hidden_layers
+    assert got.tolist() == want.tolist()
+    assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+
+
+def spy(fn, calls: list):
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return wrapped

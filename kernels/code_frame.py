@@ -62,9 +62,7 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _linear_tile(
-        pid_n,  # the tile of output columns [pid_n * BN, (pid_n + 1) * BN)
-        pid_m,  # the tile of rows [pid_m * BM, (pid_m + 1) * BM)
+    def _linear(
         x_ptr,  # [rows, K] (X_GATHER: an embedding table, rows picked by idx)
         idx_ptr,  # [M] int64 (X_GATHER / R_GATHER)
         w_ptr,  # [N (+ up_off), K] weight, unit stride along K
@@ -94,10 +92,11 @@ if triton is not None:
         PRECISE: tl.constexpr,
         SINGLE: tl.constexpr,  # K <= BK: one tile
         PDL: tl.constexpr,  # launched as a programmatic dependent launch (`_triton.pdl_runs`)
-        XC: tl.constexpr,  # the cache modifier of loads of what this launch may have written ("" or ".cg")
     ):
-        """One [BM, BN] tile of y = epilogue(norm(x) @ w^T): the body of `_linear`, and of each GEMV phase of
-        the persistent frame (`code_frame_persistent`), whose programs loop over tiles."""
+        if PDL:  # let the next kernel's programs start and fetch their weights while this one runs
+            gdc_launch_dependents()
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
         rm = pid_m * BM + tl.arange(0, BM)
         mm = rm < M
         rm64 = rm.to(tl.int64)
@@ -117,14 +116,13 @@ if triton is not None:
         if PDL:  # everything below reads what earlier kernels wrote
             gdc_wait()
         if X_GATHER or R_GATHER:
-            gathered = tl.load(idx_ptr + rm, mask=mm, other=0, cache_modifier=XC).to(tl.int64)
+            gathered = tl.load(idx_ptr + rm, mask=mm, other=0).to(tl.int64)
         else:
             gathered = rm64
         xrow = gathered if X_GATHER else rm64
         x_rows = x_ptr + xrow[:, None] * stride_x  # [BM, 1]
         if SINGLE:
-            xm = mm[:, None] & (rk < K)[None, :]
-            xv = tl.load(x_rows + rk[None, :], mask=xm, other=0.0, cache_modifier=XC).to(tl.float32)
+            xv = tl.load(x_rows + rk[None, :], mask=mm[:, None] & (rk < K)[None, :], other=0.0).to(tl.float32)
             if NORM:  # RMSNorm as layers.RMSNorm: x * rstd rounded, then weight * that rounded
                 rstd = rsqrt_f32(tl.sum(xv * xv, axis=1) * inv_k + eps, PRECISE)
                 xv = round_to(g0[None, :] * round_to(xv * rstd[:, None], RND), RND)
@@ -136,15 +134,14 @@ if triton is not None:
                 ss = tl.zeros([BM], tl.float32)
                 for k0 in range(0, K, BK):
                     km = (k0 + rk) < K
-                    xv = tl.load(x_rows + k0 + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0,
-                                 cache_modifier=XC).to(tl.float32)
+                    xv = tl.load(x_rows + k0 + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+                    xv = xv.to(tl.float32)
                     ss += tl.sum(xv * xv, axis=1)
                 rstd = rsqrt_f32(ss * inv_k + eps, PRECISE)
             for k0 in range(0, K, BK):
                 kk = k0 + rk
                 km = kk < K
-                xm = mm[:, None] & km[None, :]
-                xv = tl.load(x_rows + kk[None, :], mask=xm, other=0.0, cache_modifier=XC).to(tl.float32)
+                xv = tl.load(x_rows + kk[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(tl.float32)
                 if NORM:
                     gv = tl.load(g_ptr + kk, mask=km, other=0.0).to(tl.float32)
                     xv = round_to(gv[None, :] * round_to(xv * rstd[:, None], RND), RND)
@@ -158,26 +155,13 @@ if triton is not None:
         out_mask = mm[:, None] & nm[None, :]
         if EPI == 1:
             rrow = gathered if R_GATHER else rm64
-            r_at = r_ptr + rrow[:, None] * stride_r + rn[None, :]
-            rv = tl.load(r_at, mask=out_mask, other=0.0, cache_modifier=XC)
+            rv = tl.load(r_ptr + rrow[:, None] * stride_r + rn[None, :], mask=out_mask, other=0.0)
             y = round_to(rv.to(tl.float32) + y, RND)
         if EPI == 2:  # F.silu(gate) * up, each op rounded as PyTorch's bf16 kernels do
             up = round_to(acc_up, RND)
             s = round_to(tl.div_rn(y, 1.0 + exp_f32(-y, PRECISE)), RND)
             y = round_to(s * up, RND)
         tl.store(y_ptr + rm64[:, None] * stride_y + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=out_mask)
-
-    @triton.jit
-    def _linear(x_ptr, idx_ptr, w_ptr, g_ptr, r_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_r, stride_y, up_off,
-                eps, inv_k, NORM: tl.constexpr, X_GATHER: tl.constexpr, R_GATHER: tl.constexpr, EPI: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, F32_DOT: tl.constexpr,
-                RND: tl.constexpr, PRECISE: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-        """A GEMV (or small GEMM) with its prologue and epilogue: one program per `_linear_tile`."""
-        if PDL:  # let the next kernel's programs start and fetch their weights while this one runs
-            gdc_launch_dependents()
-        _linear_tile(tl.program_id(0), tl.program_id(1), x_ptr, idx_ptr, w_ptr, g_ptr, r_ptr, y_ptr, M, N, K,
-                     stride_x, stride_w, stride_r, stride_y, up_off, eps, inv_k, NORM, X_GATHER, R_GATHER, EPI,
-                     BM, BN, BK, DOT, F32_DOT, RND, PRECISE, SINGLE, PDL, "")  # fmt: skip
 
     @triton.jit
     def _norm_rope(lo, hi, w_ptr, c_lo, c_hi, s_lo, s_hi, half, eps, inv_d, HAS_NORM: tl.constexpr,
@@ -198,26 +182,24 @@ if triton is not None:
     @triton.jit
     def _new_row(row, pos, cos_ptr, sin_ptr, kw_ptr, half, g, eps, inv_d, HQ: tl.constexpr, KV: tl.constexpr,
                  D: tl.constexpr, HAS_NORM: tl.constexpr, RND: tl.constexpr, RND_C: tl.constexpr,
-                 PRECISE: tl.constexpr, XC: tl.constexpr):  # fmt: skip
+                 PRECISE: tl.constexpr):  # fmt: skip
         """A new position's RoPE rows and kv head g's k (normed, rotated) and v, each rounded to the cache's
         dtype as the plain path reads them back: (cos lo, cos hi, sin lo, sin hi, k lo, k hi, v lo, v hi)."""
         c_lo = tl.load(cos_ptr + pos * D + half).to(tl.float32)
         c_hi = tl.load(cos_ptr + pos * D + D // 2 + half).to(tl.float32)
         s_lo = tl.load(sin_ptr + pos * D + half).to(tl.float32)
         s_hi = tl.load(sin_ptr + pos * D + D // 2 + half).to(tl.float32)
-        k_lo = tl.load(row + (HQ + g) * D + half, cache_modifier=XC).to(tl.float32)
-        k_hi = tl.load(row + (HQ + g) * D + D // 2 + half, cache_modifier=XC).to(tl.float32)
+        k_lo = tl.load(row + (HQ + g) * D + half).to(tl.float32)
+        k_hi = tl.load(row + (HQ + g) * D + D // 2 + half).to(tl.float32)
         k_lo, k_hi = _norm_rope(k_lo, k_hi, kw_ptr, c_lo, c_hi, s_lo, s_hi, half, eps, inv_d, HAS_NORM, RND,
                                 PRECISE, D)  # fmt: skip
-        v_lo = tl.load(row + (HQ + KV + g) * D + half, cache_modifier=XC).to(tl.float32)
-        v_hi = tl.load(row + (HQ + KV + g) * D + D // 2 + half, cache_modifier=XC).to(tl.float32)
+        v_lo = tl.load(row + (HQ + KV + g) * D + half).to(tl.float32)
+        v_hi = tl.load(row + (HQ + KV + g) * D + D // 2 + half).to(tl.float32)
         return (c_lo, c_hi, s_lo, s_hi, round_to(k_lo, RND_C), round_to(k_hi, RND_C), round_to(v_lo, RND_C),
                 round_to(v_hi, RND_C))  # fmt: skip
 
     @triton.jit
-    def _attention_item(
-        b,  # the batch row
-        h,  # the query head
+    def _attention(
         qkv_ptr,  # [B*T, (HQ + 2 KV) * D] the packed projection's rows (b * T + t)
         qw_ptr,  # [D] q_norm weight
         kw_ptr,  # [D] k_norm weight
@@ -245,12 +227,16 @@ if triton is not None:
         RND: tl.constexpr,
         RND_C: tl.constexpr,
         PRECISE: tl.constexpr,
-        XC: tl.constexpr,  # the cache modifier of loads of what this launch may have written
+        PDL: tl.constexpr,
     ):
-        """One (batch row, query head) of the attention. The new rows of k and v stay in registers: the
+        """One program per (batch row, query head). The new rows of k and v stay in registers: the
         cached rows are read from memory, the new ones are not read back (no barrier, one round of
         loads); the first query head of each kv group writes them to the cache for later steps."""
-        b = tl.cast(b, tl.int64)
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()  # the cache and the projections are earlier kernels' writes
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
         g = h // REP
         half = tl.arange(0, D // 2)
         kc = kc_ptr + b * stride_cs + g * stride_ch
@@ -258,20 +244,21 @@ if triton is not None:
         rows = tl.arange(0, BL)
         cached = rows < p0
         cm = cached[:, None]
-        lo = rows[:, None] * stride_cl + half[None, :]
-        k_lo_c = tl.load(kc + lo, mask=cm, other=0.0, cache_modifier=XC).to(tl.float32)
-        k_hi_c = tl.load(kc + lo + D // 2, mask=cm, other=0.0, cache_modifier=XC).to(tl.float32)
-        v_lo_c = tl.load(vc + lo, mask=cm, other=0.0, cache_modifier=XC).to(tl.float32)
-        v_hi_c = tl.load(vc + lo + D // 2, mask=cm, other=0.0, cache_modifier=XC).to(tl.float32)
+        k_lo_c = tl.load(kc + rows[:, None] * stride_cl + half[None, :], mask=cm, other=0.0).to(tl.float32)
+        k_hi_c = tl.load(kc + rows[:, None] * stride_cl + D // 2 + half[None, :], mask=cm, other=0.0)
+        v_lo_c = tl.load(vc + rows[:, None] * stride_cl + half[None, :], mask=cm, other=0.0).to(tl.float32)
+        v_hi_c = tl.load(vc + rows[:, None] * stride_cl + D // 2 + half[None, :], mask=cm, other=0.0)
+        k_hi_c = k_hi_c.to(tl.float32)
+        v_hi_c = v_hi_c.to(tl.float32)
         # the new rows: k normed and rotated, both rounded to the cache's dtype as the plain path reads them
         row0 = qkv_ptr + (b * T) * stride_qkv
         c_lo0, c_hi0, s_lo0, s_hi0, k_lo0, k_hi0, v_lo0, v_hi0 = _new_row(
-            row0, p0, cos_ptr, sin_ptr, kw_ptr, half, g, eps, inv_d, HQ, KV, D, HAS_NORM, RND, RND_C, PRECISE, XC
+            row0, p0, cos_ptr, sin_ptr, kw_ptr, half, g, eps, inv_d, HQ, KV, D, HAS_NORM, RND, RND_C, PRECISE
         )
         if T == 2:
             c_lo1, c_hi1, s_lo1, s_hi1, k_lo1, k_hi1, v_lo1, v_hi1 = _new_row(
                 row0 + stride_qkv, p0 + 1, cos_ptr, sin_ptr, kw_ptr, half, g, eps, inv_d, HQ, KV, D, HAS_NORM,
-                RND, RND_C, PRECISE, XC,
+                RND, RND_C, PRECISE,
             )  # fmt: skip
         if h % REP == 0:  # one writer per kv head
             dt = kc_ptr.dtype.element_ty
@@ -290,8 +277,8 @@ if triton is not None:
                 c_lo, c_hi, s_lo, s_hi = c_lo0, c_hi0, s_lo0, s_hi0
             else:
                 c_lo, c_hi, s_lo, s_hi = c_lo1, c_hi1, s_lo1, s_hi1
-            q_lo = tl.load(row + h * D + half, cache_modifier=XC).to(tl.float32)
-            q_hi = tl.load(row + h * D + D // 2 + half, cache_modifier=XC).to(tl.float32)
+            q_lo = tl.load(row + h * D + half).to(tl.float32)
+            q_hi = tl.load(row + h * D + D // 2 + half).to(tl.float32)
             q_lo, q_hi = _norm_rope(q_lo, q_hi, qw_ptr, c_lo, c_hi, s_lo, s_hi, half, eps, inv_d, HAS_NORM,
                                     RND, PRECISE, D)  # fmt: skip
             score = tl.sum(k_lo_c * q_lo[None, :], axis=1) + tl.sum(k_hi_c * q_hi[None, :], axis=1)
@@ -319,53 +306,6 @@ if triton is not None:
             tl.store(out + half, round_to(tl.div_rn(o_lo, l_sum), RND).to(o_ptr.dtype.element_ty))
             tl.store(out + D // 2 + half, round_to(tl.div_rn(o_hi, l_sum), RND).to(o_ptr.dtype.element_ty))
 
-    @triton.jit
-    def _attention(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, o_ptr, p0, eps, inv_d, scale,
-                   stride_qkv, stride_o, stride_cs, stride_ch, stride_cl, T: tl.constexpr, HQ: tl.constexpr,
-                   KV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, BL: tl.constexpr, HAS_NORM: tl.constexpr,
-                   RND: tl.constexpr, RND_C: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-        """The attention of one step: one program per (batch row, query head), each an `_attention_item`."""
-        if PDL:
-            gdc_launch_dependents()
-            gdc_wait()  # the cache and the projections are earlier kernels' writes
-        _attention_item(tl.program_id(0), tl.program_id(1), qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr,
-                        vc_ptr, o_ptr, p0, eps, inv_d, scale, stride_qkv, stride_o, stride_cs, stride_ch, stride_cl,
-                        T, HQ, KV, REP, D, BL, HAS_NORM, RND, RND_C, PRECISE, "")  # fmt: skip
-
-    @triton.jit
-    def _qkv_attention(
-        x_ptr, idx_ptr, w_ptr, g_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, eps, inv_k,
-        cnt_ptr,  # [HQ] int32 zeros: per query head, the q/k/v tiles it needs that are done
-        qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, o_ptr, B, p0, inv_d, scale, stride_o, stride_cs,
-        stride_ch, stride_cl, X_GATHER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        RND: tl.constexpr, PRECISE: tl.constexpr, SINGLE: tl.constexpr, PDL: tl.constexpr, T: tl.constexpr,
-        HQ: tl.constexpr, KV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr, BL: tl.constexpr,
-        HAS_NORM: tl.constexpr, RND_C: tl.constexpr,
-    ):  # fmt: skip
-        """The input RMSNorm + packed q/k/v GEMV (`_linear_tile`), and the attention of each query head
-        made by the program that finishes the last q/k/v tile it needs (a counter per head: its q tiles,
-        its kv group's k and v tiles): one launch instead of two. It reads the other programs' tiles from
-        L2 after an acq_rel add, as the persistent frame's barrier does."""
-        if PDL:
-            gdc_launch_dependents()
-        pid_n = tl.program_id(0)
-        _linear_tile(pid_n, 0, x_ptr, idx_ptr, w_ptr, g_ptr, y_ptr, y_ptr, M, N, K, stride_x, stride_w, 0,
-                     stride_y, 0, eps, inv_k, True, X_GATHER, False, 0, BM, BN, BK, False, False, RND, PRECISE,
-                     SINGLE, PDL, "")  # fmt: skip
-        head = (pid_n * BN) // D  # a tile's rows lie in one head of [q heads, k heads, v heads]
-        # a q head's tile counts for its head; a k or a v head's for every query head of its group
-        first = tl.where(head < HQ, head, ((head - HQ) % KV) * REP)
-        count = tl.where(head < HQ, 1, REP)
-        tl.debug_barrier()  # all of this program's stores before its adds
-        for j in range(count):
-            done = tl.atomic_add(cnt_ptr + first + j, 1, sem="acq_rel", scope="gpu")
-            if done == 3 * (D // BN) - 1:  # the last of the head's q, k and v tiles
-                tl.atomic_xchg(cnt_ptr + first + j, 0)  # zero again for the next layer's launch
-                for b in range(B):
-                    _attention_item(b, first + j, y_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, o_ptr,
-                                    p0, eps, inv_d, scale, stride_y, stride_o, stride_cs, stride_ch, stride_cl, T,
-                                    HQ, KV, REP, D, BL, HAS_NORM, RND, RND_C, PRECISE, ".cg")  # fmt: skip
-
 
 # Block shapes. A GEMV at batch 1 reads each weight once, so what matters is enough programs in flight
 # to pull the bandwidth (N / BN of them) and few K iterations (each one a dependent round of loads: BK
@@ -385,9 +325,7 @@ class CodeFrame:
     `CodePredictor.predict` (static shapes, no host sync: a whole frame can be captured in one graph).
     """
 
-    def __init__(
-        self, cp, programmatic_launch: bool = False, persistent: bool = False, fold_attention: bool = True
-    ) -> None:
+    def __init__(self, cp, programmatic_launch: bool = False) -> None:
         require_triton()
         cfg = cp.cfg
         head = cp.lm_head[0].weight
@@ -421,9 +359,6 @@ class CodeFrame:
         self.eps = cfg.rms_norm_eps
         self.pdl = programmatic_launch and pdl_runs(head.device)
         self.launch = {"launch_pdl": True} if self.pdl else {}
-        self.persistent = persistent  # frames of few rows as one launch (`code_frame_persistent`)
-        self.fold_attention = fold_attention  # few rows: the attention inside the q/k/v launch
-        self._persistent = None  # its stacked weights, made at the first such frame
 
     def _linear(self, x, w, m, *, norm=None, idx=None, gather_x=False, residual=None, gather_r=False,
                 swiglu=False, stride_x=None):  # fmt: skip
@@ -470,60 +405,21 @@ class CodeFrame:
         )  # fmt: skip
         return out
 
-    def _qkv_attention(self, h, qkv_w, m, ln1, idx, gather, q_w, k_w, cache, layer, b, t, p0, counters):
-        """`_linear` (norm + q/k/v) then `_attention` in one launch, for few rows (`_qkv_attention`)."""
-        cfg = self.cfg
-        hq, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        n, k = qkv_w.shape
-        qkv = torch.empty(m, n, dtype=qkv_w.dtype, device=qkv_w.device)
-        out = torch.empty(b * t, hq * d, dtype=qkv_w.dtype, device=qkv_w.device)
-        kc, vc = cache.k[layer], cache.v[layer]  # [S, KV, L, D]
-        bn, bk = GEMV_BLOCKS["BN"], min(GEMV_BLOCKS["BK"], next_pow2(k))
-        _qkv_attention[(triton.cdiv(n, bn),)](
-            h, idx if idx is not None else qkv, qkv_w, ln1, qkv, m, n, k, h.stride(0), qkv_w.stride(0),
-            qkv.stride(0), self.eps, 1.0 / k, counters,
-            q_w if q_w is not None else qkv, k_w if k_w is not None else qkv, self.cos, self.sin, kc, vc, out, b, p0,
-            1.0 / d, d**-0.5, out.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
-            X_GATHER=gather, BM=min(next_pow2(m), GEMV_BLOCKS["BM"]), BN=bn, BK=bk, RND=self.rnd,
-            PRECISE=precise(), SINGLE=k <= bk, PDL=self.pdl, T=t, HQ=hq, KV=kv, REP=hq // kv, D=d,
-            BL=max(next_pow2(p0), 2), HAS_NORM=q_w is not None, RND_C=rnd(kc.dtype),
-            num_warps=GEMV_BLOCKS["num_warps"], **self.launch,
-        )  # fmt: skip
-        return qkv, out
-
-    def _folds(self, m: int) -> bool:
-        """Does a step of m rows make its attention inside the q/k/v launch?"""
-        bm = min(next_pow2(m), GEMV_BLOCKS["BM"])
-        return self.fold_attention and m <= SMALL_M and m <= bm and self.cfg.head_dim % GEMV_BLOCKS["BN"] == 0
-
     def __call__(self, cp, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, sample) -> torch.Tensor:
         b, width = talker_hidden.shape
-        if self.persistent and persistent_fits(b, sample):
-            if self._persistent is None:
-                from omni_rt.kernels.code_frame_persistent import PersistentFrame
-
-                self._persistent = PersistentFrame(self)
-            return self._persistent(cp, talker_hidden, code0_embed, sample)
         cache = cp._cache_for(b, talker_hidden)
         x = torch.stack((talker_hidden, code0_embed), dim=1).view(2 * b, width)  # rows b * 2 + t
         codes: list[torch.Tensor] = []
         idx = None  # set: the step's input rows are this code's rows of an embedding table
         n = cp.num_code_groups - 1
-        counters = None
-        if self._folds(b):  # zeroed once a frame; each head's last tile zeroes its counter again
-            counters = torch.zeros(self.cfg.num_attention_heads, dtype=torch.int32, device=talker_hidden.device)
         for i in range(n):
             t, p0 = (2, 0) if i == 0 else (1, i + 1)  # step 0 is the 2-position prefill (see predict)
             m = b * t
             h = x
             for layer, (ln1, qkv_w, q_w, k_w, o_w, ln2, gate_up, down) in enumerate(self.layers):
                 gather = idx is not None and layer == 0
-                if counters is not None and self._folds(m):
-                    _, attn = self._qkv_attention(h, qkv_w, m, ln1, idx, gather, q_w, k_w, cache, layer, b, t, p0,
-                                                  counters)  # fmt: skip
-                else:
-                    qkv = self._linear(h, qkv_w, m, norm=ln1, idx=idx, gather_x=gather)
-                    attn = self._attention(qkv, q_w, k_w, cache, layer, b, t, p0)
+                qkv = self._linear(h, qkv_w, m, norm=ln1, idx=idx, gather_x=gather)
+                attn = self._attention(qkv, q_w, k_w, cache, layer, b, t, p0)
                 mid = self._linear(attn, o_w, m, idx=idx, residual=h, gather_r=gather)
                 act = self._linear(mid, gate_up, m, norm=ln2, swiglu=True)
                 h = self._linear(act, down, m, residual=mid)
@@ -538,29 +434,15 @@ class CodeFrame:
         return torch.stack(codes, dim=1)  # [B, 15]
 
 
-def persistent_fits(rows: int, sample) -> bool:
-    """Can a frame of `rows` drawn by `sample` run as one persistent launch? Few rows, and draws the
-    kernel can make itself: a `FrameDraws` of a fused sampler (the pipeline's); a plain callable is not."""
-    from omni_rt.kernels.code_frame_persistent import MAX_ROWS
-
-    from omni_rt.model.sampling import FrameDraws
-
-    return rows <= MAX_ROWS and isinstance(sample, FrameDraws) and sample.sampler.fused
-
-
-def install_code_frame(
-    model: torch.nn.Module, programmatic_launch: bool = False, persistent: bool = False, fold_attention: bool = True
-) -> int:
+def install_code_frame(model: torch.nn.Module, programmatic_launch: bool = False) -> int:
     """Set `frame_fn` on every `CodePredictor` in `model` (dense, Triton-runnable); returns the count.
-    programmatic_launch: the few-rows kernels as programmatic dependent launches where the card runs them.
-    persistent: frames of at most `code_frame_persistent.MAX_ROWS` rows as one launch. fold_attention:
-    steps of few rows make their attention inside the q/k/v launch (`_qkv_attention`)."""
+    programmatic_launch: the few-rows kernels as programmatic dependent launches where the card runs them."""
     from omni_rt.model.talker import CodePredictor
 
     require_triton()
     changed = 0
     for m in model.modules():
         if isinstance(m, CodePredictor):
-            m.frame_fn = mark(CodeFrame(m, programmatic_launch, persistent, fold_attention), "code_frame")
+            m.frame_fn = mark(CodeFrame(m, programmatic_launch), "code_frame")
             changed += 1
     return changed

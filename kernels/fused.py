@@ -50,8 +50,6 @@ def install_all(
     prefill: bool = True,
     fuse_gate: bool = False,
     programmatic_launch: bool = False,
-    persistent_frame: bool = False,
-    fold_frame_attention: bool = True,
 ) -> dict[str, int]:
     """Install the `enabled` kernels (True: all of KERNELS, False: none) on `model`; modules patched per kernel.
 
@@ -63,10 +61,8 @@ def install_all(
     ids then bit-equal to `SparseMoe.route`). Off by default: measured on an H200 (docs/performance.md),
     the gate GEMM plus the kernel took 8.5 µs per Thinker layer, the kernel with the gate inside 25.8.
     programmatic_launch: the code frame's few-rows kernels as programmatic dependent launches, where the
-    card runs them (`EngineSettings.programmatic_launch` says why it is off by default). persistent_frame:
-    the code frame of one or two rows as one persistent launch (`EngineSettings.persistent_code_frame`).
-    fold_frame_attention: its steps of few rows make their attention inside the q/k/v launch.
-    Installing twice replaces the earlier hooks.
+    card runs them (`EngineSettings.programmatic_launch` says why it is off by default). Installing twice
+    replaces the earlier hooks.
     """
     names = list(KERNELS) if enabled is True else [] if enabled is False else list(enabled)
     unknown = sorted(set(names) - set(KERNELS))
@@ -88,10 +84,7 @@ def install_all(
         elif name == "decode_attention":
             done[name] = install_decode_attention(model, max_rows)
         elif name == "code_frame":
-            done[name] = install_code_frame(
-                model, programmatic_launch=programmatic_launch, persistent=persistent_frame,
-                fold_attention=fold_frame_attention,
-            )  # fmt: skip
+            done[name] = install_code_frame(model, programmatic_launch=programmatic_launch)
         elif name == "code2wav":
             done[name] = install_code2wav(model)
         else:

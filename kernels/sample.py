@@ -88,8 +88,7 @@ if triton is not None:
         return hi
 
     @triton.jit
-    def _sample_row(
-        row,  # the batch row this program draws for
+    def _sample(
         logits_ptr,  # [B, V] any float dtype
         slots_ptr,  # [B] int64
         keys_ptr,  # [B] int64; each row's key is keys[row] + key_off
@@ -111,17 +110,13 @@ if triton is not None:
         BLOCK_V: tl.constexpr,
         PRECISE: tl.constexpr,
         KEY16: tl.constexpr,  # bf16 logits, no penalty: search 16-bit keys where exact (SHORT_KEYS)
-        XC: tl.constexpr,  # the cache modifier of the logits' load ("" or ".cg": written in this launch)
     ):
-        """One row's draw: the body of `_sample`, and the sampling phase of the persistent code-predictor
-        frame (`code_frame_persistent`)."""
-        row = tl.cast(row, tl.int64)
+        row = tl.program_id(0).to(tl.int64)
         slot = tl.load(slots_ptr + row)
         step_key = tl.load(keys_ptr + row) + key_off
         v = tl.arange(0, BLOCK_V)
         vm = v < V
-        x = tl.load(logits_ptr + row * stride_l + v, mask=vm, other=float("-inf"), cache_modifier=XC)
-        x = x.to(tl.float32)
+        x = tl.load(logits_ptr + row * stride_l + v, mask=vm, other=float("-inf")).to(tl.float32)
         if HAS_SEEN:
             seen = tl.load(seen_ptr + slot * V + v, mask=vm, other=0) != 0
             pen = tl.load(pen_ptr + slot)
@@ -183,15 +178,6 @@ if triton is not None:
         tl.store(out_ptr + row, choice)
         if HAS_SEEN:
             tl.store(seen_ptr + slot * V + choice, 1)
-
-    @triton.jit
-    def _sample(logits_ptr, slots_ptr, keys_ptr, temp_ptr, topk_ptr, topp_ptr, pen_ptr, dos_ptr, seed_ptr, seen_ptr,
-                supp_ptr, out_ptr, V, stride_l, key_off, STAGE: tl.constexpr, HAS_SEEN: tl.constexpr,
-                HAS_SUPP: tl.constexpr, BLOCK_V: tl.constexpr, PRECISE: tl.constexpr, KEY16: tl.constexpr):  # fmt: skip
-        """One program per row of logits, each a `_sample_row`."""
-        _sample_row(tl.program_id(0), logits_ptr, slots_ptr, keys_ptr, temp_ptr, topk_ptr, topp_ptr, pen_ptr,
-                    dos_ptr, seed_ptr, seen_ptr, supp_ptr, out_ptr, V, stride_l, key_off, STAGE, HAS_SEEN, HAS_SUPP,
-                    BLOCK_V, PRECISE, KEY16, "")  # fmt: skip
 
 
 def fits(vocab: int) -> bool:

@@ -209,21 +209,6 @@ class EngineSettings(_Settings):
         "vs 29.0 ms, 2026-12-02 (evening), docs/performance.md). The stops of 2026-12-02 first blamed on them "
         "came without them too; their cause was a shared cuBLAS workspace (pipeline/graphs.py)",
     )
-    persistent_code_frame: bool = Field(
-        False,
-        description="with fused_kernels, a code-predictor frame of one or two rows (the first audio's) as one "
-        "persistent launch with grid-wide barriers between its phases (kernels/code_frame_persistent.py) "
-        "instead of ~405 launches, with the same kernels' numbers (codes equal on an H200). Off: it is slower "
-        "as it stands, 3.12 ms a sampled batch-1 frame at its best shape against 2.23 (H200, 2026-12-04, "
-        "docs/performance.md): a barrier costs 0.9 us, but with at most two programs an SM each phase is a "
-        "chain of memory round trips that the per-step kernels' ~1,000 programs hide",
-    )
-    fold_frame_attention: bool = Field(
-        True,
-        description="with fused_kernels, the code-predictor frame's steps of at most 4 rows make each head's "
-        "attention inside the q/k/v launch, in the program that finishes the head's last q/k/v tile (one launch "
-        "fewer per layer, 75 a frame; bit-equal); False: a launch of its own, for comparison",
-    )
     fused_code2wav: bool = Field(
         True,
         description="with fused_kernels, Code2Wav's streaming step in fused kernels too (kernels/code2wav_step.py: "

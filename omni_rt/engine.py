@@ -98,8 +98,6 @@ class KernelChoice(NamedTuple):
     fused: bool  # fused Triton kernels (RMSNorm, q/k norm + RoPE + cache, router, decode attention, ...)
     packed: bool  # packed projections (one GEMM for q/k/v and for gate/up; plain PyTorch)
     programmatic_launch: bool  # the fused code frame's kernels as programmatic dependent launches
-    persistent_frame: bool  # the fused code frame of one or two rows as one persistent launch
-    fold_frame_attention: bool  # the fused code frame's attention inside its q/k/v launch (few rows)
 
 
 def kernel_choice(settings: EngineSettings, device: Any) -> KernelChoice:
@@ -118,8 +116,6 @@ def kernel_choice(settings: EngineSettings, device: Any) -> KernelChoice:
         fused=wanted(settings.fused_kernels, runs),
         packed=wanted(settings.packed_projections, device.type == "cuda"),
         programmatic_launch=settings.programmatic_launch,
-        persistent_frame=settings.persistent_code_frame,
-        fold_frame_attention=settings.fold_frame_attention,
     )
     demanded = [
         name
@@ -163,10 +159,7 @@ def apply_kernels(omni: Any, settings: EngineSettings) -> KernelChoice:
 
             names = [k for k in fused_kernels.KERNELS if k != "code2wav" or settings.fused_code2wav]
             fused_kernels.uninstall_all(omni)  # none left from an engine of other settings sharing the model
-            fused_kernels.install_all(
-                omni, names, programmatic_launch=choice.programmatic_launch,
-                persistent_frame=choice.persistent_frame, fold_frame_attention=choice.fold_frame_attention,
-            )  # fmt: skip
+            fused_kernels.install_all(omni, names, programmatic_launch=choice.programmatic_launch)
         elif "omni_rt.kernels.fused" in sys.modules:  # never imported: nothing of it can be installed
             sys.modules["omni_rt.kernels.fused"].uninstall_all(omni)
         omni.fused_sampling = choice.fused  # the stage samplers read it (model/sampling.StageSampler)

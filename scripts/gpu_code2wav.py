@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -116,7 +117,7 @@ def kernels_of(fn, dev) -> int:
 
 def layouts(c2w, dev, res) -> None:
     """Each causal / transposed conv of the decoder at its real input length for (rows, frames)."""
-    from omni_rt.model.code2wav import CausalTransConv1d
+    from omni_rt.model.code2wav import CausalConv1d, CausalTransConv1d
 
     F = torch.nn.functional
     rate = {}  # module -> input samples per frame

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from omni_rt.kernels import code_frame, code_frame_persistent, fused  # noqa: E402
+from omni_rt.kernels import code_frame, fused  # noqa: E402
 from omni_rt.kernels import packed as packed_kernels  # noqa: E402
 from omni_rt.kernels import sample as sample_kernel  # noqa: E402
 
@@ -35,18 +35,6 @@ from omni_rt.model.config import preset  # noqa: E402
 from omni_rt.model.talker import CodePredictor, greedy  # noqa: E402
 
 BANDWIDTH = 4.8e12  # H200 HBM3e, bytes/s
-
-if code_frame_persistent.triton is not None:
-    import triton
-    import triton.language as tl
-    from omni_rt.kernels.code_frame_persistent import _grid_sync
-
-    @triton.jit
-    def _barriers(bar_ptr, n):
-        """n grid-wide barriers and nothing else: what one costs (the persistent frame has 405)."""
-        epoch = 0
-        for _ in range(n):
-            epoch = _grid_sync(bar_ptr, epoch, tl.num_programs(0))
 
 
 def build(name: str, device, dtype) -> CodePredictor:
@@ -103,10 +91,8 @@ def set_variant(cp: CodePredictor, variant: str) -> None:
         return
     packed_kernels.install_packed(host)
     fused.install_all(host, [k for k in fused.KERNELS if k != "code_frame"])
-    if variant.startswith("code_frame") or variant == "persistent":
-        fused.install_all(host, ["code_frame"], programmatic_launch=variant == "code_frame",
-                          persistent_frame=variant == "persistent",
-                          fold_frame_attention=not variant.endswith("no fold"))  # fmt: skip
+    if variant.startswith("code_frame"):
+        fused.install_all(host, ["code_frame"], programmatic_launch=variant == "code_frame")
 
 
 @torch.no_grad()
@@ -115,15 +101,9 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="qwen3-omni-30b-a3b")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--batches", default="1,2,8,32")
+    ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--out", default="gpu_code_frame.json")
-    ap.add_argument("--quick", action="store_true", help="the fused variants only, no GEMV sweeps")
-    ap.add_argument("--variants", default="", help="comma-separated variants to time (default: all)")
-    ap.add_argument(
-        "--persistent-sweep",
-        default='[[{}, false], [{"BN": 8}, true], [{"BN": 8, "num_warps": 8}, true], [{"per_sm": 2}, true]]',
-        help="JSON list of [PERSISTENT_BLOCKS overrides, prefetch] timed at batch 1, sampled",
-    )
+    ap.add_argument("--quick", action="store_true", help="two batch-1 shapes, no batch-8 sweep")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -147,31 +127,16 @@ def main(argv=None) -> int:
     )
     for slot in range(max(batches)):
         sampler.assign(slot, S.residual_code_sampling(Sampling().code_predictor), seed=1000 + slot)
-    # greedy as the engine serves it: the same fused sampler with do_sample off (the persistent frame
-    # draws only through a FrameDraws); `greedy` (torch.argmax) for the plain frame
-    greedy_sampler = S.StageSampler(
-        "code_predictor", max(batches), vocab, dev, history=False, fused=dev.type == "cuda"
-    )
-    for slot in range(max(batches)):
-        greedy_sampler.assign(slot, S.residual_code_sampling(Sampling.greedy().code_predictor), seed=1000 + slot)
 
     def frame_fn(mode):
         def frame(hidden, code0_embed, slots, keys):
-            if mode == "greedy":
-                sample = S.frame_sampler(greedy_sampler, slots, keys) if cp.frame_fn else greedy
-            else:
-                sample = S.frame_sampler(sampler, slots, keys)
+            sample = greedy if mode == "greedy" else S.frame_sampler(sampler, slots, keys)
             return cp.predict(hidden, code0_embed, sample)
 
         return frame
 
     outputs = {}
-    variants = ("plain", "fused layers", "code_frame no PDL no fold", "code_frame no PDL", "code_frame", "persistent")
-    if args.quick:
-        variants = variants[2:]
-    if args.variants:
-        variants = tuple(args.variants.split(","))
-    for variant in variants:
+    for variant in ("plain", "fused layers", "code_frame no PDL", "code_frame"):
         set_variant(cp, variant)
         for b in batches:
             inputs = (
@@ -187,7 +152,7 @@ def main(argv=None) -> int:
                 print(
                     f"{variant:14} batch {b:3} {mode:8} {ms if ms is None else round(ms, 3)} ms", flush=True
                 )
-                if b in (1, max(batches)):
+                if b == max(batches):
                     torch.manual_seed(5)  # the same inputs for every variant
                     h = torch.randn(b, width, device=dev).to(dtype)
                     c = torch.randn(b, width, device=dev).to(dtype)
@@ -196,30 +161,10 @@ def main(argv=None) -> int:
                     replay()
                     first = out.clone()
                     replay()
-                    outputs[(variant, b, mode)] = (first, torch.equal(first, out))
+                    outputs[(variant, mode)] = (first, torch.equal(first, out))
     for mode in ("greedy", "sampled"):
-        for b in (1, 2, max(batches)):  # the attention folded into the q/k/v launch: the same codes?
-            if ("code_frame no PDL no fold", b, mode) in outputs and ("code_frame no PDL", b, mode) in outputs:
-                got, repeat = outputs[("code_frame no PDL", b, mode)]
-                ref, _ = outputs[("code_frame no PDL no fold", b, mode)]
-                res["checks"][f"folded attention batch {b} {mode}: codes equal to unfolded (fraction)"] = float(
-                    (got == ref).float().mean()
-                )
-                res["checks"][f"folded attention batch {b} {mode}: replay repeats"] = repeat
-    for mode in ("greedy", "sampled"):
-        for b in (1, 2):  # the persistent frame's own rows: its codes against the per-step kernels'
-            if ("persistent", b, mode) in outputs:
-                got, repeat = outputs[("persistent", b, mode)]
-                ref, _ = outputs[("code_frame no PDL", b, mode)]
-                res["checks"][f"persistent batch {b} {mode}: codes equal to code_frame (fraction)"] = float(
-                    (got == ref).float().mean()
-                )
-                res["checks"][f"persistent batch {b} {mode}: replay repeats"] = repeat
-    for mode in ("greedy", "sampled"):
-        if ("fused layers", max(batches), mode) not in outputs:
-            continue
-        ref, _ = outputs[("fused layers", max(batches), mode)]
-        got, repeat = outputs[("code_frame", max(batches), mode)]
+        ref, _ = outputs[("fused layers", mode)]
+        got, repeat = outputs[("code_frame", mode)]
         res["checks"][f"code_frame {mode}: codes equal to fused layers (fraction)"] = float(
             (got == ref).float().mean()
         )
@@ -228,37 +173,10 @@ def main(argv=None) -> int:
         )
         res["checks"][f"code_frame {mode}: replay repeats"] = repeat
         res["checks"][f"code_frame {mode}: PDL == no PDL"] = bool(
-            torch.equal(got, outputs[("code_frame no PDL", max(batches), mode)][0])
+            torch.equal(got, outputs[("code_frame no PDL", mode)][0])
         )
-    # the persistent frame's shapes: columns per tile, warps, programs per SM, the L2 prefetch
-    if dev.type == "cuda":
-        set_variant(cp, "persistent")
-        res["persistent_sweep"] = []
-        saved = (dict(code_frame_persistent.PERSISTENT_BLOCKS), code_frame_persistent.PREFETCH)
-        for blocks, prefetch in json.loads(args.persistent_sweep):
-            code_frame_persistent.PERSISTENT_BLOCKS.update(blocks)
-            code_frame_persistent.PREFETCH = prefetch
-            for b in (1,):
-                inputs = (torch.randn(b, width, device=dev).to(dtype), torch.randn(b, width, device=dev).to(dtype),
-                          torch.arange(b, device=dev), torch.arange(b, device=dev))  # fmt: skip
-                replay, _ = graph_of(frame_fn("sampled"), inputs, dev)
-                ms = time_ms(replay, dev, args.reps)
-                row = dict(code_frame_persistent.PERSISTENT_BLOCKS, prefetch=prefetch, batch=b, ms=ms)
-                res["persistent_sweep"].append(row)
-                print(f"persistent sweep {row}", flush=True)
-            code_frame_persistent.PERSISTENT_BLOCKS.clear()
-            code_frame_persistent.PERSISTENT_BLOCKS.update(saved[0])
-            code_frame_persistent.PREFETCH = saved[1]
-        res["barrier_us"] = {}
-        for per_sm in (1, 2):  # one grid-wide barrier alone: 405 in a launch, as many as a frame has
-            progs = code_frame_persistent.programs(dev) * per_sm
-            bar = torch.zeros(1, dtype=torch.int32, device=dev)
-            replay, _ = graph_of(lambda bar=bar, n=progs: (bar.zero_(), _barriers[(n,)](bar, 405)), (), dev)
-            ms = time_ms(replay, dev, args.reps)
-            res["barrier_us"][f"{progs} programs"] = ms * 1e3 / 405
-            print(f"grid barrier, {progs} programs: {ms * 1e3 / 405:.2f} us each", flush=True)
     # block shapes: the batch-1 GEMV, then batch 8 (the few-rows path over more rows, or tl.dot tiles)
-    if dev.type == "cuda" and not args.quick:
+    if dev.type == "cuda":
         set_variant(cp, "code_frame")  # with PDL where it runs
         saved = (dict(code_frame.GEMV_BLOCKS), dict(code_frame.DOT_BLOCKS), code_frame.SMALL_M)
 

@@ -433,13 +433,11 @@ def test_apply_kernels_installs_what_settings_ask_and_removes_the_rest(tiny_mode
         False,
         False,
         False,
-        False,
-        True,
     )  # "auto": these need CUDA
     demand = EngineSettings(moe_backend="triton", moe_prefill_kernel=True, fused_kernels=True)
-    assert kernel_choice(demand, cpu) == (True, True, True, False, False, False, True)
+    assert kernel_choice(demand, cpu) == (True, True, True, False, False)
     demand = EngineSettings(moe_backend="triton", fused_kernels=True, packed_projections=True)
-    assert kernel_choice(demand, cpu) == (True, False, True, True, False, False, True)
+    assert kernel_choice(demand, cpu) == (True, False, True, True, False)
 
     def installed():
         moe = [m.experts_fn is not None for m in tiny_model.modules() if hasattr(m, "experts_fn")]
@@ -480,14 +478,6 @@ def test_programmatic_launch_is_off_unless_asked_and_reaches_the_code_frame(tiny
         assert frames() and all(not f.pdl and f.launch == {} for f in frames())
         apply_kernels(tiny_model, EngineSettings(fused_kernels=True, programmatic_launch=True))
         assert frames() and all(f.pdl and f.launch == {"launch_pdl": True} for f in frames())
-        # the persistent frame likewise: off unless asked (slower as it stands: EngineSettings says so)
-        assert all(not f.persistent for f in frames())
-        apply_kernels(tiny_model, EngineSettings(fused_kernels=True, persistent_code_frame=True))
-        assert frames() and all(f.persistent for f in frames())
-        # the attention folded into the q/k/v launch: on unless asked off
-        assert all(f.fold_attention for f in frames())
-        apply_kernels(tiny_model, EngineSettings(fused_kernels=True, fold_frame_attention=False))
-        assert frames() and all(not f.fold_attention for f in frames())
     finally:
         apply_kernels(tiny_model, EngineSettings.all_off())
 

@@ -483,11 +483,6 @@ class StageSampler:
             self.repetition_penalty[slots], self.do_sample[slots],
         )  # fmt: skip
 
-    @property
-    def fused(self) -> bool:
-        """Does this sampler draw in one Triton launch (`omni_rt.kernels.sample`)?"""
-        return self._fused is not None
-
     def __call__(
         self, logits: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, key_offset: int = 0
     ) -> torch.Tensor:
@@ -505,30 +500,14 @@ class StageSampler:
         return ids
 
 
-class FrameDraws:
-    """The code predictor's `sample` for one frame, as `sampler` draws: call i (code group i + 1) with key
-    base + i. Its parts are public so that a frame run as one kernel (`kernels/code_frame_persistent.py`)
-    can make the same draws on the device without calling it."""
-
-    def __init__(self, sampler: StageSampler, slots: torch.Tensor, base: torch.Tensor) -> None:
-        self.sampler, self.slots, self.base = sampler, slots, base  # base: [B] keys of code group 1
-        self._group = itertools.count()
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        return self.sampler(logits, self.slots, self.base, key_offset=next(self._group))
-
-
 def frame_sampler(sampler: StageSampler, slots: torch.Tensor, talker_keys: torch.Tensor) -> SampleFn:
     """The code predictor's `sample` for one frame: call i (code group i + 1) draws with key
     talker_key * CODE_KEY_STRIDE + i. The group index is a Python counter, so a captured frame bakes
     in its 15 keys' offsets and reads the Talker keys from its static input."""
-    base = talker_keys * CODE_KEY_STRIDE
-    if (
-        sampler.device.type != "cpu" or sampler.fused
-        or sampler.seen is not None or sampler.suppress is not None
-    ):  # fmt: skip
-        return FrameDraws(sampler, slots, base)
     group = itertools.count()
+    base = talker_keys * CODE_KEY_STRIDE
+    if sampler.device.type != "cpu" or sampler.seen is not None or sampler.suppress is not None:
+        return lambda logits: sampler(logits, slots, base, key_offset=next(group))
     # The CPU, no history or suppression (the code predictor's): what `sampler` would do, with the rows'
     # settings, seeds and keys read once a frame rather than once a draw.
     plan = TopKFirst.of(sampler.rows(slots), sampler.vocab)

@@ -196,8 +196,14 @@ def yield_outcome(
     }
 
 
+# What the JSON keeps of every request, in the order they ran: enough to tell an outlier (a cold first
+# request of a prompt length, a yield that ended at its cap) from the rest.
+PER_REQUEST = ("prompt_len", "ttft_ms", "ttfa_ms", "rtf", "status", "thinker_yield")
+
+
 def summarise(name: str, samples: list[Sample], **extra: Any) -> dict[str, Any]:
-    """Medians with min-max over the samples, and the stage timestamps of the median-TTFA request."""
+    """Medians with min-max over the samples, the stage timestamps of the median-TTFA request, and each
+    request's figures (`PER_REQUEST`) in the order they ran."""
     row: dict[str, Any] = {"row": name, "requests": len(samples), **extra}
     for key in ("ttft_ms", "ttfa_ms", "text_tok_s", "rtf", "total_ms", "audio_s"):
         row[key] = _stat([getattr(s, key) for s in samples])
@@ -209,6 +215,7 @@ def summarise(name: str, samples: list[Sample], **extra: Any) -> dict[str, Any]:
     )
     if med is not None:
         row["median_request"] = asdict(med)
+    row["per_request"] = [{key: getattr(s, key) for key in PER_REQUEST} for s in samples]
     return row
 
 

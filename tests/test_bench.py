@@ -80,6 +80,9 @@ def test_summarise_medians_min_max_and_median_request():
     row = bench.summarise("x", [mk(30.0), mk(10.0), mk(20.0)])
     assert row["ttfa_ms"] == {"median": 20.0, "min": 10.0, "max": 30.0}
     assert row["median_request"]["ttfa_ms"] == 20.0
+    # every request, in the order it ran: an outlier can be told from the rest
+    assert [r["ttfa_ms"] for r in row["per_request"]] == [30.0, 10.0, 20.0]
+    assert set(row["per_request"][0]) == {"prompt_len", "ttft_ms", "ttfa_ms", "rtf", "status", "thinker_yield"}
     table = bench.format_table([row, {"row": "reference", "skipped": "no transformers"}])
     assert "20.0 (10.0-30.0)" in table and "skipped: no transformers" in table
 

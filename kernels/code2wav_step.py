@@ -146,15 +146,19 @@ if triton is not None:
         buf_ptr,  # [B, C, CTX] contiguous: the conv's last CTX inputs, updated in place
         x_ptr,  # [B, C, T], strides sxb, sxc, sxt
         o_ptr,  # [B, C, CTX + T] contiguous: cat([buf, x], -1)
+        valid_ptr,  # [B] int64 when RAGGED: each stream's own frames of the chunk
         C,
         CTX,
         T,
         sxb,
         sxc,
         sxt,
+        rate,  # input samples per frame (RAGGED)
+        RAGGED: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        """One row (b, c) per program: the conv's input window, then its last CTX samples into `buf`.
+        """One row (b, c) per program: the conv's input window, then its last CTX samples into `buf`
+        (`Code2WavState.keep_context`: ragged, the CTX before the row's first padded sample).
         The new context is read back from this program's own output after a barrier, so it may overlap
         the old one (T < CTX) without a race."""
         row = tl.program_id(0).to(tl.int64)
@@ -169,10 +173,13 @@ if triton is not None:
             v_x = tl.load(x_ptr + b * sxb + ch * sxc + (i - CTX) * sxt, mask=(i >= CTX) & (i < n), other=0.0)
             tl.store(out + i, tl.where(from_buf, v_buf, v_x), mask=i < n)
         tl.debug_barrier()
+        keep = T
+        if RAGGED:
+            keep = tl.load(valid_ptr + b) * rate
         for start in range(0, CTX, BLOCK):
             j = start + tl.arange(0, BLOCK)
             mj = j < CTX
-            tl.store(buf_ptr + row * CTX + j, tl.load(out + T + j, mask=mj, other=0.0), mask=mj)
+            tl.store(buf_ptr + row * CTX + j, tl.load(out + keep + j, mask=mj, other=0.0), mask=mj)
 
 
     @triton.jit
@@ -251,15 +258,19 @@ def start_mask(x: torch.Tensor, pos: torch.Tensor, rate: int, lag: int, y: torch
     return out
 
 
-def window(buf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """`w = torch.cat([buf, x], -1); buf.copy_(w[..., -ctx:])` in one launch; buf [B, C, ctx] contiguous."""
+def window(buf: torch.Tensor, x: torch.Tensor, valid: torch.Tensor | None = None, rate: int = 1) -> torch.Tensor:
+    """`w = torch.cat([buf, x], -1); state.keep_context(buf, w, rate)` in one launch (`valid`: the state's
+    ragged frame counts, or None); buf [B, C, ctx] contiguous."""
     require_triton()
     B, C, T = x.shape
     ctx = buf.shape[-1]
     out = torch.empty(B, C, ctx + T, dtype=x.dtype, device=x.device)
     if B * C:
         block = min(1024, next_pow2(ctx + T))
-        _window[(B * C,)](buf, x, out, C, ctx, T, *x.stride(), BLOCK=block)
+        _window[(B * C,)](
+            buf, x, out, buf if valid is None else valid, C, ctx, T, *x.stride(), rate,
+            RAGGED=valid is not None, BLOCK=block,
+        )  # fmt: skip
     return out
 
 
@@ -349,7 +360,7 @@ def _conv_step(conv: c2w.CausalConv1d | c2w.CausalTransConv1d):
         buf = state.conv[conv]
         if not _covers(x, buf, cv.weight) or not buf.is_contiguous():
             return plain(x, state)
-        w = window(buf, x)
+        w = window(buf, x, state.valid, conv.rate)
         if to_one:
             return conv_to_one(w, cv)
         return conv.forward(w) if transposed else cv(w)

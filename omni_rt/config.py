@@ -86,12 +86,18 @@ class EngineSettings(_Settings):
     max_chunk_frames: int = Field(16, ge=1, le=256, description="cap on a grown Code2Wav chunk")
     code2wav_batch: bool | None = Field(
         None,
-        description="decode the next chunks of every response whose chunk has the size of the most urgent "
-        "one's in one batched call (each row its own stream, up to a batched kernel's float rounding: PCM "
+        description="decode the next chunks of every response whose chunk is no longer than the most urgent "
+        "one's in one batched call (ragged: each its own size; each row its own stream, up to a batched kernel's float rounding: PCM "
         "within one LSB; one at a time in deterministic mode). None: on where Engine.load puts the model on "
         "a GPU (8 requests arriving at once on an H200: TTFA median 70.2 ms one chunk at a time, 50.9 ms "
         "batched, a single request's unchanged, 30.7 / 31.0 ms; docs/performance.md), off on the CPU "
         "(not measured there; one at a time, a response's PCM is the same alone or beside others)",
+    )
+    code2wav_ragged: bool = Field(
+        True,
+        description="with code2wav_batch, a call also takes the due chunks shorter than the most urgent one's, "
+        "each row padded to the longest (its padding leaves no trace in its stream); False: only chunks of "
+        "that one's size (the rule before 2026-12-04, kept for comparison)",
     )
     chunk_plan_rate: float | None = Field(
         None,
@@ -310,7 +316,7 @@ class EngineSettings(_Settings):
 
     @property
     def code2wav_batched(self) -> bool:
-        """Do responses' same-size Code2Wav chunks share a call? `code2wav_batch`, except when
+        """Do responses' Code2Wav chunks share a call (ragged)? `code2wav_batch`, except when
         deterministic (one at a time: batch-invariant)."""
         return bool(self.code2wav_batch) and not self.deterministic
 

@@ -15,6 +15,9 @@ in `--variants` (default: "snake,rmsnorm" and "snake,rmsnorm,code2wav"):
 - with `--layouts`: each conv shape of the decoder alone, its input and weight as now ([B, C, T]
   contiguous) against time-major ([B, T, C] contiguous, seen as [B, C, T]; weights likewise) and a 1x1
   conv as a linear: kernels per call and graphed time.
+- with `--ragged`: the served runner (`Code2WavRunner`, graphs, fused kernels) decoding 4 responses'
+  chunks of different sizes in one call each (ragged), against each response decoded alone: the largest
+  PCM difference; and a graphed ragged step's time beside the same shape with every row full.
 `--device cpu --preset tiny` checks the script's logic.
 """
 
@@ -23,7 +26,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -46,8 +48,10 @@ def time_ms(fn, blocks=5, reps=10) -> float:
     return time_fn(fn, blocks=blocks, reps=reps)
 
 
-def graphed_step(c2w, step, rows, n, dev):
+def graphed_step(c2w, step, rows, n, dev, valid=None):
     state = c2w.new_state(rows)
+    if valid is not None:  # a ragged step: each row's own frames
+        state.valid = torch.tensor(valid, device=dev)
     codes = torch.randint(0, c2w.cfg.codebook_size, (rows, c2w.cfg.num_quantizers, n), device=dev)
     g = capture(lambda c: step(c, state), (codes,)) if dev.type == "cuda" else (lambda c: step(c, state))
     return lambda: g(codes), state, codes
@@ -117,7 +121,7 @@ def kernels_of(fn, dev) -> int:
 
 def layouts(c2w, dev, res) -> None:
     """Each causal / transposed conv of the decoder at its real input length for (rows, frames)."""
-    from omni_rt.model.code2wav import CausalConv1d, CausalTransConv1d
+    from omni_rt.model.code2wav import CausalTransConv1d
 
     F = torch.nn.functional
     rate = {}  # module -> input samples per frame
@@ -169,6 +173,45 @@ def layouts(c2w, dev, res) -> None:
         res["layouts"].append(dict(rows=rows, frames=n, totals=dict(tot)))
 
 
+RAGGED_PLAN = ([1, 1, 2, 4], [2, 4, 1, 0], [4, 8, 16, 2], [16, 3, 1, 8])  # per call: each response's frames
+
+
+def ragged(c2w, dev, res) -> None:
+    """The runner's ragged calls against each response alone (one runner each way, same weights)."""
+    from types import SimpleNamespace
+
+    from omni_rt.config import EngineSettings
+    from omni_rt.pipeline.code2wav_runner import Code2WavRunner
+
+    s = EngineSettings(max_sessions=4, code2wav_batch=True, cuda_graphs=dev.type == "cuda")
+    model = SimpleNamespace(code2wav=c2w, device=dev)
+    together, alone = Code2WavRunner(model, s), Code2WavRunner(model, s)
+    reqs = [SimpleNamespace(slot=i) for i in range(4)]
+    gen = torch.Generator().manual_seed(2)
+    q, vocab = c2w.cfg.num_quantizers, c2w.cfg.codebook_size
+    worst = 0.0
+    for r in reqs:
+        together.open(r)
+        alone.open(r)
+    for sizes in RAGGED_PLAN:
+        on = [(r, n) for r, n in zip(reqs, sizes, strict=True) if n]
+        frames = [torch.randint(0, vocab, (n, q), generator=gen).tolist() for _, n in on]
+        got = together.push_many([r for r, _ in on], frames)
+        for (r, _), f, g in zip(on, frames, got, strict=True):
+            want = alone.push(r, f)
+            assert len(g) == len(want), (len(g), len(want))
+            worst = max(worst, float(abs(g - want).max()))
+    res["ragged_max_diff"] = worst
+    print(f"ragged calls {RAGGED_PLAN}: max |PCM difference| from each response alone {worst:.3e}")
+    for rows, n in ((4, 4), (8, 16)):
+        fn, _, _ = graphed_step(c2w, c2w.step, rows, n, dev)
+        full = time_ms(fn)
+        fn, _, _ = graphed_step(c2w, c2w.step, rows, n, dev, valid=[n, 1] * (rows // 2))
+        ms = time_ms(fn)
+        res.setdefault("ragged_ms", []).append(dict(rows=rows, frames=n, full_ms=full, ragged_ms=ms))
+        print(f"graphed step rows {rows} frames {n}: every row full {full:.3f} ms, ragged {ms:.3f} ms")
+
+
 @torch.no_grad()
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -179,6 +222,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dynamic", action="store_true", help="compile once for every shape")
     ap.add_argument("--layouts", action="store_true")
     ap.add_argument("--skip-graphed", action="store_true")
+    ap.add_argument("--ragged", action="store_true")
     ap.add_argument("--variants", default="snake,rmsnorm;snake,rmsnorm,code2wav",
                     help="fused kernel sets, ';' between sets")  # fmt: skip
     ap.add_argument("--rows", default="1,4,8,16")
@@ -221,6 +265,13 @@ def main(argv=None) -> int:
             print(f"[{label}] profile rows {rows} frames {n}: {p['kernels']} kernels, {p['kernel_ms']:.3f} ms")
             for t in p["top"][:8]:
                 print(f"  {t['count']:4} x {t['ms']:7.3f} ms  {t['name']}")
+    if args.ragged:
+        from omni_rt.kernels import fused
+
+        fused.uninstall_all(c2w)
+        if dev.type == "cuda":
+            fused.install_all(c2w, enabled={"snake", "rmsnorm", "code2wav"})
+        ragged(c2w, dev, res)
     if args.layouts:
         layouts(c2w, dev, res)
     if args.compile:

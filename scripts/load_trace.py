@@ -89,7 +89,8 @@ def main(argv=None) -> int:
         return 1
     for lv in levels:
         a = analyse(lv)
-        print(f"\n{a['conversations']} conversations: {a['late']} late replies; why: {a['why_late']}")
+        variant = "" if lv.get("variant", "served") == "served" else f" ({lv['variant']})"
+        print(f"\n{a['conversations']} conversations{variant}: {a['late']} late replies; why: {a['why_late']}")
         for name, s in a["stages"].items():
             print(f"  {name:18} {s['calls']:5} calls, {s['rows']:5.1f} rows, {s['p50_ms']:5.1f} / "
                   f"{s['mean_ms']:5.1f} ms p50 / mean, busy {s['busy']:.2f}")  # fmt: skip

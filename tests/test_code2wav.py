@@ -260,6 +260,38 @@ def test_batch_of_streams_with_a_late_start():
             torch.testing.assert_close(torch.cat(got), model(codes[None])[0, 0], atol=FP32_ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["small_window", "tiny"])
+def test_ragged_chunks_each_decode_their_own_stream(name):
+    """One step, streams of different chunk sizes: each row's chunk is its first `valid` frames (the rest
+    pad it with other codes), and each stream's own samples, chunk after chunk, are its offline decode.
+    Sizes include 0 (the row waits), more than the attention window (small_window's 8), and rows whose
+    padding would overwrite ring slots and conv context that their next chunk still reads."""
+    _, model = models(name)
+    cfg, spf, short = CONFIGS[name], model.samples_per_frame, model.shortfall
+    plan = [[1, 3, 0], [2, 1, 10], [0, 4, 1], [11, 2, 3], [3, 0, 2]]  # per call: each stream's frames
+    totals = [sum(c[i] for c in plan) for i in range(3)]
+    streams = [random_codes(cfg, n, seed=20 + i)[0] for i, n in enumerate(totals)]
+    state = model.new_state(3)
+    out: list[list[torch.Tensor]] = [[], [], []]
+    done = [0, 0, 0]
+    with torch.no_grad():
+        for sizes in plan:
+            T = max(sizes)
+            pad = random_codes(cfg, T, seed=99)[0]  # padding codes: anything
+            codes = torch.stack([
+                torch.cat([s[:, d : d + n], pad[:, n:]], dim=-1) for s, d, n in zip(streams, done, sizes, strict=True)
+            ])  # fmt: skip
+            state.valid = torch.tensor(sizes)
+            wav = model.step(codes, state)[:, 0]
+            for i, n in enumerate(sizes):
+                own = wav[i, : spf * n]
+                out[i].append(own[max(short - spf * done[i], 0) :] if n else own)
+                done[i] += n
+        assert state.pos.tolist() == totals
+        for got, codes in zip(out, streams, strict=True):
+            torch.testing.assert_close(torch.cat(got), model(codes[None])[0, 0], atol=FP32_ATOL, rtol=0)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Bad input
 

@@ -75,6 +75,24 @@ def test_window_is_cat_then_context_update(T):
     assert torch.equal(got, ref_w) and torch.equal(buf, ref_buf)
 
 
+def test_window_of_ragged_rows_keeps_the_context_before_the_padding():
+    # rows of a ragged chunk (Code2WavState.valid): each keeps the 6 samples before its first padded one
+    g = torch.Generator().manual_seed(9)
+    rate, T = 4, 3
+    buf = torch.randn(3, 2, 6, generator=g)
+    x = torch.randn(3, 2, rate * T, generator=g)
+    valid = torch.tensor([0, 2, 3])  # frames of its own: none, some, all
+    state = code2wav.Code2WavState(
+        pos=torch.zeros(3), k=torch.zeros(0), v=torch.zeros(0), key_pos=torch.zeros(0), conv={}, valid=valid
+    )
+    ref_buf = buf.clone()
+    ref_w = torch.cat([ref_buf, x], dim=-1)
+    state.keep_context(ref_buf, ref_w, rate)
+    assert torch.equal(ref_buf[0], buf[0]) and torch.equal(ref_buf[2], ref_w[2, :, -6:])  # the plain rule
+    got = cs.window(buf, x, valid, rate)
+    assert torch.equal(got, ref_w) and torch.equal(buf, ref_buf)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 300])  # one block, several
 def test_conv_to_one_is_the_last_conv(dtype, T):
@@ -145,3 +163,36 @@ def test_installed_step_keeps_the_streamed_pcm_and_state(dtype):
         assert torch.equal(state.conv[m], buf)
     assert torch.equal(state.k, ref_state.k) and torch.equal(state.v, ref_state.v)
     assert torch.equal(state.pos, ref_state.pos) and torch.equal(state.key_pos, ref_state.key_pos)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_installed_step_of_ragged_chunks_is_the_plain_one(dtype):
+    # rows of one step with frames of their own 1, 3 and 0 (then 2, 0, 4): the fused window keeps each
+    # row's context where the plain `keep_context` does, and the ring, positions and PCM agree
+    model = _model(dtype)
+    cfg = model.cfg
+    codes = torch.randint(0, cfg.codebook_size, (3, cfg.num_quantizers, 7), generator=torch.Generator().manual_seed(6))
+
+    def run():
+        state = model.new_state(3)
+        out = []
+        for valid, (a, b) in (([1, 3, 0], (0, 3)), ([2, 0, 4], (3, 7))):
+            state.valid = torch.tensor(valid)
+            out.append(model.step(codes[..., a:b], state))
+        return out, state
+
+    ref, ref_state = run()
+    cs.install_code2wav(model)
+    try:
+        got, state = run()
+    finally:
+        from omni_rt.kernels import fused
+
+        fused.uninstall_all(model)
+    tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=2**-8)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+    for m, buf in ref_state.conv.items():
+        assert torch.equal(state.conv[m], buf)
+    assert torch.equal(state.k, ref_state.k) and torch.equal(state.pos, ref_state.pos)
+    assert torch.equal(state.key_pos, ref_state.key_pos) and state.pos.tolist() == [3, 3, 4]

@@ -652,3 +652,21 @@ def test_a_long_prompt_arriving_mid_stream_holds_the_others_for_one_piece(piece)
         assert max(gaps) < 0.2, f"A waited {max(gaps) * 1000:.0f} ms (a piece is 32 ms, the whole 256)"
     else:
         assert max(gaps) >= 0.25  # the whole prefill in one gap: what the pieces are for
+
+
+def test_a_code2wav_call_takes_the_most_urgent_chunk_and_every_due_chunk_no_longer():
+    # ragged batching: the most urgent response's chunk (a first chunk before any that plays) sets the
+    # call's length; every response with a chunk due that is no longer rides along with its own size,
+    # longer ones wait for a call of their own (cut, they would wait for their next frames: 2026-12-03)
+    from omni_rt.pipeline.code2wav import AudioSeq, chunk_batch
+
+    playing = [request(f"p{i}")[0] for i in range(4)]
+    for i, r in enumerate(playing):  # audio out and playing, the earlier ones running dry first
+        r.t_first_pcm, r.samples = 1.0, 24_000 * (i + 1)
+    fresh = request("fresh")[0]  # no audio yet: the most urgent
+    seqs = [AudioSeq(r) for r in (*playing, fresh)]
+    ready = [(seqs[0], 8), (seqs[1], 2), (seqs[2], 16), (seqs[3], 8), (seqs[4], 1)]
+    assert chunk_batch(ready, batched=True) == [(seqs[4], 1)]
+    assert chunk_batch(ready[:4], batched=True) == [(seqs[0], 8), (seqs[1], 2), (seqs[3], 8)]
+    assert chunk_batch(ready[:4], batched=False) == [(seqs[0], 8)]
+    assert chunk_batch(ready[:4], batched=True, ragged=False) == [(seqs[0], 8), (seqs[3], 8)]

@@ -519,6 +519,35 @@ def test_code2wav_chunks_of_several_responses_in_one_call_are_each_its_own_strea
         )
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_code2wav_chunks_of_different_sizes_in_one_call_are_each_its_own_stream(model, graphed, graphs):
+    # ragged: three responses' next chunks of 1, 4 and 3 frames (3: no graph of that size, so graphed
+    # pieces 2 + 1 with each row's own frames a prefix) decode in one call, each exactly its own stream's
+    # PCM, and each stream goes on as its own afterwards
+    from omni_rt.model.code2wav import Code2WavStream
+
+    s = EngineSettings(max_sessions=4, code2wav_batch=True, cuda_graphs=graphs)
+    runner = runners.Code2WavRunner(model, s)
+    gen = torch.Generator().manual_seed(8)
+    q, vocab = model.cfg.code2wav.num_quantizers, model.cfg.code2wav.codebook_size
+    codes = lambda n: torch.randint(0, vocab, (n, q), generator=gen).tolist()  # noqa: E731
+    reqs = [request(model, "Hi", slot=k) for k in (1, 2, 3)]
+    alone = [Code2WavStream(model.code2wav) for _ in reqs]
+    pcm = lambda stream, frames: stream.push(torch.tensor(frames).T).numpy()  # noqa: E731
+    for r, stream, history in zip(reqs, alone, [[], codes(2), codes(1)], strict=True):
+        runner.open(r)
+        if history:
+            runner.push(r, history)
+            pcm(stream, history)
+    for sizes in ([1, 4, 3], [3, 1, 2]):
+        frames = [codes(n) for n in sizes]
+        got = runner.push_many(reqs, frames)
+        for g, stream, f in zip(got, alone, frames, strict=True):
+            torch.testing.assert_close(torch.from_numpy(g), torch.from_numpy(pcm(stream, f)), rtol=0, atol=1e-6)
+    if graphs:
+        assert [runner._graphs[(4, n)].replays for n in (1, 2, 4)] == [1, 1, 1]
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_a_chunk_size_without_a_graph_decodes_as_graphed_pieces(model, graphed, rows):
     # a reply's last chunk can have any size: with graphs (sizes 1, 2, 4, 8, 16) a 7-frame chunk is the

@@ -46,10 +46,14 @@ class Code2WavState:
     """Decode state of a batch of streams, allocated once (`Code2Wav.new_state`) and updated in place.
 
     pos      [B]                    frames decoded so far: the absolute position of each stream's next frame
-    k, v     [L, B, Hkv, W, D]      keys/values of the last W = sliding_window frames, slot = position % W
-    key_pos  [B, W]                 absolute frame held by each ring slot, -1 while empty
+    k, v     [L, B, Hkv, W + 1, D]  keys/values of the last W = sliding_window frames, slot = position % W;
+                                    slot W is a spare that takes the writes of frames no later chunk sees
+    key_pos  [B, W + 1]             absolute frame held by each ring slot, -1 while empty (slot W: always)
     conv     module -> [B, C, ctx]  the last `ctx` inputs of each conv that looks back (zeros at start,
                                     which is the reference's zero padding)
+    valid    [B] or None            ragged chunks: how many of this chunk's T frames are each stream's own
+                                    (the rest pad the row to T and leave no trace); None: all T. Set by
+                                    the caller before a step (a graph's static input, like the codes).
     """
 
     pos: torch.Tensor
@@ -57,6 +61,7 @@ class Code2WavState:
     v: torch.Tensor
     key_pos: torch.Tensor
     conv: dict[nn.Module, torch.Tensor]
+    valid: torch.Tensor | None = None
 
     def reset(self, row: int | None = None) -> None:
         """Start stream `row` (or every stream) afresh."""
@@ -74,6 +79,16 @@ class Code2WavState:
             pos=self.pos[i : i + 1], k=self.k[:, i : i + 1], v=self.v[:, i : i + 1],
             key_pos=self.key_pos[i : i + 1], conv={m: buf[i : i + 1] for m, buf in self.conv.items()},
         )  # fmt: skip
+
+    def keep_context(self, buf: torch.Tensor, window: torch.Tensor, rate: int) -> None:
+        """buf [B, C, ctx] <- the last ctx samples of each stream's own input in `window` [B, C, ctx + T
+        rate] (the conv's old context, then this chunk's input at `rate` samples per frame)."""
+        ctx = buf.shape[-1]
+        if self.valid is None:
+            buf.copy_(window[..., -ctx:])
+            return
+        idx = (self.valid * rate)[:, None] + torch.arange(ctx, device=buf.device)  # [B, ctx]
+        buf.copy_(window.gather(-1, idx[:, None, :].expand(-1, window.shape[1], -1)))
 
     def started(self, rate: int, lag: int, length: int) -> torch.Tensor:
         """[B, 1, length] bool: which samples of this chunk (at `rate` samples per frame, running `lag`
@@ -106,6 +121,7 @@ class CausalConv1d(nn.Module):
         super().__init__()
         self.conv = nn.Conv1d(cin, cout, kernel, dilation=dilation, groups=groups)
         self.context = (kernel - 1) * dilation
+        self.rate = 1  # input samples per frame, set by Code2Wav from the whole stack (ragged chunks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.conv(F.pad(x, (self.context, 0)))  # [B, C, T] -> [B, Cout, T]
@@ -115,7 +131,7 @@ class CausalConv1d(nn.Module):
             return self.conv(x)
         buf = state.conv[self]  # [B, C, ctx]
         x = torch.cat([buf, x], dim=-1)  # [B, C, ctx + T]
-        buf.copy_(x[..., -self.context :])
+        state.keep_context(buf, x, self.rate)
         return self.conv(x)  # [B, Cout, T]
 
 
@@ -135,6 +151,7 @@ class CausalTransConv1d(nn.Module):
         self.stride = stride
         self.trim = kernel - stride
         self.context = kernel // stride - 1
+        self.rate = 1  # input samples per frame, set by Code2Wav from the whole stack (ragged chunks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.conv(x)  # [B, Cout, (T - 1) s + kernel]
@@ -146,7 +163,7 @@ class CausalTransConv1d(nn.Module):
         if self.context:
             buf = state.conv[self]  # [B, C, context]
             x = torch.cat([buf, x], dim=-1)
-            buf.copy_(x[..., -self.context :])
+            state.keep_context(buf, x, self.rate)
         return self.forward(x)
 
 
@@ -357,19 +374,25 @@ class Transformer(nn.Module):
         """Streaming: x [B, T, H] of frames pos..pos+T-1 -> [B, T, H]; writes their keys to the ring."""
         B, T, _ = x.shape
         W = self.cfg.sliding_window
-        q_pos = state.pos[:, None] + torch.arange(T, device=x.device)  # [B, T]
+        t = torch.arange(T, device=x.device)
+        q_pos = state.pos[:, None] + t  # [B, T]
         cos, sin = rope_cos_sin(q_pos, self.cfg.head_dim, self.cfg.rope_theta, dtype=x.dtype)
-        mask = window_mask(q_pos, torch.cat([state.key_pos, q_pos], dim=1), W)  # [B, 1, T, W + T]
-        # Only the last W new frames can be seen by later chunks; writing only those keeps the scatter
-        # free of duplicate slots when T > W. (A static choice: it depends on the chunk size alone.)
-        m = min(T, W)
-        slots = q_pos[:, T - m :] % W  # [B, m]
+        mask = window_mask(q_pos, torch.cat([state.key_pos, q_pos], dim=1), W)  # [B, 1, T, W + 1 + T]
+        # Into the ring go the frames later chunks can see: a stream's own (`valid`), its last W of them
+        # (so no two share a slot when T > W). The others (padding of a ragged chunk, or seen by no later
+        # query) go to the spare slot W, which stays empty (key_pos -1): a fixed-shape scatter, no trace.
+        if state.valid is None and T <= W:  # every frame (the common case: no mask to compute)
+            slots, kept = q_pos % W, q_pos
+        else:
+            own = T if state.valid is None else state.valid[:, None]
+            keep = (t >= own - W) & (t < own)  # [T] or [B, T]
+            slots, kept = torch.where(keep, q_pos % W, W), torch.where(keep, q_pos, -1)  # [B, T]
+        idx = slots[:, None, :, None].expand(B, state.k.shape[2], T, state.k.shape[4])  # [B, Hkv, T, D]
         for i, layer in enumerate(self.layers):
             x, k, v = layer(x, cos, sin, mask, (state.k[i], state.v[i]))
-            idx = slots[:, None, :, None].expand(B, k.shape[1], m, k.shape[3])  # [B, Hkv, m, D]
-            state.k[i].scatter_(2, idx, k[:, :, T - m :])
-            state.v[i].scatter_(2, idx, v[:, :, T - m :])
-        state.key_pos.scatter_(1, slots, q_pos[:, T - m :])
+            state.k[i].scatter_(2, idx, k)
+            state.v[i].scatter_(2, idx, v)
+        state.key_pos.scatter_(1, slots, kept)
         return self.norm(x)
 
 
@@ -427,14 +450,23 @@ class Code2Wav(nn.Module):
         # Walk the conv stack: `rate` samples per frame, and `lag` samples by which the completed output
         # runs behind the frames decoded. Causal convs keep both; a transposed conv of stride s and
         # look-ahead c maps (rate, lag) to (rate s, (lag + c) s). The real model: 1920 and 555.
+        # Each conv also learns its input's samples per frame (`rate`): a ragged chunk keeps as context
+        # the samples before its first padded frame, at valid * rate.
         rate, lag = 1, 0
-        for up, _ in self.upsample:
+        for up, convnext in self.upsample:
+            up.rate = rate
             rate, lag = rate * up.stride, (lag + up.context) * up.stride
+            convnext.dwconv.rate = rate
         assert lag == 0  # kernel == stride: the ConvNeXt stage never sees samples before a stream's start
+        self.decoder[0].rate = rate
         for block in self.decoder[1:-2]:
             t = block.block[1]
+            t.rate = rate
             rate, lag = rate * t.stride, (lag + t.context) * t.stride
             block.samples_per_frame, block.lag = rate, lag
+            for unit in block.block[2:]:
+                unit.conv1.rate = unit.conv2.rate = rate
+        self.decoder[-1].rate = rate
         self.samples_per_frame = rate
         self.shortfall = lag  # the last `shortfall` samples of n frames' span need frame n + 1
 
@@ -469,8 +501,8 @@ class Code2Wav(nn.Module):
         p = self.code_embedding.weight
         cfg = self.cfg
         W, L = cfg.sliding_window, cfg.num_hidden_layers
-        kv = torch.zeros(
-            L, batch_size, cfg.num_key_value_heads, W, cfg.head_dim, device=p.device, dtype=p.dtype
+        kv = torch.zeros(  # W slots and the spare (Transformer.step)
+            L, batch_size, cfg.num_key_value_heads, W + 1, cfg.head_dim, device=p.device, dtype=p.dtype
         )
         conv = {}
         for m in self.modules():
@@ -482,7 +514,7 @@ class Code2Wav(nn.Module):
             pos=torch.zeros(batch_size, dtype=torch.long, device=p.device),
             k=kv,
             v=kv.clone(),
-            key_pos=torch.full((batch_size, W), -1, dtype=torch.long, device=p.device),
+            key_pos=torch.full((batch_size, W + 1), -1, dtype=torch.long, device=p.device),
             conv=conv,
         )
 
@@ -492,7 +524,9 @@ class Code2Wav(nn.Module):
 
         The output of stream b covers its samples [spf pos_b - shortfall, spf (pos_b + T) - shortfall)
         (pos_b before the call); in a stream's first chunk the part before sample 0 is to be dropped.
-        `state` is updated in place (pos += T). Shapes depend on B and T only, positions stay on the
+        `state` is updated in place (pos += T). Ragged (`state.valid`): stream b's chunk is its first
+        valid_b frames (the rest pad it: any codes), only the first spf valid_b samples of its output are
+        its own, and its state advances as a chunk of valid_b frames would (0: not at all). Shapes depend on B and T only, positions stay on the
         device and nothing is read back to the host: capture one CUDA graph per chunk size T with static
         `codes` and `state` buffers.
         """
@@ -501,7 +535,7 @@ class Code2Wav(nn.Module):
             x = convnext.step(up.step(x, state), state)  # [B, H, T * prod(ratios)]
         for layer in self.decoder:
             x = layer.step(x, state)
-        state.pos.add_(codes.shape[-1])
+        state.pos.add_(codes.shape[-1] if state.valid is None else state.valid)
         return x.clamp(-1.0, 1.0)
 
 

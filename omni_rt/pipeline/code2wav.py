@@ -23,22 +23,27 @@ if TYPE_CHECKING:
     from omni_rt.pipeline.scheduler import Pipeline
 
 
-def chunk_batch(ready: list[tuple[AudioSeq, int]], batched: bool) -> tuple[list[AudioSeq], int]:
-    """The responses one Code2Wav call decodes and the frames each gets, from (response, frames due).
+def chunk_batch(
+    ready: list[tuple[AudioSeq, int]], batched: bool, ragged: bool = True
+) -> list[tuple[AudioSeq, int]]:
+    """The responses one Code2Wav call decodes, each with its frames, from (response, frames due).
 
     The response whose audio runs dry first (`pacing.audio_urgency`), its chunk as due: with many
     conversations a new one's first chunk, or one about to run dry, never waits behind the chunks of those
-    that are ahead. With `code2wav_batch`, every other response with a chunk of that size due rides along
-    (one call's cost: on an H200 a 1-frame chunk of 1 row takes 1.58 ms, of 16 rows 2.45 ms).
+    that are ahead. With `code2wav_batch`, every other response with a chunk due that is no longer rides
+    along with its own chunk (ragged: each row padded to the longest, `Code2WavState.valid`; without
+    `ragged`, only chunks of the same size); one call
+    costs little more than one row (on an H200 a 1-frame chunk of 1 row takes 1.58 ms, of 16 rows 2.45 ms;
+    a row's 16 frames ~0.06 ms a frame).
 
-    Why not every due chunk, each cut to the smallest due size: measured at 64 conversations (2026-12-03,
-    docs/performance.md) that took 6.4 rows a call instead of 1-3, but whenever a conversation started, the
-    others were cut to 1-frame chunks, which each wait for a frame to come and for their call; more replies
-    ran late for longer (lateness p50 472 ms against 257-297 with this rule)."""
+    Longer chunks than the most urgent one's wait for a call of their own size: cut to its size (measured
+    at 64 conversations, 2026-12-03, docs/performance.md), they were cut to 1 frame whenever a conversation
+    started, and each cut response then waited for its next call; more replies ran late for longer
+    (lateness p50 472 ms against 257-297 ms)."""
     a, n = min(ready, key=lambda an: audio_urgency(an[0].req, an[0].t_first_frame or 0.0))
     if not batched:
-        return [a], n
-    return [a] + [b for b, m in ready if m == n and b is not a], n
+        return [(a, n)]
+    return [(a, n)] + [(b, m) for b, m in ready if (m <= n if ragged else m == n) and b is not a]
 
 
 @dataclass(eq=False)
@@ -99,8 +104,10 @@ class Code2WavLoop:
         ready = [(a, n) for a in seqs.values() if (n := self._chunk_now(a))]
         if not ready:
             return
-        batch, n = chunk_batch(ready, self.p.settings.code2wav_batched)
-        _, failed = self.p._shared_call(batch, lambda b: self._decode_chunks(b, n))
+        chosen = chunk_batch(ready, self.p.settings.code2wav_batched, self.p.settings.code2wav_ragged)
+        frames = {a: n for a, n in chosen}
+        batch = [a for a, _ in chosen]
+        _, failed = self.p._shared_call(batch, lambda b: self._decode_chunks(b, [frames[a] for a in b]))
         for b, err in failed:
             self.p._fail(b.req, self.p._stage_error("code2wav", "decode", err))
             self._close(b, seqs)
@@ -123,25 +130,25 @@ class Code2WavLoop:
             len(a.pending), a.next_frame, a.ended, a.req, a.frame_interval(), self.p.clock(), self.p.settings
         )
 
-    def _decode_chunks(self, batch: list[AudioSeq], n: int) -> list[None]:
-        """The next `n` frames of each response in `batch`, in one stage call, then each one's PCM out.
+    def _decode_chunks(self, batch: list[AudioSeq], sizes: list[int]) -> list[None]:
+        """The next sizes[i] frames of each response batch[i], in one stage call, then each one's PCM out.
         A failed call keeps nothing (its frames stay queued), so it can be made again."""
-        chunks = [a.pending[:n] for a in batch]
+        chunks = [a.pending[:n] for a, n in zip(batch, sizes, strict=True)]
         for a in batch:
             if not a.opened:
                 self.p.code2wav.open(a.req)
                 a.opened = True
         t0 = self.p.clock()
         pcms = self.p.code2wav.push_many([a.req for a in batch], chunks)
-        for a in batch:  # decoded: the frames leave the queue (a failed call leaves them, for a retry)
-            a.pending = a.pending[n:]
+        for a, n in zip(batch, sizes, strict=True):  # decoded: the frames leave the queue (a failed call
+            a.pending = a.pending[n:]  # leaves them, for a retry)
         for k, a in enumerate(batch):
             if a.ended and not a.pending:
                 tail = self.p.code2wav.flush(a.req)
                 if len(tail):
                     pcms[k] = np.concatenate([pcms[k], tail])
         self.p._record("code2wav", "chunk", t0, [a.req for a in batch])
-        for a, pcm in zip(batch, pcms, strict=True):
+        for a, pcm, n in zip(batch, pcms, sizes, strict=True):
             self._post_pcm(a, pcm, n)
         return [None] * len(batch)
 

@@ -58,7 +58,7 @@ class Code2WavStage(Protocol):
         ...
 
     def push_many(self, reqs: list[Request], frames: list[list[list[int]]]) -> list[np.ndarray]:
-        """The next chunk of each request, all of one size, in one call: each request's PCM as `push`
+        """The next chunk of each request (of any sizes) in one call: each request's PCM as `push`
         gives it (one request: its `push`)."""
         ...
 

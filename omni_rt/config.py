@@ -146,12 +146,14 @@ class EngineSettings(_Settings):
         le=60.0,
         description="audio ahead of real time that lets the Thinker lead by max_text_lead",
     )
-    early_chunks: bool = Field(
-        False,
+    early_chunks: bool | None = Field(
+        None,
         description="when the audio sent would run out before the planned Code2Wav chunk's frames arrive (at "
-        "the rate they have been arriving), decode a smaller planned chunk size (omni_rt.pipeline.pacing). Off "
-        "by default: chunks then follow the timing, so PCM is reproducible only to float rounding (1 LSB of "
-        "int16), and on a CPU that barely keeps up the smaller chunks' cost made the RTF worse (2026-12-01)",
+        "the rate the latest have been arriving), decode a smaller planned chunk size (omni_rt.pipeline.pacing). "
+        "Chunks then follow the timing, so PCM is reproducible only to float rounding (1 LSB of int16); never "
+        "in deterministic mode. None: on where Engine.load puts the model on a GPU (at 64 conversations on an "
+        "H200 frames come at ~1.4x real time, and the plan's chunks of 16 ran replies dry; 2026-12-04), off "
+        "on the CPU (on one that barely keeps up, the smaller chunks' cost made the RTF worse, 2026-12-01)",
     )
     yield_until: Literal["frame0", "first_audio"] = Field(
         "first_audio",
@@ -270,6 +272,7 @@ class EngineSettings(_Settings):
             first_chunk_frames=4,
             chunk_growth=False,
             max_chunk_frames=4,
+            early_chunks=False,
             yield_to_talker_ms=0.0,
             yield_until="frame0",
             max_text_lead=None,
@@ -296,7 +299,7 @@ class EngineSettings(_Settings):
 
     def for_device(self, kind: str) -> EngineSettings:
         """These settings with the defaults that depend on the device (`chunk_plan_rate`,
-        `playout_lead_ms`, `code2wav_batch`) made concrete for a model on `kind` ("cpu", "cuda", ...)."""
+        `playout_lead_ms`, `code2wav_batch`, `early_chunks`) made concrete for a model on `kind` ("cpu", "cuda", ...)."""
         cpu = kind == "cpu"
         update: dict[str, object] = {}
         if self.chunk_plan_rate is None:
@@ -305,6 +308,8 @@ class EngineSettings(_Settings):
             update["playout_lead_ms"] = 100 if cpu else 0
         if self.code2wav_batch is None:
             update["code2wav_batch"] = not cpu
+        if self.early_chunks is None:
+            update["early_chunks"] = not cpu
         return self.model_copy(update=update)
 
     @property
@@ -313,6 +318,12 @@ class EngineSettings(_Settings):
         prefixes and first positions)? `batch_prefill`, except when deterministic: a request's numbers
         must not depend on who arrived with it."""
         return self.batch_prefill and not self.deterministic
+
+    @property
+    def chunks_early(self) -> bool:
+        """Does Code2Wav decode a smaller chunk when the audio would run dry first? `early_chunks`, except
+        when deterministic (chunks by the frame count alone: the same PCM on every run)."""
+        return bool(self.early_chunks) and not self.deterministic
 
     @property
     def code2wav_batched(self) -> bool:

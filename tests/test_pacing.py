@@ -112,6 +112,10 @@ def test_the_chunk_plan_doubles_only_when_the_frames_come_twice_as_fast_as_real_
     assert not EngineSettings().for_device("cpu").code2wav_batched
     assert EngineSettings(code2wav_batch=True).for_device("cpu").code2wav_batched
     assert not EngineSettings(code2wav_batch=True, deterministic=True).for_device("cuda").code2wav_batched
+    # early chunks likewise (frames come slower than the plan's rate under load on a GPU), never deterministic
+    assert EngineSettings().for_device("cuda").chunks_early
+    assert not EngineSettings().for_device("cpu").chunks_early
+    assert not EngineSettings(deterministic=True).for_device("cuda").chunks_early
     assert set(plan(EngineSettings.all_off().for_device("cpu"))) == {4}
 
 
@@ -179,17 +183,20 @@ def test_frames_at_twice_real_time_keep_a_gpu_reply_fed_from_its_second_chunk(co
         assert late * 1000 > LATE_MS  # its two frames are whole ~80 ms after frame 0: this test can fail
 
 
-@pytest.mark.parametrize("cpu_plan", [True, False])
-def test_frames_at_1_3x_real_time_never_run_dry_with_the_cpu_plan_and_its_lead(cpu_plan):
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda without early chunks"])
+def test_frames_at_1_3x_real_time_never_run_dry_with_the_cpu_plan_and_its_lead(device):
     """Frames every ~62 ms, as the tiny preset makes them on 2 cores: the CPU's chunk plan with its
-    100 ms playout lead keeps the playback fed; doubling chunks run it dry (the issue 13 stutter)."""
+    100 ms playout lead keeps the playback fed; doubling chunks run it dry (the issue 13 stutter), unless
+    early chunks (a GPU's default: there frames come this slowly under load) decode smaller ones in time."""
     t = FakeTimings(thinker_decode=0.002, talker_step=0.012, predict=0.05, code2wav_chunk=0.01)
-    s = EngineSettings().for_device("cpu" if cpu_plan else "cuda")
+    s = EngineSettings().for_device(device.split()[0])
+    if device == "cuda without early chunks":
+        s = s.model_copy(update={"early_chunks": False})
     dry, sizes = played_reply(s, t, 60, s.playout_lead_ms / 1000)
-    if cpu_plan:
-        assert dry < 20, sizes
+    if device == "cuda without early chunks":
+        assert dry > 200  # the rules are what keep it fed: this test can fail
     else:
-        assert dry > 200
+        assert dry < 20, sizes
 
 
 def test_the_thinker_stays_within_the_urgent_lead_while_the_audio_catches_up():
@@ -212,3 +219,18 @@ def test_the_thinker_stays_within_the_urgent_lead_while_the_audio_catches_up():
     assert time.perf_counter() - t0 < 10
     assert leads and max(leads) <= 2  # never further ahead of the voice than the urgent lead
     assert len(steps(p, "thinker", "decode")) <= 30 + 3  # and no text past what was spoken
+
+
+def test_early_chunks_count_on_the_latest_frames_interval():
+    # a reply's first frames come fast, then slow down as conversations join (at 64 on an H200, 30 then
+    # ~57 ms): the interval early chunks count on is the latest frames', not the mean since frame 0
+    from omni_rt.pipeline.code2wav import RECENT_FRAMES, AudioSeq
+
+    a = AudioSeq(request("r")[0])
+    assert a.frame_interval() is None
+    for i in range(10):
+        a.frame_arrived(0.03 * i)
+    assert a.frame_interval() == pytest.approx(0.03)
+    for i in range(1, RECENT_FRAMES + 1):
+        a.frame_arrived(0.27 + 0.06 * i)
+    assert a.frame_interval() == pytest.approx(0.06)

@@ -10,6 +10,7 @@ meanwhile.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,9 @@ def chunk_batch(
     return [(a, n)] + [(b, m) for b, m in ready if (m <= n if ragged else m == n) and b is not a]
 
 
+RECENT_FRAMES = 8  # the frame interval that early chunks count on: over this many latest frames
+
+
 @dataclass(eq=False)
 class AudioSeq:
     """One response's Code2Wav state."""
@@ -55,15 +59,23 @@ class AudioSeq:
     next_frame: int = 0  # index of pending[0] in the response
     opened: bool = False
     ended: bool = False
-    t_first_frame: float | None = None  # arrival of frame 0 and of the latest frame (pipeline clock)
-    t_last_frame: float | None = None
+    t_first_frame: float | None = None  # arrival of frame 0 (pipeline clock)
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_FRAMES + 1))  # latest arrivals
+
+    def frame_arrived(self, t: float) -> None:
+        if self.t_first_frame is None:
+            self.t_first_frame = t
+        self.recent.append(t)
 
     def frame_interval(self) -> float | None:
-        """Mean seconds between this response's frames so far; None before its second frame."""
-        arrived = self.next_frame + len(self.pending)
-        if arrived < 2 or self.t_first_frame is None or self.t_last_frame is None:
+        """Mean seconds between this response's latest frames (up to RECENT_FRAMES intervals); None
+        before its second frame. Not the mean since frame 0: a reply's first frames come fast (the Talker
+        runs few rows), and as conversations join they slow down; at 64 conversations on an H200 from
+        ~30 to ~57 ms, and a mean since frame 0 (40 ms) let early chunks wait for frames that came too
+        late (2026-12-04, docs/performance.md)."""
+        if len(self.recent) < 2:
             return None
-        return (self.t_last_frame - self.t_first_frame) / (arrived - 1)
+        return (self.recent[-1] - self.recent[0]) / (len(self.recent) - 1)
 
 
 class Code2WavLoop:
@@ -91,9 +103,7 @@ class Code2WavLoop:
                 a = seqs[req] = AudioSeq(req)
             if isinstance(m, Frame):
                 a.pending.append(m.codes)
-                a.t_last_frame = self.p.clock()
-                if a.t_first_frame is None:
-                    a.t_first_frame = a.t_last_frame
+                a.frame_arrived(self.p.clock())
             elif isinstance(m, AudioEnd):
                 a.ended = True
         for a in list(seqs.values()):

@@ -234,3 +234,39 @@ def test_early_chunks_count_on_the_latest_frames_interval():
     for i in range(1, RECENT_FRAMES + 1):
         a.frame_arrived(0.27 + 0.06 * i)
     assert a.frame_interval() == pytest.approx(0.06)
+
+
+@pytest.mark.parametrize("wake", [True, False])
+def test_an_early_chunk_comes_due_by_the_clock_when_the_frames_stop(wake, monkeypatch):
+    """Frames at 2x real time, then the Talker stalls for 0.8 s after frame 10, with the frames since the
+    last chunk pending (fewer than the planned chunk): early chunks decode them before the audio sent
+    runs out. No frame arrives to wake the Code2Wav thread then, so it must wake by itself at that time
+    (`chunk_wait_until`); asleep until the next message, they came out only after the stall."""
+    from omni_rt.pipeline.code2wav import Code2WavLoop
+    from omni_rt.pipeline.fake import FakeTalker
+    from test_pipeline_policy import IDS
+
+    if not wake:
+        monkeypatch.setattr(Code2WavLoop, "_wake_at", lambda self, seqs: None)
+
+    class Stalling(FakeTalker):
+        def predict(self, reqs, code0):
+            if any(self._frames.get(r.slot) == 12 for r in reqs):  # frames 0-10 made, frame 11 next
+                time.sleep(0.8)
+            return super().predict(reqs, code0)
+
+    t = FakeTimings(thinker_decode=0.002, talker_step=0.015, predict=0.025, code2wav_chunk=0.002)
+    p = make(EngineSettings(early_chunks=True), t, reply_len=40, talker_stage=Stalling(t, IDS))
+    try:
+        r, sink = request("r", max_audio_frames=20)
+        run(p, (r, sink))
+    finally:
+        p.stop()
+    chunks = [(ts, m) for ts, m in sink.msgs if isinstance(m, AudioOut)]
+    before = [(ts, m) for ts, m in chunks if m.frame_index <= 10]  # chunks that start before the stall
+    sizes = [(m.frame_index, m.num_frames) for _, m in chunks]
+    if wake:
+        assert sum(m.num_frames for _, m in before) == 11, sizes  # all decoded during the stall
+        assert played_dry_ms(before) < LATE_MS, sizes
+    else:
+        assert played_dry_ms(before) > 200, sizes  # the clock is what brings them out: this test can fail

@@ -238,7 +238,8 @@ def test_handoffs_are_event_driven_not_polled(monkeypatch):
         run(p, request("a"), request("b", slot=1, prompt=PROMPT[:3] + [77] + PROMPT[3:]))
     finally:
         p.stop()
-    # every inbox sleep has no timeout: only a message (or stop) wakes a stage
+    # every inbox sleep has no timeout: only a message (or stop) wakes a stage (with early_chunks, a GPU's
+    # default, Code2Wav also wakes when an early chunk comes due by the clock: test_pacing)
     assert timeouts and all(t is None for t in timeouts)
     for box in (p.thinker_inbox, p.talker_inbox, p.code2wav_inbox):
         assert box.empty_wakeups == 0

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from omni_rt.pipeline.handoff import AudioEnd, Frame, Handoff
-from omni_rt.pipeline.pacing import audio_urgency, chunk_to_decode
+from omni_rt.pipeline.pacing import audio_urgency, chunk_to_decode, chunk_wait_until
 from omni_rt.pipeline.request import AudioDoneOut, AudioOut, Request
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class Code2WavLoop:
         # all its work arrives as messages: sleep only while no response has a chunk to decode
         self.p._serve(
             "code2wav", self.p.code2wav_inbox, lambda seqs: any(self._ready(a) for a in seqs.values()),
-            self._iteration, self._close,
+            self._iteration, self._close, self._wake_at,
         )  # fmt: skip
 
     def _iteration(self, msgs: list[Handoff], seqs: dict[Request, AudioSeq]) -> None:
@@ -130,6 +130,15 @@ class Code2WavLoop:
     def _ready(self, a: AudioSeq) -> bool:
         """Has `a` work now: a chunk to decode, an end to send, or a stop to act on?"""
         return a.req.stopped or (a.ended and not a.pending) or self._chunk_now(a)
+
+    def _wake_at(self, seqs: dict[Request, AudioSeq]) -> float | None:
+        """The earliest time (pipeline clock) a response's early chunk comes due without a frame coming."""
+        s = self.p.settings
+        times = [
+            t for a in seqs.values() if a.pending and not a.req.stopped
+            if (t := chunk_wait_until(len(a.pending), a.next_frame, a.ended, a.req, a.frame_interval(), s)) is not None
+        ]  # fmt: skip
+        return min(times, default=None)
 
     def _chunk_now(self, a: AudioSeq) -> int:
         """Frames of `a` to decode now (0: none): a planned size (1, 2, 4, ...), a smaller one early when

@@ -1,13 +1,16 @@
 """A stage's inbox: a deque guarded by a Condition. Senders `put`; the stage thread `take`s everything
-that has landed, sleeping on the Condition (no timeout, no polling) while there is nothing to do.
+that has landed, sleeping on the Condition (no polling) while there is nothing to do, or until a deadline
+of its own (`timeout`: Code2Wav's early chunk, due by the clock).
 
-`waits` and `wakeups` count how often the receiver slept and woke, so the policy tests can show that
-every wake-up was caused by a message (no polling loop).
+`waits`, `empty_wakeups` and `timeouts` count how often the receiver slept, woke with nothing, and woke
+at its deadline, so the policy tests can show that every other wake-up was caused by a message (no
+polling loop).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -25,6 +28,7 @@ class Inbox:
         self.puts = 0
         self.waits = 0  # times the receiver went to sleep
         self.empty_wakeups = 0  # times it woke with nothing to read (spurious or close)
+        self.timeouts = 0  # times it woke at its own deadline with nothing to read
 
     def put(self, item: Any) -> None:
         with self._cond:
@@ -37,16 +41,22 @@ class Inbox:
             self._closed = True
             self._cond.notify_all()
 
-    def take(self, block: bool) -> list[Any]:
-        """Everything queued, oldest first. With `block`, sleep until something arrives.
+    def take(self, block: bool, timeout: float | None = None) -> list[Any]:
+        """Everything queued, oldest first. With `block`, sleep until something arrives, or for at most
+        `timeout` seconds (then possibly nothing).
 
         Raises InboxClosed once the inbox is closed (after a stop), so the stage thread can exit.
         """
         with self._cond:
+            deadline = None if timeout is None else time.monotonic() + timeout
             while block and not self._items and not self._closed:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self.timeouts += 1
+                    break
                 self.waits += 1
-                self._cond.wait()  # woken by put() or close(); never by a timer
-                if not self._items and not self._closed:
+                self._cond.wait(left)  # woken by put() or close(), or at the deadline; never polling
+                if not self._items and not self._closed and (deadline is None or time.monotonic() < deadline):
                     self.empty_wakeups += 1
             if self._closed:
                 raise InboxClosed(self.name)

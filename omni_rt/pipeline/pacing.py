@@ -75,6 +75,20 @@ def may_decode_text(req: Request, now: float, s: EngineSettings) -> bool:
     return limit is None or req.ignore_eos or len(req.tokens) - req.frames <= limit
 
 
+def _planned(decoded: int, req: Request, s: EngineSettings) -> int:
+    """The planned size of `req`'s next chunk after `decoded` frames (`EngineSettings.chunk_size`)."""
+    # the decoder holds back the end of the latest frame (less than one): what is out is req.samples
+    held = min(1.0, max(0.0, decoded - req.samples / FRAME_SAMPLES))
+    return s.chunk_size(decoded, held=held)
+
+
+def _wait_margin_s(pending: int, planned: int, frame_interval_s: float, s: EngineSettings) -> float | None:
+    """Early chunks: the audio `req` must have ahead to wait for the smallest planned size above `pending`
+    (its missing frames, and one interval more: the decode, and jitter); None: no such size."""
+    n = min((n for n in s.chunk_sizes() if pending < n <= planned), default=None)
+    return None if n is None else (n - pending + 1) * frame_interval_s
+
+
 def chunk_to_decode(
     pending: int, decoded: int, ended: bool, req: Request, frame_interval_s: float | None, now: float,
     s: EngineSettings,
@@ -84,10 +98,9 @@ def chunk_to_decode(
 
     Early (`early_chunks`): wait for the largest planned size, up to this chunk's, whose missing frames
     arrive (one interval more: the decode, and jitter) before the audio sent runs out; if none, decode the
-    largest planned size pending now. Small chunks cost more per frame, so they are used only as needed."""
-    # the decoder holds back the end of the latest frame (less than one): what is out is req.samples
-    held = min(1.0, max(0.0, decoded - req.samples / FRAME_SAMPLES))
-    planned = s.chunk_size(decoded, held=held)
+    largest planned size pending now. Small chunks cost more per frame, so they are used only as needed.
+    A wait that ends by the clock, not by a frame, ends at `chunk_wait_until`."""
+    planned = _planned(decoded, req, s)
     if pending >= planned:
         return planned
     if ended:
@@ -97,7 +110,25 @@ def chunk_to_decode(
     ahead = audio_ahead_s(req, now)
     if ahead is None:
         return 0  # nothing plays yet: the first chunk is the plan
-    sizes = [n for n in s.chunk_sizes() if n <= planned]
-    if any(n > pending and ahead > (n - pending + 1) * frame_interval_s for n in sizes):
+    margin = _wait_margin_s(pending, planned, frame_interval_s, s)
+    if margin is not None and ahead > margin:
         return 0
-    return max((n for n in sizes if n <= pending), default=0)
+    return max((n for n in s.chunk_sizes() if n <= min(pending, planned)), default=0)
+
+
+def chunk_wait_until(
+    pending: int, decoded: int, ended: bool, req: Request, frame_interval_s: float | None, s: EngineSettings
+) -> float | None:
+    """When (pipeline clock) `chunk_to_decode` stops waiting for frames that have not come: the audio
+    would run dry before a bigger chunk's frames, so it decodes what is pending. None: its wait ends only
+    with a frame (or it does not wait). The Code2Wav thread sleeps until the earliest of these, or a
+    message: with frames slowed or stopped (a burst of other conversations' prefills), nothing else
+    would wake it in time."""
+    if ended or not s.chunks_early or pending == 0 or frame_interval_s is None:
+        return None
+    dry = audio_runs_dry_at(req)
+    planned = _planned(decoded, req, s)
+    if dry is None or pending >= planned or not any(n <= pending for n in s.chunk_sizes()):
+        return None  # not waiting, or nothing it could decode early (pending below the smallest size)
+    margin = _wait_margin_s(pending, planned, frame_interval_s, s)
+    return None if margin is None else dry - margin

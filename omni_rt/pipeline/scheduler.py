@@ -163,15 +163,19 @@ class Pipeline:
             self.thread_init()
         loop()
 
-    def _serve(self, stage: str, inbox: Inbox, has_work, iteration, let_go) -> None:
+    def _serve(self, stage: str, inbox: Inbox, has_work, iteration, let_go, wake_at=None) -> None:
         """A stage thread's loop over its per-request states (`seqs`: request -> a state with `.req`):
-        take every message (sleeping only while `has_work(seqs)` is false), then `iteration(msgs, seqs)`.
+        take every message (sleeping only while `has_work(seqs)` is false, and, with `wake_at`, at most
+        until `wake_at(seqs)` on the pipeline clock, when work comes due without a message), then
+        `iteration(msgs, seqs)`.
         If an iteration raises (a scheduler bug), every request the stage holds fails and is let go
         (`let_go(state, seqs)`), and the stage keeps serving; at stop they end with EngineClosedError."""
         seqs: dict = {}
         try:
             while True:
-                msgs = inbox.take(block=not has_work(seqs))
+                idle = not has_work(seqs)
+                due = wake_at(seqs) if idle and wake_at is not None else None
+                msgs = inbox.take(block=idle, timeout=None if due is None else max(0.0, due - self.clock()))
                 try:
                     with self._watch.busy(stage) if self._watch is not None else nullcontext():
                         iteration(msgs, seqs)

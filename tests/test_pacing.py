@@ -242,9 +242,10 @@ def test_an_early_chunk_comes_due_by_the_clock_when_the_frames_stop(wake, monkey
     last chunk pending (fewer than the planned chunk): early chunks decode them before the audio sent
     runs out. No frame arrives to wake the Code2Wav thread then, so it must wake by itself at that time
     (`chunk_wait_until`); asleep until the next message, they came out only after the stall."""
+    from test_pipeline_policy import IDS
+
     from omni_rt.pipeline.code2wav import Code2WavLoop
     from omni_rt.pipeline.fake import FakeTalker
-    from test_pipeline_policy import IDS
 
     if not wake:
         monkeypatch.setattr(Code2WavLoop, "_wake_at", lambda self, seqs: None)

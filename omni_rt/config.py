@@ -236,15 +236,6 @@ class EngineSettings(_Settings):
         False,
         description="run every sequence's step on its own (batch-invariant results) instead of batching",
     )
-    gil_switch_interval_ms: float | None = Field(
-        None,
-        gt=0.0,
-        le=100.0,
-        description="the interpreter's thread switch interval (`sys.setswitchinterval`), set when the engine "
-        "starts: how long a thread that wants the interpreter lock (a stage thread back from the GPU) may wait "
-        "for one running Python code. Process-wide, so it touches the host app's threads too. None: leave it "
-        "(CPython's default is 5 ms)",
-    )
     stall_timeout_s: float | None = Field(
         60.0,
         gt=0.0,

@@ -296,8 +296,6 @@ class Engine:
         async with self._lifecycle:
             if self.running:
                 return
-            if self.settings.gil_switch_interval_ms is not None:
-                sys.setswitchinterval(self.settings.gil_switch_interval_ms / 1000)
             # building runners allocates the caches: off the event loop
             thinker, talker, code2wav = await asyncio.to_thread(self._stages, self.settings)
             self._pipeline = Pipeline(

@@ -763,18 +763,3 @@ async def test_a_reply_that_contains_the_audio_start_id_as_text_does_not_break_t
             events = await collect(s, text)
             assert events[-1].type == "response.done" and events[-1].status == "completed"
         assert s.conversation.count(CFG.ids.audio_start) == 3  # kept as the text it was
-
-
-async def test_the_engine_sets_the_interpreter_switch_interval_it_is_given():
-    import sys
-
-    before = sys.getswitchinterval()
-    try:
-        async with fake_engine(gil_switch_interval_ms=0.5) as engine, engine.session() as s:
-            assert sys.getswitchinterval() == pytest.approx(0.0005)
-            assert types(await collect(s, "Hello"))[-1] == "response.done"
-        sys.setswitchinterval(0.004)
-        async with fake_engine():  # None leaves it as it is
-            assert sys.getswitchinterval() == pytest.approx(0.004)
-    finally:
-        sys.setswitchinterval(before)

@@ -131,18 +131,25 @@ def played_dry_ms(chunks: list[tuple[float, AudioOut]], lead_s: float = 0.0) -> 
     return dry * 1000
 
 
-def played_reply(
-    s: EngineSettings, t: FakeTimings, frames: int, lead_s: float = 0.0
-) -> tuple[float, list[int]]:
-    """A reply of `frames` frames through fake stages of timings `t`: how long a player starting `lead_s`
-    after its first PCM ran dry (ms), and the reply's chunk sizes."""
-    p = make(s, t, reply_len=frames + 20)
+def reply_chunks(
+    s: EngineSettings, t: FakeTimings, frames: int, reply_len: int | None = None, talker_stage=None
+) -> list[tuple[float, AudioOut]]:
+    """A reply of `frames` frames through fake stages of timings `t`: its audio chunks, with arrival times."""
+    p = make(s, t, reply_len=reply_len or frames + 20, talker_stage=talker_stage)
     try:
         r, sink = request("r", max_audio_frames=frames)
         run(p, (r, sink))
     finally:
         p.stop()
-    chunks = [(ts, m) for ts, m in sink.msgs if isinstance(m, AudioOut)]
+    return [(ts, m) for ts, m in sink.msgs if isinstance(m, AudioOut)]
+
+
+def played_reply(
+    s: EngineSettings, t: FakeTimings, frames: int, lead_s: float = 0.0
+) -> tuple[float, list[int]]:
+    """A reply of `frames` frames through fake stages of timings `t`: how long a player starting `lead_s`
+    after its first PCM ran dry (ms), and the reply's chunk sizes."""
+    chunks = reply_chunks(s, t, frames)
     assert sum(a.num_frames for _, a in chunks) == frames
     return played_dry_ms(chunks, lead_s), [a.num_frames for _, a in chunks]
 
@@ -168,13 +175,7 @@ def test_frames_at_twice_real_time_keep_a_gpu_reply_fed_from_its_second_chunk(co
     if not count_held:  # every sample of a decoded frame counted as out: the plan counted whole frames
         monkeypatch.setattr(pacing, "FRAME_SAMPLES", 1)
     t = FakeTimings(thinker_decode=0.002, talker_step=0.015, predict=0.025, code2wav_chunk=0.002)
-    p = make(EngineSettings(), t, reply_len=40)
-    try:
-        r, sink = request("r", max_audio_frames=4)
-        run(p, (r, sink))
-    finally:
-        p.stop()
-    chunks = [(ts, m) for ts, m in sink.msgs if isinstance(m, AudioOut)]
+    chunks = reply_chunks(EngineSettings(), t, 4, reply_len=40)
     late, _ = playback_lateness([(ts, len(m.pcm)) for ts, m in chunks], PCM_RATE)  # the load protocol's
     assert [m.num_frames for _, m in chunks] == ([1, 1, 2] if count_held else [1, 2, 1])
     if count_held:
@@ -257,13 +258,7 @@ def test_an_early_chunk_comes_due_by_the_clock_when_the_frames_stop(wake, monkey
             return super().predict(reqs, code0)
 
     t = FakeTimings(thinker_decode=0.002, talker_step=0.015, predict=0.025, code2wav_chunk=0.002)
-    p = make(EngineSettings(early_chunks=True), t, reply_len=40, talker_stage=Stalling(t, IDS))
-    try:
-        r, sink = request("r", max_audio_frames=20)
-        run(p, (r, sink))
-    finally:
-        p.stop()
-    chunks = [(ts, m) for ts, m in sink.msgs if isinstance(m, AudioOut)]
+    chunks = reply_chunks(EngineSettings(early_chunks=True), t, 20, reply_len=40, talker_stage=Stalling(t, IDS))
     before = [(ts, m) for ts, m in chunks if m.frame_index <= 10]  # chunks that start before the stall
     sizes = [(m.frame_index, m.num_frames) for _, m in chunks]
     if wake:

@@ -480,23 +480,31 @@ def test_every_code2wav_call_that_touches_its_state_runs_on_its_stream(model, mo
     assert resets and all(resets)  # open, flush (the stream starts afresh), close
 
 
+def _code2wav_streams(model, graphs: bool, seed: int, slots: tuple[int, ...]):
+    """A batching Code2Wav runner, a random-codes maker, a request per slot, and for each the oracle: the
+    model's own stream, with `pcm(stream, frames)` its PCM of the next frames."""
+    from omni_rt.model.code2wav import Code2WavStream
+
+    s = EngineSettings(max_sessions=4, code2wav_batch=True, cuda_graphs=graphs)
+    runner = runners.Code2WavRunner(model, s)
+    gen = torch.Generator().manual_seed(seed)
+    q, vocab = model.cfg.code2wav.num_quantizers, model.cfg.code2wav.codebook_size
+    codes = lambda n: torch.randint(0, vocab, (n, q), generator=gen).tolist()  # noqa: E731
+    reqs = [request(model, "Hi", slot=k) for k in slots]
+    alone = [Code2WavStream(model.code2wav) for _ in reqs]
+    pcm = lambda stream, frames: stream.push(torch.tensor(frames).T).numpy()  # noqa: E731
+    return runner, codes, reqs, alone, pcm
+
+
 @pytest.mark.parametrize("graphs", [True, False])
 def test_code2wav_chunks_of_several_responses_in_one_call_are_each_its_own_stream(model, graphed, graphs):
     # three responses at different points of their streams (first chunk, a few frames in, further on),
     # their next 2-frame chunks decoded in one call: each is what its own stream alone decodes (within
     # float rounding: a batched conv sums in another order; deterministic mode decodes one at a time)
-    from omni_rt.model.code2wav import Code2WavStream
 
-    s = EngineSettings(max_sessions=4, code2wav_batch=True, cuda_graphs=graphs)
-    batched = runners.Code2WavRunner(model, s)
+    batched, codes, reqs, alone, pcm = _code2wav_streams(model, graphs, seed=3, slots=(0, 2, 3))
     if graphs:
         assert code2wav_buckets(4) == [1, 2, 4] and (4, 2) in batched._graphs
-    gen = torch.Generator().manual_seed(3)
-    q, vocab = model.cfg.code2wav.num_quantizers, model.cfg.code2wav.codebook_size
-    codes = lambda n: torch.randint(0, vocab, (n, q), generator=gen).tolist()  # noqa: E731
-    reqs = [request(model, "Hi", slot=k) for k in (0, 2, 3)]
-    alone = [Code2WavStream(model.code2wav) for _ in reqs]  # the oracle: the model's own streams
-    pcm = lambda stream, frames: stream.push(torch.tensor(frames).T).numpy()  # noqa: E731
     for r, stream, history in zip(reqs, alone, [[], codes(1), codes(5)], strict=True):
         batched.open(r)
         if history:
@@ -524,16 +532,8 @@ def test_code2wav_chunks_of_different_sizes_in_one_call_are_each_its_own_stream(
     # ragged: three responses' next chunks of 1, 4 and 3 frames (3: no graph of that size, so graphed
     # pieces 2 + 1 with each row's own frames a prefix) decode in one call, each exactly its own stream's
     # PCM, and each stream goes on as its own afterwards
-    from omni_rt.model.code2wav import Code2WavStream
 
-    s = EngineSettings(max_sessions=4, code2wav_batch=True, cuda_graphs=graphs)
-    runner = runners.Code2WavRunner(model, s)
-    gen = torch.Generator().manual_seed(8)
-    q, vocab = model.cfg.code2wav.num_quantizers, model.cfg.code2wav.codebook_size
-    codes = lambda n: torch.randint(0, vocab, (n, q), generator=gen).tolist()  # noqa: E731
-    reqs = [request(model, "Hi", slot=k) for k in (1, 2, 3)]
-    alone = [Code2WavStream(model.code2wav) for _ in reqs]
-    pcm = lambda stream, frames: stream.push(torch.tensor(frames).T).numpy()  # noqa: E731
+    runner, codes, reqs, alone, pcm = _code2wav_streams(model, graphs, seed=8, slots=(1, 2, 3))
     for r, stream, history in zip(reqs, alone, [[], codes(2), codes(1)], strict=True):
         runner.open(r)
         if history:

@@ -8,7 +8,9 @@ Per stage and kind (Thinker decode, Talker step and predict, Code2Wav chunk): ca
 time p50 / mean (host step records), and busy (the calls' summed time over the level's span). Then the late
 replies (lateness > 20 ms, `bench_load.LATE_MS`), each classified at its first late delta as
 `playback_lateness` defines it: the frame that delta starts with (`(samples before + shortfall) // 1920`)
-was made (its `talker.predict` record ended) after the delta was due, or before.
+was made (its `talker.predict` record ended) after the delta was due, or before. And where in their
+replies the late deltas are (which chunk: 1 is a reply's second), how long before they were due their
+frames were all made (slack), and the Code2Wav call that brought each: its time and rows.
 """
 
 from __future__ import annotations
@@ -52,6 +54,25 @@ def why_late(response: dict, frames_made: list[float]) -> str | None:
     return "frame late" if frames_made[k] > due else "decode late"
 
 
+def late_detail(response: dict, frames_made: list[float], calls: list[tuple[float, float, int]]) -> dict | None:
+    """Of a late reply's first late delta: its chunk's index in the reply, frames, lateness (ms), slack (ms
+    from its chunk's last frame made to the delta's due time; negative: made after it), and the Code2Wav
+    call that brought it (`calls`: this response's (start, end, rows), in order): its time and rows."""
+    late = first_late_delta(response["arrivals"])
+    if late is None:
+        return None
+    t, played, due = late
+    index = next(i for i, (a, _) in enumerate(response["arrivals"]) if a == t)
+    frames = max(1, round(response["arrivals"][index][1] / SAMPLES_PER_FRAME))
+    last = (played + SHORTFALL) // SAMPLES_PER_FRAME + frames - 1
+    call = next((c for c in reversed(calls) if c[1] <= t), None)
+    return dict(
+        chunk=index, frames=frames, late_ms=(t - due) * 1e3,
+        slack_ms=(due - frames_made[last]) * 1e3 if last < len(frames_made) else None,
+        call_ms=(call[1] - call[0]) * 1e3 if call else None, call_rows=call[2] if call else None,
+    )  # fmt: skip
+
+
 def analyse(level: dict) -> dict:
     steps, responses = level["trace"]["steps"], level["trace"]["responses"]
     span = max(s[3] for s in steps) - min(s[2] for s in steps)
@@ -72,7 +93,16 @@ def analyse(level: dict) -> dict:
                 made[i].append(t_end)
     why = collections.Counter(why_late(r, made.get(i, [])) for i, r in enumerate(responses))
     why.pop(None, None)
-    return dict(conversations=level["conversations"], late=level["late_replies"], stages=stages, why_late=dict(why))
+    decoded = collections.defaultdict(list)  # response index -> its Code2Wav calls (start, end, rows)
+    for stage, kind, t0, t1, ids in steps:
+        if stage == "code2wav" and kind == "chunk":
+            for i in ids:
+                decoded[i].append((t0, t1, len(ids)))
+    details = [d for i, r in enumerate(responses) if (d := late_detail(r, made.get(i, []), decoded.get(i, [])))]
+    return dict(
+        conversations=level["conversations"], late=level["late_replies"], stages=stages, why_late=dict(why),
+        late_at_chunk=dict(sorted(collections.Counter(d["chunk"] for d in details).items())), late_details=details,
+    )  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -94,6 +124,11 @@ def main(argv=None) -> int:
         for name, s in a["stages"].items():
             print(f"  {name:18} {s['calls']:5} calls, {s['rows']:5.1f} rows, {s['p50_ms']:5.1f} / "
                   f"{s['mean_ms']:5.1f} ms p50 / mean, busy {s['busy']:.2f}")  # fmt: skip
+        if a["late_details"]:
+            med = lambda k, ds=a["late_details"]: statistics.median(d[k] for d in ds if d[k] is not None)  # noqa: E731
+            print(f"  first late delta at chunk (1: a reply's second): {a['late_at_chunk']}")
+            print(f"  p50 of the late deltas: {med('late_ms'):.0f} ms late, slack {med('slack_ms'):.0f} ms, "
+                  f"brought by a Code2Wav call of {med('call_ms'):.1f} ms, {med('call_rows'):.0f} rows")  # fmt: skip
     return 0
 
 

@@ -24,7 +24,8 @@ import torch
 from hf_fixtures import _calibrate_code2wav_, reinit_
 
 from omni_rt.errors import ConfigError, InvalidRequestError
-from omni_rt.model.code2wav import Code2Wav, Code2WavStream
+from omni_rt.model.code2wav import Code2Wav
+from omni_rt.model.code2wav_stream import Code2WavStream
 from omni_rt.model.config import Code2WavConfig, preset
 
 TINY = preset("tiny").code2wav  # hidden 64, 2 layers, window 72, decoder 64, the real upsampling (1920)

@@ -483,7 +483,7 @@ def test_every_code2wav_call_that_touches_its_state_runs_on_its_stream(model, mo
 def _code2wav_streams(model, graphs: bool, seed: int, slots: tuple[int, ...]):
     """A batching Code2Wav runner, a random-codes maker, a request per slot, and for each the oracle: the
     model's own stream, with `pcm(stream, frames)` its PCM of the next frames."""
-    from omni_rt.model.code2wav import Code2WavStream
+    from omni_rt.model.code2wav_stream import Code2WavStream
 
     s = EngineSettings(max_sessions=4, code2wav_batch=True, cuda_graphs=graphs)
     runner = runners.Code2WavRunner(model, s)
@@ -553,7 +553,7 @@ def test_a_chunk_size_without_a_graph_decodes_as_graphed_pieces(model, graphed, 
     # a reply's last chunk can have any size: with graphs (sizes 1, 2, 4, 8, 16) a 7-frame chunk is the
     # 4-, 2- and 1-frame graphs replayed in turn, not the eager step, and each stream's PCM is what its
     # own stream decodes
-    from omni_rt.model.code2wav import Code2WavStream
+    from omni_rt.model.code2wav_stream import Code2WavStream
 
     s = EngineSettings(max_sessions=4, code2wav_batch=True, cuda_graphs=True)
     runner = runners.Code2WavRunner(model, s)

@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from omni_rt.config import EngineSettings
-from omni_rt.model.code2wav import Code2WavStream, copy_states
+from omni_rt.model.code2wav import copy_states
+from omni_rt.model.code2wav_stream import Code2WavStream
 from omni_rt.pipeline import graphs
 from omni_rt.pipeline.graphs import GraphPool
 from omni_rt.pipeline.request import Request

@@ -636,3 +636,15 @@ def test_a_prompt_prefilled_in_pieces_continues_as_the_whole_prompt(model, graph
         logits_p, tokens_p = thinker_trace(runner, [pieces], steps=4)
         torch.testing.assert_close(logits_p, logits_w, rtol=1e-4, atol=1e-5)
         assert tokens_p == tokens_w
+
+
+def test_a_single_stream_chunk_copies_no_frame_counts(model, graphed):
+    # the first audio's path: one stream's chunk replays the one-row graph, which was captured without
+    # ragged counts, so nothing is copied to the device for them (the batched work states have them)
+    s = EngineSettings(max_sessions=4, code2wav_batch=True, cuda_graphs=True)
+    runner = runners.Code2WavRunner(model, s)
+    assert runner._work[1].valid is None and runner._work[4].valid is not None
+    req = request(model, "Hi", slot=0)
+    runner.open(req)
+    runner.push(req, [[1] * model.cfg.code2wav.num_quantizers])
+    assert runner._work[1].valid is None and runner._graphs[(1, 1)].replays == 1

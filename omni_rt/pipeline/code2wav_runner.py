@@ -82,10 +82,11 @@ class Code2WavRunner:
         if graph is None and rows == 1:
             return self.code2wav.step(codes, states[0])
         work = self._work[b] if graph is not None else self.code2wav.new_state(rows)
-        if work.valid is None:
+        if rows > 1 and work.valid is None:  # an eager call of several rows
             work.valid = torch.zeros(rows, dtype=torch.long, device=self.device)
-        own = [n] * rows if valid is None else valid
-        work.valid.copy_(to_device(own + [0] * (work.valid.shape[0] - rows), self.device))
+        if work.valid is not None:  # (a one-row graph reads no counts: its stream's frames are all its own)
+            own = [n] * rows if valid is None else valid
+            work.valid.copy_(to_device(own + [0] * (work.valid.shape[0] - rows), self.device))
         copy_states([work.row(i) for i in range(rows)], states)
         wav = graph(pad_rows(codes, b, 0)) if graph is not None else self.code2wav.step(codes, work)
         copy_states(states, [work.row(i) for i in range(rows)])

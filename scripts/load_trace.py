@@ -87,17 +87,15 @@ def analyse(level: dict) -> dict:
             mean_ms=statistics.mean(ms), busy=sum(ms) / 1e3 / span,
         )  # fmt: skip
     made = collections.defaultdict(list)  # response index -> end of each of its frames' predict call
-    for stage, kind, _, t_end, ids in steps:
-        if stage == "talker" and kind == "predict":
-            for i in ids:
-                made[i].append(t_end)
-    why = collections.Counter(why_late(r, made.get(i, [])) for i, r in enumerate(responses))
-    why.pop(None, None)
     decoded = collections.defaultdict(list)  # response index -> its Code2Wav calls (start, end, rows)
     for stage, kind, t0, t1, ids in steps:
-        if stage == "code2wav" and kind == "chunk":
-            for i in ids:
+        for i in ids:
+            if stage == "talker" and kind == "predict":
+                made[i].append(t1)
+            elif stage == "code2wav" and kind == "chunk":
                 decoded[i].append((t0, t1, len(ids)))
+    why = collections.Counter(why_late(r, made.get(i, [])) for i, r in enumerate(responses))
+    why.pop(None, None)
     details = [d for i, r in enumerate(responses) if (d := late_detail(r, made.get(i, []), decoded.get(i, [])))]
     return dict(
         conversations=level["conversations"], late=level["late_replies"], stages=stages, why_late=dict(why),

@@ -5,7 +5,7 @@ graph settings: the figures docs/turn-taking.md quotes, for anyone to check on t
     python3 scripts/smart_turn_probe.py "Is it <break time=\"400ms\"/> raining?"
 
 Each sentence (SSML allowed) is spoken by espeak-ng (tests/audio_clips.py), framed by silence, and run
-through `SemanticVad` as a server runs it; every time the detector asks the model (at each pause Silero
+through `SemanticVad` as a server runs it (the tests' `Recording` detector); every time the detector asks the model (at each pause Silero
 finds, and after the last word) the answer is printed, once per session setting: "all" (what omni_rt
 runs, as pipecat does: every graph optimisation, the quantised graph run as fused int8 kernels, which
 differ by instruction set), "qdq-float" (the same graph with its quantise/dequantise pairs run in float),
@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from audio_clips import cat, silence, speech  # noqa: E402
+from test_semantic_vad import Recording, run  # noqa: E402
 
 from omni_rt.audio import semantic  # noqa: E402
 from omni_rt.audio.onnx import packaged_file  # noqa: E402
@@ -72,28 +73,16 @@ def session(kind: str):
     return ort.InferenceSession(path, sess_options=opts, providers=["CPUExecutionProvider"])
 
 
-class Asking(semantic.SemanticVad):
-    """A SemanticVad that keeps the model's answer each time it asks."""
-
-    def __init__(self) -> None:
-        super().__init__(semantic.SemanticVadConfig())
-        self.asked: list[float] = []
-
-    def _turn_over(self, silent_frames: int) -> bool:
-        before = self.last_completion
-        over = super()._turn_over(silent_frames)
-        if self.last_completion is not before:
-            self.asked.append(round(self.last_completion, 2))
-        return over
-
-
 def answers(text: str, model: semantic.SmartTurn) -> list[float]:
-    audio = cat(silence(300), speech(text), silence(600))
-    vad = Asking()
-    vad._turn_model = model  # the detector's model, with this session
-    for i in range(0, len(audio), 320):
-        vad.push(audio[i : i + 320])
-    return vad.asked
+    """The model's answer each time the detector asks, for `text` framed by silence."""
+
+    def detector(cfg):  # the tests' recording detector, asking this session's model
+        vad = Recording(cfg)
+        vad._turn_model = model
+        return vad
+
+    _, vad = run(cat(silence(300), speech(text), silence(600)), detector=detector)
+    return [round(p, 2) for _, p in vad.asked]
 
 
 def main(argv=None) -> int:

@@ -82,11 +82,29 @@ def _planned(decoded: int, req: Request, s: EngineSettings) -> int:
     return s.chunk_size(decoded, held=held)
 
 
-def _wait_margin_s(pending: int, planned: int, frame_interval_s: float, s: EngineSettings) -> float | None:
-    """Early chunks: the audio `req` must have ahead to wait for the smallest planned size above `pending`
-    (its missing frames, and one interval more: the decode, and jitter); None: no such size."""
-    n = min((n for n in s.chunk_sizes() if pending < n <= planned), default=None)
-    return None if n is None else (n - pending + 1) * frame_interval_s
+def _chunk_choice(
+    pending: int, decoded: int, ended: bool, req: Request, frame_interval_s: float | None, s: EngineSettings
+) -> tuple[int, float | None]:
+    """(frames, not before): decode `frames` once the pipeline clock reaches `not before` (None: at once);
+    0 frames: wait for more. `chunk_to_decode` reads it at a time, `chunk_wait_until` for its time.
+
+    Early (`early_chunks`): wait for the smallest planned size above `pending`, up to this chunk's, while
+    its missing frames (one interval more: the decode, and jitter) would come before the audio sent runs
+    out; from then on, decode the largest planned size pending. Small chunks cost more per frame, so they
+    are used only as needed."""
+    planned = _planned(decoded, req, s)
+    if pending >= planned:
+        return planned, None
+    if ended:
+        return pending, None  # the remainder at the end
+    dry = audio_runs_dry_at(req)
+    if not s.chunks_early or pending == 0 or frame_interval_s is None or dry is None:
+        return 0, None  # (nothing plays yet: the first chunk is the plan)
+    early = max((n for n in s.chunk_sizes() if n <= min(pending, planned)), default=0)
+    bigger = min((n for n in s.chunk_sizes() if pending < n <= planned), default=None)
+    if not early or bigger is None:
+        return early, None
+    return early, dry - (bigger - pending + 1) * frame_interval_s
 
 
 def chunk_to_decode(
@@ -95,40 +113,17 @@ def chunk_to_decode(
 ) -> int:  # fmt: skip
     """Frames to decode now from `pending` (0: wait for more). `decoded`: frames decoded so far;
     `frame_interval_s`: the mean time between this response's latest frames (None: fewer than two).
-
-    Early (`early_chunks`): wait for the largest planned size, up to this chunk's, whose missing frames
-    arrive (one interval more: the decode, and jitter) before the audio sent runs out; if none, decode the
-    largest planned size pending now. Small chunks cost more per frame, so they are used only as needed.
-    A wait that ends by the clock, not by a frame, ends at `chunk_wait_until`."""
-    planned = _planned(decoded, req, s)
-    if pending >= planned:
-        return planned
-    if ended:
-        return pending  # the remainder at the end
-    if not s.chunks_early or pending == 0 or frame_interval_s is None:
-        return 0
-    ahead = audio_ahead_s(req, now)
-    if ahead is None:
-        return 0  # nothing plays yet: the first chunk is the plan
-    margin = _wait_margin_s(pending, planned, frame_interval_s, s)
-    if margin is not None and ahead > margin:
-        return 0
-    return max((n for n in s.chunk_sizes() if n <= min(pending, planned)), default=0)
+    Planned sizes, or early ones (`_chunk_choice`); a wait that ends by the clock, not by a frame, ends at
+    `chunk_wait_until`."""
+    frames, not_before = _chunk_choice(pending, decoded, ended, req, frame_interval_s, s)
+    return frames if not_before is None or now >= not_before else 0
 
 
 def chunk_wait_until(
     pending: int, decoded: int, ended: bool, req: Request, frame_interval_s: float | None, s: EngineSettings
 ) -> float | None:
     """When (pipeline clock) `chunk_to_decode` stops waiting for frames that have not come: the audio
-    would run dry before a bigger chunk's frames, so it decodes what is pending. None: its wait ends only
-    with a frame (or it does not wait). The Code2Wav thread sleeps until the earliest of these, or a
-    message: with frames slowed or stopped (a burst of other conversations' prefills), nothing else
-    would wake it in time."""
-    if ended or not s.chunks_early or pending == 0 or frame_interval_s is None:
-        return None
-    dry = audio_runs_dry_at(req)
-    planned = _planned(decoded, req, s)
-    if dry is None or pending >= planned or not any(n <= pending for n in s.chunk_sizes()):
-        return None  # not waiting, or nothing it could decode early (pending below the smallest size)
-    margin = _wait_margin_s(pending, planned, frame_interval_s, s)
-    return None if margin is None else dry - margin
+    would run dry before a bigger chunk's frames, so it decodes what is pending. None: it does not wait on
+    the clock. The Code2Wav thread sleeps until the earliest of these, or a message: with frames slowed or
+    stopped (a burst of other conversations' prefills), nothing else would wake it in time."""
+    return _chunk_choice(pending, decoded, ended, req, frame_interval_s, s)[1]

@@ -21,6 +21,7 @@ import gzip
 import json
 import shutil
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -33,6 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import omni_rt  # noqa: E402
 from omni_rt.bench import chat_prompt  # noqa: E402
 from omni_rt.bench_measure import timed_request  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timeline import print_timeline, timeline  # noqa: E402
 
 RUNTIME_PREFIXES = ("cuda", "cu")  # runtime and driver API events (cudaLaunchKernel, cuLaunchKernelEx, ...)
 
@@ -54,6 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--max-sessions", type=int, default=64, help="engine slots (the load protocol's: 64)")
     ap.add_argument("--out", default="request_profile")
+    ap.add_argument("--sequence", type=int, default=40, help="the first N stage launches listed in host order")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -66,11 +71,12 @@ def main(argv=None) -> int:
             warm = await serve(engine, prompt, args.warmup, 100)
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
             t0 = time.perf_counter()
+            threads = {t.native_id: t.name for t in threading.enumerate() if t.name.startswith("omni-rt-")}
             with profile(activities=activities) as prof:
                 ttfa = await serve(engine, prompt, args.requests, 200)
             wall = time.perf_counter() - t0
             steps = [s for s in engine.pipeline.steps if s.t_start >= t0]
-        return dict(warm=warm, ttfa=ttfa, wall=wall, prof=prof, steps=steps)
+        return dict(warm=warm, ttfa=ttfa, wall=wall, prof=prof, steps=steps, threads=threads)
 
     res = asyncio.run(run())
     prof = res.pop("prof")
@@ -115,6 +121,10 @@ def main(argv=None) -> int:
     (out / "profile.json").write_text(json.dumps(report, indent=1))
     trace = out / "trace.json"
     prof.export_chrome_trace(str(trace))
+    with open(trace) as f:  # the first request's path to its first audio, launch by launch (gpu_timeline.py)
+        tl = timeline(json.load(f)["traceEvents"], res["threads"], sequence=args.sequence)
+    (out / "timeline.json").write_text(json.dumps(tl, indent=1))
+    print_timeline(tl)
     with open(trace, "rb") as src, gzip.open(str(trace) + ".gz", "wb") as dst:
         shutil.copyfileobj(src, dst)
     trace.unlink()

@@ -70,32 +70,37 @@ def timeline(events: list[dict], threads: dict[int, str], sequence: int = 0) -> 
         if c is not None:
             by_corr[c].append(k)
     runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "dur" in e]
-    per_thread: dict[str, dict] = {}
+    # grouped by the stream the launch's kernels ran on (each stage has its own), not by host thread: the
+    # trace's thread ids for runtime calls need not be the OS ids
+    per_stream: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    first_kernel: dict[str, str] = {}
     seq = []
-    for tid, name in threads.items():
-        mine = [e for e in runtime if e.get("tid") == tid]
-        calls = defaultdict(float)
-        for e in mine:
-            calls[e["name"]] += e["dur"] / 1e3
-        graphs: dict[str, list[float]] = defaultdict(list)
-        for e in mine:
-            if e["name"] not in LAUNCHES:
-                continue
-            ks = by_corr.get(e.get("args", {}).get("correlation"), [])
-            if not ks:
-                continue
-            kind = "graph" if e["name"] == "cudaGraphLaunch" else "kernel"
-            start = min(k["ts"] for k in ks)
-            end = max(k["ts"] + k["dur"] for k in ks)
-            graphs[f"{kind} wait ms"].append((start - e["ts"]) / 1e3)
-            graphs[f"{kind} span ms"].append((end - start) / 1e3)
-            graphs[f"{kind} busy ms"].append(sum(k["dur"] for k in ks) / 1e3)
-            graphs[f"{kind} kernels"].append(len(ks))
-            seq.append((e["ts"], name, e["name"], start, end, len(ks), sum(k["dur"] for k in ks)))
-        per_thread[name] = {
-            "launches": {k: _pcts(v) for k, v in graphs.items()},
-            "runtime_ms": dict(sorted(calls.items(), key=lambda kv: -kv[1])[:8]),
-        }
+    for e in runtime:
+        if e["name"] not in LAUNCHES:
+            continue
+        ks = by_corr.get(e.get("args", {}).get("correlation"), [])
+        if not ks:
+            continue
+        stream = str(ks[0].get("args", {}).get("stream", "?"))
+        kind = "graph" if e["name"] == "cudaGraphLaunch" else "kernel"
+        start = min(k["ts"] for k in ks)
+        end = max(k["ts"] + k["dur"] for k in ks)
+        g = per_stream[stream]
+        g[f"{kind} wait ms"].append((start - e["ts"]) / 1e3)
+        g[f"{kind} span ms"].append((end - start) / 1e3)
+        g[f"{kind} busy ms"].append(sum(k["dur"] for k in ks) / 1e3)
+        g[f"{kind} kernels"].append(len(ks))
+        first_kernel.setdefault(stream, min(ks, key=lambda k: k["ts"])["name"][:60])
+        seq.append((e["ts"], stream, e["name"], start, end, len(ks), sum(k["dur"] for k in ks)))
+    per_thread: dict[str, dict] = {
+        f"stream {st}": {"launches": {k: _pcts(v) for k, v in g.items()}, "first_kernel": first_kernel[st]}
+        for st, g in per_stream.items()
+    }
+    calls: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for e in runtime:
+        calls[threads.get(e.get("tid"), f"tid {e.get('tid')}")][e["name"]] += e["dur"] / 1e3
+    for t, c in calls.items():
+        per_thread[t] = {"launches": {}, "runtime_ms": dict(sorted(c.items(), key=lambda kv: -kv[1])[:8])}
     out: dict = {"threads": per_thread}
     if sequence and seq:
         seq.sort()
@@ -151,8 +156,11 @@ def print_timeline(res: dict) -> None:
         for k, p in t["launches"].items():
             if p:
                 print(f"{name:22} {k:18} {p['n']:>5} {p['p50']:>8.3f} {p['p90']:>8.3f} {p['max']:>8.3f}")
-        calls = ", ".join(f"{k} {v:.1f}" for k, v in list(t["runtime_ms"].items())[:4])
-        print(f"{name:22} runtime ms: {calls}")
+        if "first_kernel" in t:
+            print(f"{name:22} first kernel: {t['first_kernel']}")
+        if t.get("runtime_ms"):
+            calls = ", ".join(f"{k} {v:.1f}" for k, v in list(t["runtime_ms"].items())[:4])
+            print(f"{name:22} runtime ms: {calls}")
 
 
 def main(argv=None) -> int:

@@ -525,6 +525,11 @@ def test_code2wav_chunks_of_several_responses_in_one_call_are_each_its_own_strea
         torch.testing.assert_close(
             torch.from_numpy(batched.push(r, more)), torch.from_numpy(pcm(stream, more)), rtol=0, atol=1e-6
         )
+    # the slot no response holds is as fresh as at the start: the padding row's state went to the
+    # pool's scratch stream, not to a session's
+    idle = batched._streams[1].state
+    assert int(idle.pos) == 0 and bool((idle.key_pos == -1).all())
+    assert not any(bool(b.any()) for b in (idle.k, idle.v, *idle.conv.values()))
 
 
 @pytest.mark.parametrize("graphs", [True, False])

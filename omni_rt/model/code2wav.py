@@ -81,6 +81,29 @@ class Code2WavState:
             key_pos=self.key_pos[i : i + 1], conv={m: buf[i : i + 1] for m, buf in self.conv.items()},
         )  # fmt: skip
 
+    def _per_stream(self) -> list[tuple[torch.Tensor, int]]:
+        """Every per-stream tensor with its stream dim (`valid`, a step's input, is not state)."""
+        return [
+            (self.pos, 0),
+            (self.k, 1),
+            (self.v, 1),
+            (self.key_pos, 0),
+            *((b, 0) for b in self.conv.values()),
+        ]
+
+    def gather(self, pool: Code2WavState, index: torch.Tensor) -> None:
+        """Stream i of this state <- the pool's stream index[i], for every i (one kernel a tensor): a work
+        state loaded from a pool of streams (the pipeline keeps one per session slot), decoded, then
+        `scatter`ed back. Both states come from the same model's `new_state`."""
+        for (dst, dim), (src, _) in zip(self._per_stream(), pool._per_stream(), strict=True):
+            torch.index_select(src, dim, index, out=dst)
+
+    def scatter(self, pool: Code2WavState, index: torch.Tensor) -> None:
+        """The pool's stream index[i] <- stream i of this state, for every i. Rows that pad a batch may all
+        name one scratch stream of the pool: which of them lands there is unspecified."""
+        for (src, dim), (dst, _) in zip(self._per_stream(), pool._per_stream(), strict=True):
+            dst.index_copy_(dim, index, src)
+
     def keep_context(self, buf: torch.Tensor, window: torch.Tensor, rate: int) -> None:
         """buf [B, C, ctx] <- the last ctx samples of each stream's own input in `window` [B, C, ctx + T
         rate] (the conv's old context, then this chunk's input at `rate` samples per frame)."""
@@ -98,17 +121,6 @@ class Code2WavState:
         first = self.pos * rate - lag  # [B] global index of the chunk's first sample
         idx = first[:, None] + torch.arange(length, device=self.pos.device)  # [B, length]
         return (idx >= 0).unsqueeze(1)
-
-
-def copy_states(dst: list[Code2WavState], src: list[Code2WavState]) -> None:
-    """Copy stream states into others of the same shapes (in place, on the device), in one multi-tensor
-    copy: at real shapes a state is 24 tensors (20 conv buffers), and a copy each, in and out around
-    every chunk, was ~50 launches on the path to the first audio."""
-    pairs = list(zip(dst, src, strict=True))
-    torch._foreach_copy_(
-        [t for d, _ in pairs for t in (d.pos, d.k, d.v, d.key_pos, *(d.conv[m] for m in d.conv))],
-        [t for d, s in pairs for t in (s.pos, s.k, s.v, s.key_pos, *(s.conv[m] for m in d.conv))],
-    )
 
 
 # ---------------------------------------------------------------------------------------------------------

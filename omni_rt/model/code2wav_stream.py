@@ -33,14 +33,16 @@ class Code2WavStream:
         model: Code2Wav,
         batch_size: int = 1,
         step: Callable[[torch.Tensor, Code2WavState], torch.Tensor] | None = None,
+        state: Code2WavState | None = None,
     ) -> None:
-        """`step` replaces `model.step` (same signature), e.g. by replays of CUDA graphs per chunk size."""
+        """`step` replaces `model.step` (same signature), e.g. by replays of CUDA graphs per chunk size;
+        `state` is where the streams' state lives (`batch_size` streams; default: a new one)."""
         if batch_size < 1:
             raise InvalidRequestError(f"batch_size must be >= 1, got {batch_size}")
         self.model = model
         self.batch_size = batch_size
         self.step = step or model.step
-        self.state = model.new_state(batch_size)
+        self.state = model.new_state(batch_size) if state is None else state
         self.frames = [0] * batch_size  # host copy of state.pos, for slicing off the pre-start samples
 
     @property

@@ -8,7 +8,6 @@ import numpy as np
 import torch
 
 from omni_rt.config import EngineSettings
-from omni_rt.model.code2wav import copy_states
 from omni_rt.model.code2wav_stream import Code2WavStream
 from omni_rt.pipeline import graphs
 from omni_rt.pipeline.graphs import GraphPool
@@ -20,10 +19,14 @@ __all__ = ["Code2WavRunner"]
 
 
 class Code2WavRunner:
-    """One exact streaming decoder state per session slot. With graphs, one CUDA graph per (rows, chunk
-    size) decodes a shared work state: the slots' states are copied into its rows before the replay and
-    out after it (one multi-tensor copy each way: a few MB a slot at real shapes), so the graphs need not
-    be captured per slot. Several responses' next chunks decode in one batched call (`push_many`, with
+    """One exact streaming decoder state per session slot, all in one pool (`Code2WavState`, a stream a
+    slot, plus a scratch stream for padding rows). A call loads the slots' streams into a work state
+    (`gather`), decodes it, and stores them back (`scatter`): with graphs, one CUDA graph per (rows, chunk
+    size) does all three, reading which slots from a static index, so the graphs need not be captured per
+    slot and the host makes no copy of its own. (Copied by the host, 24 tensors a row each way, a call of
+    18 rows was ~860 device-to-device `cudaMemcpyAsync` calls, each waiting for the driver's lock while
+    the other stages launched their graphs: at 64 conversations on an H200 most of a call's 16 ms mean,
+    against 3.5 ms on the GPU; docs/performance.md, 2026-12-04 third session.) Several responses' next chunks decode in one batched call (`push_many`, with
     `code2wav_batch`), each row exactly its own stream's decode: chunks of different sizes too, each row
     padded to the longest (ragged: `Code2WavState.valid`), its padding leaving no trace in its stream."""
 
@@ -34,14 +37,20 @@ class Code2WavRunner:
         self.stream = stage_stream(self.device, priority=-1)
         self._graphs: dict[tuple[int, int], object] = {}  # (rows bucket, chunk frames) -> captured decode
         self._work: dict[int, object] = {}  # rows bucket -> the work state its graphs decode
+        self._index: dict[int, torch.Tensor] = {}  # rows bucket -> the pool streams its graphs decode
+        self.scratch = settings.max_sessions  # the pool's stream for rows that pad a batch
+        self._pool = self.code2wav.new_state(settings.max_sessions + 1)
+        self._eager_work: dict[int, object] = {}  # rows -> a work state for calls without a graph
         self._rows = code2wav_buckets(settings.max_sessions if settings.code2wav_batched else 1)
         self._sizes: list[int] = []  # chunk sizes with a graph, ascending
         if graphs.graphs_on(settings, self.device):
             self._sizes = sorted(settings.chunk_sizes())
             self._capture_all(self._sizes)
-        # one exact streaming state per session slot, allocated once
-        step = lambda codes, state: self._decode(codes, [state])  # noqa: E731 - one stream's chunk
-        self._streams = [Code2WavStream(self.code2wav, step=step) for _ in range(settings.max_sessions)]
+        # one exact streaming state per session slot: its row of the pool
+        self._streams = [
+            Code2WavStream(self.code2wav, step=lambda codes, _, slot=slot: self._decode(codes, [slot]), state=self._pool.row(slot))
+            for slot in range(settings.max_sessions)
+        ]  # fmt: skip
 
     @torch.no_grad()
     def _capture_all(self, chunk_sizes: list[int]) -> None:
@@ -49,17 +58,26 @@ class Code2WavRunner:
         q = self.code2wav.cfg.num_quantizers
         for b in self._rows:
             work = self._work[b] = self.code2wav.new_state(b)
+            index = self._index[b] = torch.full((b,), self.scratch, dtype=torch.long, device=self.device)
             if b > 1:  # a call of several rows may be ragged; one stream's call never is
                 work.valid = torch.zeros(b, dtype=torch.long, device=self.device)
             for n in chunk_sizes:
                 codes = torch.zeros(b, q, n, dtype=torch.long, device=self.device)  # [b, Q, n]
                 self._graphs[(b, n)] = graphs.capture_or_eager(
-                    lambda c, w=work: self.code2wav.step(c, w), (codes,), pool
+                    lambda c, w=work, ix=index: self._pooled_step(c, w, ix), (codes,), pool
                 )
 
-    def _decode(self, codes: torch.Tensor, states: list, valid: list[int] | None = None) -> torch.Tensor:
-        """One chunk of each of len(states) streams in one call: codes [B, Q, n] -> wav [B, 1, spf n],
-        each state advanced as its own stream's decode would. `valid`: each row's own frames (ragged:
+    def _pooled_step(self, codes: torch.Tensor, work, index: torch.Tensor) -> torch.Tensor:
+        """The pool's streams `index` [B] each decode their row of codes [B, Q, n]: loaded into `work`,
+        stepped, stored back. -> wav [B, 1, spf n]"""
+        work.gather(self._pool, index)
+        wav = self.code2wav.step(codes, work)
+        work.scatter(self._pool, index)
+        return wav
+
+    def _decode(self, codes: torch.Tensor, slots: list[int], valid: list[int] | None = None) -> torch.Tensor:
+        """One chunk of each of the slots' streams in one call: codes [B, Q, n] -> wav [B, 1, spf n],
+        each stream advanced as its own decode would. `valid`: each row's own frames (ragged:
         row i's chunk is codes[i, :, :valid[i]], its PCM the first spf valid[i] samples); None: all n.
         A graphed (rows bucket, size) replays over its work state's first B rows (padding rows' outputs
         and states are never read); else eager (the last chunk of a response can have any size)."""
@@ -77,20 +95,25 @@ class Code2WavRunner:
             head_valid = tail_valid = None
             if valid is not None:
                 head_valid, tail_valid = [min(v, m) for v in valid], [max(v - m, 0) for v in valid]
-            head = self._decode(codes[..., :m], states, head_valid).clone()
-            return torch.cat([head, self._decode(codes[..., m:], states, tail_valid)], dim=-1)
-        if graph is None and rows == 1:
-            return self.code2wav.step(codes, states[0])
-        work = self._work[b] if graph is not None else self.code2wav.new_state(rows)
-        if rows > 1 and work.valid is None:  # an eager call of several rows
-            work.valid = torch.zeros(rows, dtype=torch.long, device=self.device)
+            head = self._decode(codes[..., :m], slots, head_valid).clone()
+            return torch.cat([head, self._decode(codes[..., m:], slots, tail_valid)], dim=-1)
+        if graph is not None:
+            work, index = self._work[b], self._index[b]
+        else:
+            work = self._eager_work.get(rows)
+            if work is None:
+                work = self._eager_work[rows] = self.code2wav.new_state(rows)
+                if rows > 1:
+                    work.valid = torch.zeros(rows, dtype=torch.long, device=self.device)
+            index = None
+        padded = slots + [self.scratch] * (work.pos.shape[0] - rows)
         if work.valid is not None:  # (a one-row graph reads no counts: its stream's frames are all its own)
             own = [n] * rows if valid is None else valid
             work.valid.copy_(to_device(own + [0] * (work.valid.shape[0] - rows), self.device))
-        copy_states([work.row(i) for i in range(rows)], states)
-        wav = graph(pad_rows(codes, b, 0)) if graph is not None else self.code2wav.step(codes, work)
-        copy_states(states, [work.row(i) for i in range(rows)])
-        return wav[:rows]
+        if graph is None:
+            return self._pooled_step(codes, work, to_device(padded, self.device))
+        index.copy_(to_device(padded, self.device))
+        return graph(pad_rows(codes, b, 0))[:rows]
 
     @stage_call  # a reset writes the slot's device state: in stream order with the pushes around it
     def open(self, req: Request) -> None:
@@ -115,9 +138,12 @@ class Code2WavRunner:
         streams = [self._streams[r.slot] for r in reqs]
         # one copy to the host for all rows (not one read-back each), out of the graph's output buffer,
         # which the next replay overwrites
-        wav = self._decode(codes, [s.state for s in streams], sizes)[:, 0].float().to("cpu", copy=True)
+        wav = self._decode(codes, [r.slot for r in reqs], sizes)[:, 0].float().to("cpu", copy=True)
         spf = self.samples_per_frame
-        return [s.take(0, wav[i, : spf * k], k).numpy() for i, (s, k) in enumerate(zip(streams, sizes, strict=True))]
+        return [
+            s.take(0, wav[i, : spf * k], k).numpy()
+            for i, (s, k) in enumerate(zip(streams, sizes, strict=True))
+        ]
 
     @stage_call
     def flush(self, req: Request) -> np.ndarray:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from test_engine import FakeGraph
@@ -477,7 +478,7 @@ def test_every_code2wav_call_that_touches_its_state_runs_on_its_stream(model, mo
     runner.push(req, [[1] * model.cfg.num_code_groups])
     runner.flush(req)
     runner.close(req)
-    assert resets and all(resets)  # open, flush (the stream starts afresh), close
+    assert len(resets) == 2 and all(resets)  # flush (the stream starts afresh), close; open found it fresh
 
 
 def _code2wav_streams(model, graphs: bool, seed: int, slots: tuple[int, ...]):
@@ -641,6 +642,23 @@ def test_a_prompt_prefilled_in_pieces_continues_as_the_whole_prompt(model, graph
         logits_p, tokens_p = thinker_trace(runner, [pieces], steps=4)
         torch.testing.assert_close(logits_p, logits_w, rtol=1e-4, atol=1e-5)
         assert tokens_p == tokens_w
+
+
+def test_open_resets_a_stream_only_when_something_was_decoded_since_its_last_reset(model, monkeypatch):
+    # the first chunk of a response waits for no reset of a fresh stream; a stream that decoded and was
+    # not closed (a response that failed) is reset at the next open, and decodes as a fresh one again
+    runner = runners.Code2WavRunner(model, EngineSettings(max_sessions=2))
+    stream, resets = runner._streams[0], []
+    real = stream.reset
+    monkeypatch.setattr(stream, "reset", lambda *a: resets.append(1) or real(*a))
+    q = model.cfg.code2wav.num_quantizers
+    req, frames = request(model, "Hi", slot=0), [[1] * q, [2] * q]
+    runner.open(req)
+    first = runner.push(req, frames)
+    assert resets == []
+    runner.open(req)
+    assert resets == [1]
+    np.testing.assert_array_equal(runner.push(req, frames), first)
 
 
 def test_a_single_stream_chunk_copies_no_frame_counts(model, graphed):

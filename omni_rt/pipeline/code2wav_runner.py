@@ -41,6 +41,9 @@ class Code2WavRunner:
         self.scratch = settings.max_sessions  # the pool's stream for rows that pad a batch
         self._pool = self.code2wav.new_state(settings.max_sessions + 1)
         self._eager_work: dict[int, object] = {}  # rows -> a work state for calls without a graph
+        # slots whose stream is as `reset` leaves it (nothing decoded since): `open` has nothing to do,
+        # so a response's first chunk, on the path to its first audio, waits for no reset
+        self._fresh = set(range(settings.max_sessions))
         self._rows = code2wav_buckets(settings.max_sessions if settings.code2wav_batched else 1)
         self._sizes: list[int] = []  # chunk sizes with a graph, ascending
         if graphs.graphs_on(settings, self.device):
@@ -82,6 +85,7 @@ class Code2WavRunner:
         A graphed (rows bucket, size) replays over its work state's first B rows (padding rows' outputs
         and states are never read); else eager (the last chunk of a response can have any size)."""
         rows, n = codes.shape[0], codes.shape[-1]
+        self._fresh.difference_update(slots)  # before the call: one that fails may have written some
         if rows == 1 and valid is not None:  # one stream: its own frames, never ragged
             codes, n, valid = codes[..., : valid[0]], valid[0], None
         b = next((r for r in self._rows if r >= rows), None)
@@ -117,7 +121,12 @@ class Code2WavRunner:
 
     @stage_call  # a reset writes the slot's device state: in stream order with the pushes around it
     def open(self, req: Request) -> None:
-        self._streams[req.slot].reset()
+        if req.slot not in self._fresh:
+            self._reset(req.slot)
+
+    def _reset(self, slot: int) -> None:
+        self._streams[slot].reset()
+        self._fresh.add(slot)
 
     @stage_call
     def push(self, req: Request, frames: list[list[int]]) -> np.ndarray:
@@ -147,8 +156,10 @@ class Code2WavRunner:
 
     @stage_call
     def flush(self, req: Request) -> np.ndarray:
-        return self._streams[req.slot].flush().float().cpu().numpy()
+        pcm = self._streams[req.slot].flush().float().cpu().numpy()  # (and the stream starts afresh)
+        self._fresh.add(req.slot)
+        return pcm
 
     @stage_call
     def close(self, req: Request) -> None:
-        self._streams[req.slot].reset()
+        self._reset(req.slot)

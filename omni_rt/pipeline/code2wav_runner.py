@@ -82,8 +82,9 @@ class Code2WavRunner:
         """One chunk of each of the slots' streams in one call: codes [B, Q, n] -> wav [B, 1, spf n],
         each stream advanced as its own decode would. `valid`: each row's own frames (ragged:
         row i's chunk is codes[i, :, :valid[i]], its PCM the first spf valid[i] samples); None: all n.
-        A graphed (rows bucket, size) replays over its work state's first B rows (padding rows' outputs
-        and states are never read); else eager (the last chunk of a response can have any size)."""
+        A graphed (rows bucket, size) loads the slots' streams and the scratch stream for its padding
+        rows from the pool, decodes, and stores them back (`_pooled_step`, captured); without a graph
+        the same, eagerly (the last chunk of a response can have any size)."""
         rows, n = codes.shape[0], codes.shape[-1]
         self._fresh.difference_update(slots)  # before the call: one that fails may have written some
         if rows == 1 and valid is not None:  # one stream: its own frames, never ragged

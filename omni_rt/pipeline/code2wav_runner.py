@@ -40,7 +40,7 @@ class Code2WavRunner:
         self._index: dict[int, torch.Tensor] = {}  # rows bucket -> the pool streams its graphs decode
         self.scratch = settings.max_sessions  # the pool's stream for rows that pad a batch
         self._pool = self.code2wav.new_state(settings.max_sessions + 1)
-        self._eager_work: dict[int, object] = {}  # rows -> a work state for calls without a graph
+        self._eager_one = None  # the work state of one-stream calls without a graph
         # slots whose stream is as `reset` leaves it (nothing decoded since): `open` has nothing to do,
         # so a response's first chunk, on the path to its first audio, waits for no reset
         self._fresh = set(range(settings.max_sessions))
@@ -104,13 +104,13 @@ class Code2WavRunner:
             return torch.cat([head, self._decode(codes[..., m:], slots, tail_valid)], dim=-1)
         if graph is not None:
             work, index = self._work[b], self._index[b]
-        else:
-            work = self._eager_work.get(rows)
-            if work is None:
-                work = self._eager_work[rows] = self.code2wav.new_state(rows)
-                if rows > 1:
-                    work.valid = torch.zeros(rows, dtype=torch.long, device=self.device)
-            index = None
+        elif rows == 1:  # the one-stream work state, kept (on the CPU every call is eager)
+            if self._eager_one is None:
+                self._eager_one = self.code2wav.new_state(1)
+            work, index = self._eager_one, None
+        else:  # a fresh one (kept for every row count, at real shapes they would hold GBs)
+            work, index = self.code2wav.new_state(rows), None
+            work.valid = torch.zeros(rows, dtype=torch.long, device=self.device)
         padded = slots + [self.scratch] * (work.pos.shape[0] - rows)
         if work.valid is not None:  # (a one-row graph reads no counts: its stream's frames are all its own)
             own = [n] * rows if valid is None else valid

@@ -559,15 +559,7 @@ def test_a_chunk_size_without_a_graph_decodes_as_graphed_pieces(model, graphed, 
     # a reply's last chunk can have any size: with graphs (sizes 1, 2, 4, 8, 16) a 7-frame chunk is the
     # 4-, 2- and 1-frame graphs replayed in turn, not the eager step, and each stream's PCM is what its
     # own stream decodes
-    from omni_rt.model.code2wav_stream import Code2WavStream
-
-    s = EngineSettings(max_sessions=4, code2wav_batch=True, cuda_graphs=True)
-    runner = runners.Code2WavRunner(model, s)
-    gen = torch.Generator().manual_seed(5)
-    q, vocab = model.cfg.code2wav.num_quantizers, model.cfg.code2wav.codebook_size
-    codes = lambda n: torch.randint(0, vocab, (n, q), generator=gen).tolist()  # noqa: E731
-    reqs = [request(model, "Hi", slot=k) for k in range(rows)]
-    alone = [Code2WavStream(model.code2wav) for _ in reqs]
+    runner, codes, reqs, alone, decode = _code2wav_streams(model, True, seed=5, slots=tuple(range(rows)))
     frames = [codes(7) for _ in reqs]
     for r in reqs:
         runner.open(r)
@@ -575,7 +567,7 @@ def test_a_chunk_size_without_a_graph_decodes_as_graphed_pieces(model, graphed, 
     bucket = 1 if rows == 1 else 4
     assert [runner._graphs[(bucket, n)].replays for n in (1, 2, 4, 8)] == [1, 1, 1, 0]
     for pcm, stream, f in zip(got, alone, frames, strict=True):
-        want = stream.push(torch.tensor(f).T).numpy()
+        want = decode(stream, f)
         assert len(pcm) == 7 * 1920 - 555
         torch.testing.assert_close(torch.from_numpy(pcm), torch.from_numpy(want), rtol=0, atol=1e-6)
 

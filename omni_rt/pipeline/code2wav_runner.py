@@ -26,9 +26,11 @@ class Code2WavRunner:
     slot and the host makes no copy of its own. (Copied by the host, 24 tensors a row each way, a call of
     18 rows was ~860 device-to-device `cudaMemcpyAsync` calls, each waiting for the driver's lock while
     the other stages launched their graphs: at 64 conversations on an H200 most of a call's 16 ms mean,
-    against 3.5 ms on the GPU; docs/performance.md, 2026-12-04 third session.) Several responses' next chunks decode in one batched call (`push_many`, with
-    `code2wav_batch`), each row exactly its own stream's decode: chunks of different sizes too, each row
-    padded to the longest (ragged: `Code2WavState.valid`), its padding leaving no trace in its stream."""
+    against 3.5 ms on the GPU; docs/performance.md, 2026-12-04 third session.)
+
+    Several responses' next chunks decode in one batched call (`push_many`, with `code2wav_batch`), each
+    row exactly its own stream's decode: chunks of different sizes too, each row padded to the longest
+    (ragged: `Code2WavState.valid`), its padding leaving no trace in its stream."""
 
     def __init__(self, model, settings: EngineSettings) -> None:
         self.code2wav = model.code2wav

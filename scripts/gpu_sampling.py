@@ -132,11 +132,7 @@ def main(argv=None) -> int:
             for step, values in timings.items():
                 res["rows"].append(dict(batch=batch, mode=mode, step=step, ms=statistics.median(values)))
             graph = talker._frame_graphs.get(batch)
-            width = engine.cfg.talker.hidden_size
             inputs = (
-                torch.zeros(
-                    batch, width, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32, device=dev
-                ),
                 torch.zeros(batch, dtype=torch.long, device=dev),
                 torch.arange(batch, device=dev),
                 torch.arange(batch, device=dev),

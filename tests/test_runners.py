@@ -269,12 +269,12 @@ def talker_trace(runner: TalkerRunner, req: Request, first_token: int, steps: in
     """Prefix prefill, the last position (code 0), frames and `steps` Talker steps: codes and hiddens."""
     runner.prefill_prefix([req])
     code0 = runner.prefill_last([req], [first_token])[0]
-    out = [code0, runner._hidden[req.slot].clone()]
+    out = [code0, runner._last_hidden[req.slot].clone()]
     frame = runner.predict([req], [code0])[0]
     for _ in range(steps):
         code0 = runner.step([req], [frame], [req.prompt_ids[-1]])[0]
         frame = runner.predict([req], [code0])[0]
-        out += [frame, runner._hidden[req.slot].clone()]
+        out += [frame, runner._last_hidden[req.slot].clone()]
     return out
 
 
@@ -299,13 +299,16 @@ def test_talker_padded_prefix_graph_equals_eager(model, graphed):
     mine = [talker_trace(r, request(model, "Hello there.", 0), 9, steps=3) for r in (g, e)]
     assert_same_trace(*mine)
     assert any(c.replays for c in graphed if c.fn.__name__ == "prefix")
-    # slot 1 goes on as it would alone
+    # slot 1 goes on as it would alone: its next step, and its frame, from the hidden state its own
+    # step left in the slots' pool (slot 0's steps wrote only slot 0's row)
     frame = [1] * model.cfg.num_code_groups
     after = [r.step([o], [frame], [5]) for r, o in ((g, other_g), (e, other_e))]
+    frames = [r.predict([o], a) for r, o, a in ((g, other_g, after[0]), (e, other_e, after[1]))]
     alone = TalkerRunner(model, s.model_copy(update={"cuda_graphs": False}))
     other = request(model, "Another voice.", 1)
     talker_trace(alone, other, 7, steps=1)
     assert after[0] == after[1] == alone.step([other], [frame], [5])
+    assert frames[0] == frames[1] == alone.predict([other], after[0])
 
 
 def start_together(runner: TalkerRunner, reqs: list[Request], firsts: list[int]) -> list:
@@ -313,7 +316,7 @@ def start_together(runner: TalkerRunner, reqs: list[Request], firsts: list[int])
     and hiddens per request."""
     runner.prefill_prefix(reqs)
     code0 = runner.prefill_last(reqs, firsts)
-    hidden = [runner._hidden[r.slot].clone() for r in reqs]
+    hidden = [runner._last_hidden[r.slot].clone() for r in reqs]
     frames = runner.predict(reqs, code0)
     after = runner.step(reqs, frames, [r.prompt_ids[-1] for r in reqs])
     return [[c, h, f, a] for c, h, f, a in zip(code0, hidden, frames, after, strict=True)]

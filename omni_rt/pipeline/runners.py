@@ -290,10 +290,17 @@ class TalkerRunner:
         self.residual = StageSampler(
             "code_predictor", slots, cp_vocab, self.device, history=False, fused=fused
         )
-        # per slot: prompt length (prefix + last position), steps taken, last hidden
+        # per slot: prompt length (prefix + last position), steps taken
         self._prompt_len: dict[int, int] = {}
         self._steps: dict[int, int] = {}
-        self._hidden: dict[int, torch.Tensor] = {}  # [Ht]
+        # Each slot's last Talker hidden state [slots, Ht], which its next code-predictor frame reads:
+        # written and read by slot inside the steps (graphed with them), so a step of many rows makes
+        # no per-row copies on the host's side (each a driver call, which waits while another stage
+        # thread's graph launch holds the driver's lock: docs/performance.md, 2026-12-04 (third session)).
+        # Padding rows write the scratch row, which no frame reads.
+        self._last_hidden = torch.zeros(
+            slots, self.cfg.talker.hidden_size, dtype=self.cache.dtype, device=self.device
+        )
         self._graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> captured step
         self._frame_graphs: dict[int, object] = {}  # batch -> captured code-predictor frame
         self._last_graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> last prompt position
@@ -305,15 +312,20 @@ class TalkerRunner:
 
     def _step_fn(self, kv_len: int):
         def step(codes: torch.Tensor, text_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
-            """codes [B, 16], text ids [B], positions [B, 1], slots [B] -> (code 0 [B], hidden [B, Ht]);
-            code 0 is keyed by the step's position (as offline)."""
+            """codes [B, 16], text ids [B], positions [B, 1], slots [B] -> code 0 [B], keyed by the step's
+            position (as offline); each slot's hidden state goes to `_last_hidden`."""
             x = talker_step_input(self.talker, self.embed_text, codes, text_ids)  # [B, Ht]
-            logits, hidden = self.talker(
-                x[:, None], positions, self.cache, slots, kv_len
-            )  # [B, 1, V], [B, 1, Ht]
-            return self.code0(logits[:, -1], slots, positions[:, 0]), hidden[:, -1]
+            return self._talker_position(x, positions, slots, kv_len)
 
         return step
+
+    def _talker_position(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int):
+        """One Talker position of each row: inputs x [B, Ht] at positions [B, 1] of slots [B] -> code 0 [B]
+        (keyed by the position); each row's hidden state stored at its slot of `_last_hidden`."""
+        # logits [B, 1, V], hidden [B, 1, Ht]
+        logits, hidden = self.talker(x[:, None], positions, self.cache, slots, kv_len)
+        self._last_hidden.index_copy_(0, slots, hidden[:, -1])
+        return self.code0(logits[:, -1], slots, positions[:, 0])
 
     @torch.no_grad()
     def _capture_all(self) -> None:
@@ -331,7 +343,6 @@ class TalkerRunner:
                 self._graphs[(b, kv_len)] = graphs.capture_or_eager(self._step_fn(kv_len), static, pool)
             # a whole frame of the code predictor (15 steps, greedy or sampled per row) as one graph
             static = (
-                torch.zeros(b, self.cfg.talker.hidden_size, dtype=self.cache.dtype, device=self.device),
                 torch.zeros(b, dtype=torch.long, device=self.device),  # code 0 [B]
                 torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
                 torch.zeros(b, dtype=torch.long, device=self.device),  # keys [B]
@@ -371,18 +382,16 @@ class TalkerRunner:
 
     def _last_fn(self, kv_len: int):
         def last(first: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
-            """first tokens [B], positions [B, 1], slots [B] -> (code 0 [B], hidden [B, Ht])."""
+            """first tokens [B], positions [B, 1], slots [B] -> code 0 [B] (hidden: `_last_hidden`)."""
             x = talker_prompt_last(self.talker, self.embed_text, first)  # [B, Ht]
-            logits, hidden = self.talker(
-                x[:, None], positions, self.cache, slots, kv_len
-            )  # [B, 1, V], [B, 1, Ht]
-            return self.code0(logits[:, -1], slots, positions[:, 0]), hidden[:, -1]
+            return self._talker_position(x, positions, slots, kv_len)
 
         return last
 
-    def _frame_fn(self, hidden: torch.Tensor, code0: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor):
-        """hidden [B, Ht], code 0 [B], slots [B], keys [B] (the position of the Talker step that made
-        hidden) -> the frame's 16 codes [B, 16], codes 1..15 greedy or sampled per slot."""
+    def _frame_fn(self, code0: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor):
+        """code 0 [B], slots [B], keys [B] (the position of the Talker step that made each slot's hidden
+        state in `_last_hidden`) -> the frame's 16 codes [B, 16], codes 1..15 greedy or sampled per slot."""
+        hidden = self._last_hidden.index_select(0, slots)  # [B, Ht]
         return self.talker.predict_frame(hidden, code0, frame_sampler(self.residual, slots, keys))
 
     def prompt_prefix(self, req: Request) -> torch.Tensor:
@@ -474,27 +483,23 @@ class TalkerRunner:
         slots = to_device([r.slot for r in rows], self.device)  # [B]
         kv_len, graph = self._last_plan(rows)
         last = graph or self._last_fn(kv_len)
-        code0, hidden = last(first, positions, slots)  # [B], [B, Ht]
-        for i, r in enumerate(rows):
-            self._hidden[r.slot] = hidden[i].clone()  # a graph's output buffer is reused by its next replay
+        code0 = last(first, positions, slots)  # [B]
         if not self.settings.frame0_in_prefill:
             return kept(code0)
         # Frame 0 straight from code 0 on the device: the frame is enqueued before the host reads code 0,
         # so the first frame does not wait for a device round trip and the Python between `prefill_last`
         # and `predict`. `predict` hands it out when the scheduler asks for that code 0 (it does next,
         # unless code 0 is EOS); its draws are keyed, so making it early changes nothing.
-        hidden = torch.stack([self._hidden[r.slot] for r in rows])  # [B, Ht]
-        return kept(self._frame(hidden, code0, slots, positions[:, 0]))  # [B, 16]
+        return kept(self._frame(code0, slots, positions[:, 0]))  # [B, 16]
 
-    def _frame(self, hidden: torch.Tensor, code0: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor):
+    def _frame(self, code0: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor):
         """One code-predictor frame of a batch [B, 16]: the captured graph of its batch bucket, or eager."""
-        n = hidden.shape[0]
+        n = code0.shape[0]
         b = batch_bucket(n, self.settings.max_sessions)
         frame = self._frame_graphs.get(b)
         if frame is None:
-            return self._frame_fn(hidden, code0, slots, keys)
+            return self._frame_fn(code0, slots, keys)
         pad = (
-            pad_rows(hidden, b, 0),
             pad_rows(code0, b, 0),
             pad_rows(slots, b, self.scratch),
             pad_rows(keys, b, 0),
@@ -510,12 +515,11 @@ class TalkerRunner:
         ahead = [self._frame_ahead.pop(r.slot, None) for r in reqs]  # never reused for a later frame
         if all(a is not None and a[0] == c for a, c in zip(ahead, code0, strict=True)):
             return ahead  # frame 0, predicted in `prefill_last`
-        hidden = torch.stack([self._hidden[r.slot] for r in reqs])  # [B, Ht]
         c0 = to_device(code0, self.device)  # [B]
         slots = to_device([r.slot for r in reqs], self.device)  # [B]
         keys = to_device([self._position(r) for r in reqs], self.device)  # [B]
         frames = [
-            kept(self._frame(hidden[rows], c0[rows], slots[rows], keys[rows]))  # [b, 16]
+            kept(self._frame(c0[rows], slots[rows], keys[rows]))  # [b, 16]
             for rows in row_groups(len(reqs), self.settings.deterministic)
         ]
         return torch.cat(frames).tolist()
@@ -528,11 +532,11 @@ class TalkerRunner:
         if step is None:
             return self._step_fn(kv_len)(codes, text, positions, slots)
         tts_pad = self.cfg.ids.tts_pad
-        code0, hidden = step(
+        code0 = step(
             pad_rows(codes, b, 0), pad_rows(text, b, tts_pad), pad_rows(positions, b, 0),
             pad_rows(slots, b, self.scratch),
         )  # fmt: skip
-        return code0[:n], hidden[:n]
+        return code0[:n]
 
     @stage_call
     def step(self, reqs: list[Request], frames: list[list[int]], text_ids: list[int]) -> list[int]:
@@ -545,13 +549,10 @@ class TalkerRunner:
         positions = to_device(pos, self.device)[:, None]  # [B, 1]
         slots = to_device([r.slot for r in reqs], self.device)  # [B]
         kv_len = kv_bucket(max(pos) + 1, self.cache.max_len)
-        choices = []
-        for rows in row_groups(len(reqs), self.settings.deterministic):
-            code0, hidden = self._step(codes[rows], text[rows], positions[rows], slots[rows], kv_len)
-            for i, r in enumerate(reqs[rows]):
-                # a copy: a graph's output buffer is overwritten by its next replay
-                self._hidden[r.slot] = hidden[i].clone()
-            choices.append(kept(code0))
+        choices = [
+            kept(self._step(codes[rows], text[rows], positions[rows], slots[rows], kv_len))  # [b]
+            for rows in row_groups(len(reqs), self.settings.deterministic)
+        ]
         return host_ids(choices)
 
 

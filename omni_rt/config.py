@@ -184,6 +184,16 @@ class EngineSettings(_Settings):
         description="the Talker's overlapped prefix prefill waits (at most 20 ms) until the Thinker's prefill "
         "is enqueued, so the two threads do not fight over the GIL and the launch queue",
     )
+    thinker_graph_segments: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="with cuda_graphs: the Thinker's decode step as this many CUDA graphs launched back to back "
+        "(its layers split evenly), not one. A launch holds the CUDA driver's lock while it pushes its kernels "
+        "(the 1149-kernel step took ~2.8 ms of host time a launch at 64 conversations on an H200), and the other "
+        "stage threads' copies and launches wait for it (docs/performance.md, 2026-12-04 third session); "
+        "shorter launches let them in between. The same results; 1 until measured (scripts/gpu_launch_lock.py)",
+    )
     moe_backend: Literal["auto", "plain", "loop", "gather", "grouped_mm", "triton"] = Field(
         "auto",
         description="expert FFN backend. 'auto': the Triton decode kernel (omni_rt.kernels.moe_decode, up to 16 "

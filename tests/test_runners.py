@@ -137,6 +137,49 @@ def test_thinker_padded_graph_prefill_equals_eager(model, graphed):
     assert tokens_g == tokens_e  # decode after padded prefill: the padding rows were overwritten first
 
 
+class LogitsSpy:
+    """A stage's sampler that keeps a copy of the logits of every call."""
+
+    def __init__(self, sampler) -> None:
+        self.sampler, self.logits = sampler, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.sampler, name)
+
+    def __call__(self, logits: torch.Tensor, *args):
+        self.logits.append(logits.clone())
+        return self.sampler(logits, *args)
+
+
+@pytest.mark.parametrize("segments", [2, 64])
+def test_a_decode_step_graphed_in_segments_gives_the_one_graph_tokens(model, graphed, segments):
+    """`thinker_graph_segments`: the decode step as consecutive graphs of its layers (64: one a layer),
+    each replayed once a step; the logits the last one samples from are those of the step in one graph,
+    and its ids those of the eager step too."""
+    layers = model.cfg.thinker.num_hidden_layers
+    assert layers >= 2
+    texts = ["Hello there.", "A much longer question, about the weather today?"]
+    traces, logits = [], []
+    for n in (segments, 1, None):
+        s = EngineSettings(**SETTINGS, cuda_graphs=n is not None, thinker_graph_segments=n or 1)
+        first = len(graphed)
+        runner = ThinkerRunner(model, s)
+        runner.sampler = drawn = LogitsSpy(runner.sampler)
+        reqs = [request(model, t, i) for i, t in enumerate(texts)]
+        traces.append(thinker_trace(runner, reqs, steps=5)[1])
+        logits.append(torch.cat(drawn.logits[-5:]))  # the decode steps' (the prefills drew before)
+        parts = [c for c in graphed[first:] if c.fn.__name__ == "part"]
+        if n == segments:
+            chain = runner._graphs[(2, 96)]
+            assert len(chain.parts) == min(segments, layers) and all(p in parts for p in chain.parts)
+            assert {p.replays for p in chain.parts} == {1 + 5}  # the chain's capture call, then 5 steps
+        else:
+            assert not parts
+    assert traces[0] == traces[1] == traces[2]
+    assert torch.equal(logits[0], logits[1])  # the same operations, in the same order
+    torch.testing.assert_close(logits[0], logits[2], rtol=1e-4, atol=1e-5)  # eager: unpadded prefills
+
+
 def test_thinker_padded_prefill_beside_a_slot_mid_generation(model, graphed):
     """Slot 1 is decoding when slot 0 prefills through a padded graph: slot 1's tokens are those it
     makes alone (no cross-slot writes) and slot 0's are the eager ones, second turn included."""

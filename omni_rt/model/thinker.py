@@ -11,6 +11,7 @@ docs/internals.md): `model.embed_tokens.weight`, `model.layers.{i}.*`, `model.no
                     kv_len: int | None = None)
         -> (logits [B, T | 1, V], hidden [B, T, H] | None)
     Thinker.embed(ids[B, T]) -> [B, T, H]
+    Thinker.layer_inputs / run_layers / logits: forward's parts (a decode step graphed in parts runs them)
     Thinker.allocate_cache(n_slots, max_len, device=None, dtype=None) -> KVCache
 """
 
@@ -94,23 +95,58 @@ class Thinker(nn.Module):
         bucket above every position, so a graph per bucket stays cheap at short lengths); default all.
         """
         x = self._check(input_ids, inputs_embeds, positions, cache, slots, hidden_layer, kv_len)
-        cos, sin = self.rotary(positions if rope_positions is None else rope_positions, x.dtype)  # [B, T, D]
         kv_len = cache.max_len if kv_len is None else kv_len
-        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        mask = attention_mask(positions, kv_len, rep)  # [B, 1, rep*T, kv_len], shared by all layers
-        hidden = x if hidden_layer == 0 else None
+        cos, sin, mask = self.layer_inputs(
+            positions if rope_positions is None else rope_positions, positions, kv_len, x.dtype
+        )
         n_layers = len(self.model.layers)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, slots, positions, kv_len, mask)  # [B, T, H]
-            if hidden_layer == i + 1 and i + 1 < n_layers:
-                hidden = x
+        hidden, start = (x if hidden_layer == 0 else None), 0
+        if hidden_layer is not None and 0 < hidden_layer < n_layers:
+            hidden = x = self.run_layers(x, cos, sin, mask, cache, slots, positions, kv_len, 0, hidden_layer)
+            start = hidden_layer
+        x = self.run_layers(x, cos, sin, mask, cache, slots, positions, kv_len, start, n_layers)
         if hidden_layer == n_layers:
             hidden = self.model.norm(x)  # the reference's last hidden_states entry is after the final norm
+        return self.logits(x, last_only, logits_index), hidden
+
+    def layer_inputs(
+        self, rope_positions: torch.Tensor, positions: torch.Tensor, kv_len: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What every layer reads besides its input: RoPE cos, sin [B, T, D] at `rope_positions` ([B, T], or
+        [3, B, T] for M-RoPE), and the causal mask [B, 1, rep*T, kv_len] of `positions` [B, T]."""
+        cos, sin = self.rotary(rope_positions, dtype)
+        rep = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        return cos, sin, attention_mask(positions, kv_len, rep)
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        kv_len: int,
+        start: int,
+        stop: int,
+    ) -> torch.Tensor:
+        """Decoder layers [start, stop) on x [B, T, H] (`layer_inputs` gives cos, sin and mask), writing
+        their k/v into `cache`: forward's layers, or a part of them (a decode step graphed in parts)."""
+        for layer in self.model.layers[start:stop]:
+            x = layer(x, cos, sin, cache, slots, positions, kv_len, mask)  # [B, T, H]
+        return x
+
+    def logits(
+        self, x: torch.Tensor, last_only: bool = False, logits_index: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The last layer's output x [B, T, H] -> logits [B, T, V]; [B, 1, V] of the last position
+        (last_only) or of each row's `logits_index` [B]."""
         if logits_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_index].unsqueeze(1)  # [B, 1, H]
         elif last_only:
             x = x[:, -1:]  # [B, 1, H]
-        return self.lm_head(self.model.norm(x)), hidden  # norm after slicing: last_only is cheap
+        return self.lm_head(self.model.norm(x))  # norm after slicing: last_only is cheap
 
     def _check(
         self,

@@ -109,6 +109,45 @@ def capture(
     return Graphed(fn, static_inputs, warmup=warmup, pool=pool, stream=stream, generators=generators)
 
 
+class Chain:
+    """Steps run one after another as one step (`capture_chain`): each part reads the outputs of the part
+    before it, and the chain's inputs, in place."""
+
+    def __init__(self, parts: Sequence[Callable[..., Any]], static_inputs: Tensors) -> None:
+        self.parts = list(parts)
+        self.static_inputs = tuple(static_inputs)
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        for dst, src in zip(self.static_inputs, inputs, strict=True):
+            if src is not dst:
+                dst.copy_(src, non_blocking=True)
+        out: Any = ()
+        for part in self.parts:
+            out = part(*(out if isinstance(out, tuple) else (out,)), *self.static_inputs)
+        return out
+
+
+def capture_chain(
+    fns: Sequence[Callable[..., Any]], static_inputs: Tensors, pool: GraphPool | None
+) -> Callable[..., Any]:
+    """One step as several graphs launched back to back: `fns[0](*inputs)`, then each
+    `fns[k](*outputs of fns[k - 1], *inputs)`, the last one's outputs the step's. Each part is captured
+    (`capture_or_eager`) over the static outputs of the part before it, so replays pass them on in place,
+    with no copy between parts. One function: `capture_or_eager` of it. The parts share `pool` and replay in
+    the order they were captured, as the graphs of one runner do (see the module's docstring)."""
+    if len(fns) == 1:
+        return capture_or_eager(fns[0], static_inputs, pool)
+    static_inputs = tuple(static_inputs)
+    parts, out = [], ()
+    for fn in fns:
+        inputs = (*out, *static_inputs)
+        part = capture_or_eager(fn, inputs, pool)
+        parts.append(part)
+        out = part(*inputs)  # a graph's static outputs, which the next part is captured over
+        out = out if isinstance(out, tuple) else (out,)
+    return Chain(parts, static_inputs)
+
+
 def graphs_on(settings: Any, device: torch.device) -> bool:
     """Capture CUDA graphs? Only where there is CUDA (the CPU runs the same functions eagerly)."""
     return settings.cuda_graphs and device.type == "cuda"

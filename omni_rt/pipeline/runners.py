@@ -89,6 +89,35 @@ class ThinkerRunner:
 
         return step
 
+    def _decode_parts(self, kv_len: int) -> list:
+        """The decode step (`_decode_fn`) as `thinker_graph_segments` functions over consecutive runs of
+        layers, for `graphs.capture_chain`: the first takes (ids, positions, slots) and returns (x, cos,
+        sin, mask) after its layers, each next one takes those and (ids, positions, slots), the last
+        returns the next ids. The same operations in the same order as `_decode_fn`."""
+        t = self.thinker
+        n = len(t.model.layers)
+        parts = min(self.settings.thinker_graph_segments, n)
+        if parts == 1:
+            return [self._decode_fn(kv_len)]
+        bounds = [round(i * n / parts) for i in range(parts + 1)]
+
+        def layers(start: int, stop: int, last: bool):
+            def part(*args: torch.Tensor):
+                *carried, ids, positions, slots = args
+                if carried:
+                    x, cos, sin, mask = carried
+                else:
+                    x = t.embed(ids)
+                    cos, sin, mask = t.layer_inputs(positions, positions, kv_len, x.dtype)
+                x = t.run_layers(x, cos, sin, mask, self.cache, slots, positions, kv_len, start, stop)
+                if not last:
+                    return x, cos, sin, mask
+                return self.sampler(t.logits(x, last_only=True)[:, -1], slots, positions[:, 0] + 1)
+
+            return part
+
+        return [layers(bounds[i], bounds[i + 1], i == parts - 1) for i in range(parts)]
+
     def _prefill_fn(self, kv_len: int):
         def prefill(embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, index: torch.Tensor):
             """embeds [B, T, H] and positions [B, T] (right-padded), slots [B], index [B] (each row's last
@@ -117,7 +146,7 @@ class ThinkerRunner:
                     torch.zeros(b, 1, dtype=torch.long, device=self.device),  # positions [B, 1]
                     torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
                 )
-                self._graphs[(b, kv_len)] = graphs.capture_or_eager(self._decode_fn(kv_len), static, pool)
+                self._graphs[(b, kv_len)] = graphs.capture_chain(self._decode_parts(kv_len), static, pool)
         if not s.prefill_graphs:
             return
         # text and speech turns share these graphs: both enter as embeddings

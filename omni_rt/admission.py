@@ -34,7 +34,7 @@ __all__ = ["Capacity", "Slots", "Ticket", "check_kv_ceiling", "kv_cache_bytes", 
 
 GIB = 1024**3
 # The Thinker and Talker caches hold one row more than `max_sessions`: the row CUDA graph capture
-# writes into (pipeline/runners.py allocates `max_sessions + CAPTURE_ROWS`); the code predictor's holds none.
+# writes into (the stage runners allocate `max_sessions + CAPTURE_ROWS`); the code predictor's holds none.
 CAPTURE_ROWS = 1
 
 

@@ -514,7 +514,7 @@ def test_every_code2wav_call_that_touches_its_state_runs_on_its_stream(model, mo
         def __exit__(self, *exc):
             on_stream.pop()
 
-    monkeypatch.setattr(runners.torch.cuda, "stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", Stream)  # the stage_call wrapper's
     runner.stream = "code2wav stream"
     state = runner._streams[0]
     resets = []

@@ -1,5 +1,5 @@
 """What the scheduler needs from each stage runner. Plain Python types at this seam: token ids and codes
-are ints, PCM is a float32 numpy array. The real runners (`runners.py`) own the tensors, caches and
+are ints, PCM is a float32 numpy array. The real runners (`runners.py` builds them) own the tensors, caches and
 graphs behind it; the fake ones (`fake.py`) script durations for the policy tests.
 """
 

@@ -1,0 +1,273 @@
+"""The Thinker's runner: its KV cache, sampler and graphs (decode per batch and cache-length bucket,
+right-padded prefills), fed plain ints by the scheduler's Thinker thread. What all runners share (caches
+by slot, graphs, padding, sampling inside the steps): `runners.py`'s docstring.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omni_rt.admission import CAPTURE_ROWS  # the caches' extra row, which graph capture writes into
+from omni_rt.config import EngineSettings
+from omni_rt.errors import InvalidRequestError
+from omni_rt.model.sampling import StageSampler
+from omni_rt.model.speech_input import build_speech_input
+from omni_rt.pipeline import graphs
+from omni_rt.pipeline.graphs import GraphPool
+from omni_rt.pipeline.request import Request
+from omni_rt.pipeline.shapes import (
+    batch_bucket,
+    batch_buckets,
+    batch_prefill_plan,
+    graphed_batches,
+    kv_bucket,
+    kv_buckets,
+    pad_rows,
+    prefill_batches,
+    prefill_shapes,
+    right_pad,
+)
+from omni_rt.pipeline.stage_device import (
+    LaunchGate,
+    host_ids,
+    kept,
+    row_groups,
+    stage_call,
+    stage_stream,
+    to_device,
+)
+
+
+class ThinkerRunner:
+    def __init__(self, model, settings: EngineSettings, gate: LaunchGate | None = None) -> None:
+        self.thinker = model.thinker
+        self.ids = model.cfg.ids
+        self.accept_hidden_layer = model.cfg.accept_hidden_layer
+        self.audio_encoder = getattr(model.thinker, "audio_tower", None)  # None: no speech input
+        self.settings = settings
+        self.device = model.device
+        self.gate = gate  # told when a prefill is enqueued (the Talker's prefix waits for it)
+        self.stream = stage_stream(self.device, priority=0)
+        self.scratch = settings.max_sessions  # the extra cache row graph capture writes into
+        self.cache = self.thinker.allocate_cache(settings.max_sessions + CAPTURE_ROWS, settings.max_context)
+        self.vocab = self.thinker.cfg.vocab_size
+        self.sampler = StageSampler("thinker", settings.max_sessions + CAPTURE_ROWS, self.vocab, self.device)
+        self._graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> captured decode step
+        self._prefill_graphs: dict[tuple[int, int, int], object] = {}  # (batch, padded T, kv_len) -> prefill
+        if graphs.graphs_on(settings, self.device):
+            self._capture_all()
+
+    def _decode_fn(self, kv_len: int):
+        def step(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+            """ids, positions [B, 1], slots [B] -> the next ids [B] (each keyed by the position it takes)."""
+            logits, _ = self.thinker(ids, positions, self.cache, slots, last_only=True, kv_len=kv_len)
+            return self.sampler(logits[:, -1], slots, positions[:, 0] + 1)
+
+        return step
+
+    def _decode_parts(self, kv_len: int) -> list:
+        """The decode step (`_decode_fn`) as `thinker_graph_segments` functions over consecutive runs of
+        layers, for `graphs.capture_chain`: the first takes (ids, positions, slots) and returns (x, cos,
+        sin, mask) after its layers, each next one takes those and (ids, positions, slots), the last
+        returns the next ids. The same operations in the same order as `_decode_fn`."""
+        t = self.thinker
+        n = len(t.model.layers)
+        parts = min(self.settings.thinker_graph_segments, n)
+        if parts == 1:
+            return [self._decode_fn(kv_len)]
+        bounds = [round(i * n / parts) for i in range(parts + 1)]
+
+        def layers(start: int, stop: int, last: bool):
+            def part(*args: torch.Tensor):
+                *carried, ids, positions, slots = args
+                if carried:
+                    x, cos, sin, mask = carried
+                else:
+                    x = t.embed(ids)
+                    cos, sin, mask = t.layer_inputs(positions, positions, kv_len, x.dtype)
+                x = t.run_layers(x, cos, sin, mask, self.cache, slots, positions, kv_len, start, stop)
+                if not last:
+                    return x, cos, sin, mask
+                return self.sampler(t.logits(x, last_only=True)[:, -1], slots, positions[:, 0] + 1)
+
+            return part
+
+        return [layers(bounds[i], bounds[i + 1], i == parts - 1) for i in range(parts)]
+
+    def _prefill_fn(self, kv_len: int):
+        def prefill(embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, index: torch.Tensor):
+            """embeds [B, T, H] and positions [B, T] (right-padded), slots [B], index [B] (each row's last
+            real token) -> (the first reply ids [B], sampled from the logits [B, V] there; those logits;
+            hidden [B, T, H]: hidden_states[accept_hidden_layer], which a speech turn's Talker prefix
+            reads, an intermediate, so free for text turns)."""
+            logits, hidden = self.thinker(
+                None, positions, self.cache, slots, self.accept_hidden_layer,
+                inputs_embeds=embeds, logits_index=index, kv_len=kv_len,
+            )  # fmt: skip
+            keys = positions.gather(1, index[:, None])[:, 0] + 1  # [B]: the position the reply starts at
+            return self.sampler(logits[:, -1], slots, keys), logits[:, -1], hidden
+
+        return prefill
+
+    @torch.no_grad()
+    def _capture_all(self) -> None:
+        pool = GraphPool(self.stream)  # captured where they replay: graphs.py
+        s = self.settings
+        batches = [1] if s.deterministic else batch_buckets(s.max_sessions)
+        max_len = self.cache.max_len
+        for b in batches:
+            for kv_len in kv_buckets(max_len):
+                static = (
+                    torch.zeros(b, 1, dtype=torch.long, device=self.device),  # ids [B, 1]
+                    torch.zeros(b, 1, dtype=torch.long, device=self.device),  # positions [B, 1]
+                    torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
+                )
+                self._graphs[(b, kv_len)] = graphs.capture_chain(self._decode_parts(kv_len), static, pool)
+        if not s.prefill_graphs:
+            return
+        # text and speech turns share these graphs: both enter as embeddings
+        width = self.thinker.cfg.hidden_size
+        for b in prefill_batches(s.prefill_graph_batches, s.max_sessions, s.batch_starts):
+            for t, kv_len in prefill_shapes(s.prefill_buckets, max_len):
+                static = (
+                    torch.zeros(b, t, width, dtype=self.cache.dtype, device=self.device),  # embeds [B, T, H]
+                    torch.arange(t, device=self.device).expand(b, t).contiguous(),  # positions [B, T]
+                    torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
+                    torch.full((b,), t - 1, dtype=torch.long, device=self.device),  # index [B]
+                )
+                self._prefill_graphs[(b, t, kv_len)] = graphs.capture_or_eager(
+                    self._prefill_fn(kv_len), static, pool
+                )
+
+    def _decode_step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int):
+        n = ids.shape[0]
+        b = batch_bucket(n, self.settings.max_sessions)
+        step = self._graphs.get((b, kv_len))
+        if step is None:
+            return self._decode_fn(kv_len)(ids, positions, slots)  # [B]
+        # rows of padding: the scratch slot at position 0 (its cache row and history are never read)
+        return step(pad_rows(ids, b, 0), pad_rows(positions, b, 0), pad_rows(slots, b, self.scratch))[:n]
+
+    @stage_call
+    def prefill(self, reqs: list[Request]) -> list[int]:
+        try:
+            for req in reqs:
+                # the repetition penalty covers the whole conversation, as the reference's covers its prompt
+                history = to_device(req.prompt_ids, self.device)
+                self.sampler.assign(req.slot, req.sampling.thinker, req.seed, history_ids=history)
+            first, _ = self._prefill_first(reqs)  # [B]
+        finally:
+            if self.gate is not None:  # enqueued (or failed): the Talker's prefixes may launch now
+                self.gate.open(reqs)
+        return host_ids([first])
+
+    def _prefill_first(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's first reply id after its new prompt tokens [B] and the logits it was drawn
+        from [B, V], in order. Text prompts that arrive together run as one right-padded batch; speech
+        prompts one at a time."""
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(reqs)
+        text = [i for i, r in enumerate(reqs) if not r.audio_features]
+        for i, r in enumerate(reqs):
+            if r.audio_features:
+                out[i] = self._prefill_speech(r)
+        groups = self._prefill_groups(text, [reqs[i] for i in text])
+        for group in groups:
+            if not group:
+                continue
+            rows = [reqs[i] for i in group]
+            first, logits, _ = self._prefill_text(rows, [r.pending_prompt_ids for r in rows])
+            for j, i in enumerate(group):
+                out[i] = kept(first[j : j + 1]), kept(logits[j : j + 1])
+        return torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])
+
+    def _prefill_groups(self, index: list[int], rows: list[Request]) -> list[list[int]]:
+        """`index` (the text rows) as prefill calls: `graphed_batches` of `prefill_graph_batches`."""
+        by_index = dict(zip(index, rows, strict=True))
+
+        def plan(ix: list[int]):
+            return self._prefill_shape([by_index[i] for i in ix])
+
+        return graphed_batches(index, self.settings.prefill_graph_batches, plan, bool(self._prefill_graphs))
+
+    @stage_call
+    def prefill_piece(self, req: Request, n: int) -> None:
+        """Write the next `n` tokens of a text request's prompt into its cache, between decode steps (a
+        long prompt in pieces). The id the graph draws after them is dropped; the history it marks is
+        reset by `prefill`'s `assign`, which draws the reply's first id after the last piece."""
+        self._prefill_text([req], [req.pending_prompt_ids[:n]])
+        req.prefilled += n
+
+    def _prefill_text(self, rows: list[Request], ids: list[list[int]]):
+        """`ids[j]` fed at row j's `prefill_start`..., right-padded into one call: `_prefill_embeds`."""
+        padded = torch.zeros(len(rows), max(len(x) for x in ids), dtype=torch.long)  # [B, t]
+        for j, x in enumerate(ids):
+            padded[j, : len(x)] = torch.tensor(x)
+        embeds = self.thinker.embed(to_device(padded, self.device))
+        return self._prefill_embeds(rows, embeds, [len(x) for x in ids])
+
+    def _prefill_shape(
+        self, reqs: list[Request], lengths: list[int] | None = None
+    ) -> tuple[int, int, object] | None:
+        """`batch_prefill_plan` of one right-padded prefill of `lengths` tokens (default: the whole
+        pending prompt) of each of `reqs` from its `prefill_start`."""
+        if not reqs:
+            return None
+        lengths = lengths or [len(r.pending_prompt_ids) for r in reqs]
+        starts = [r.prefill_start for r in reqs]
+        return batch_prefill_plan(
+            self._prefill_graphs, starts, lengths, self.settings.prefill_buckets, self.cache.max_len
+        )
+
+    def _prefill_embeds(
+        self, reqs: list[Request], embeds: torch.Tensor, lengths: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`lengths` prompt tokens (default: all pending) of `reqs` as embeddings [B, t, H] (right-padded to
+        the longest) in one call from each row's `prefill_start`, padded further to a captured bucket when
+        a graph fits: (the id [B] sampled after each row's last real token, the logits [B, V] there,
+        hidden [B, T, H]). See the module doc for why the padding never changes a result."""
+        lengths = lengths or [len(r.pending_prompt_ids) for r in reqs]
+        t, kv_len, graph = self._prefill_shape(reqs, lengths)
+        positions = torch.stack([torch.arange(r.prefill_start, r.prefill_start + t) for r in reqs])  # [B, T]
+        index = torch.tensor([n - 1 for n in lengths])  # [B]
+        slots = torch.tensor([r.slot for r in reqs])  # [B]
+        step = graph or self._prefill_fn(kv_len)
+        dev = self.device
+        return step(right_pad(embeds, t), *(to_device(x, dev) for x in (positions, slots, index)))
+
+    def _encoder(self):
+        if self.audio_encoder is None:
+            raise InvalidRequestError("this model has no audio encoder (no audio_config): send text")
+        return self.audio_encoder
+
+    def _prefill_speech(self, req: Request) -> tuple[torch.Tensor, torch.Tensor]:
+        """The turn's new tokens with its clips encoded and scattered into their placeholders -> (the
+        first reply id [1], its logits [1, V]).
+
+        Text and audio prompts have plain sequential M-RoPE positions (see model/speech_input.py), so
+        the positions are the cache rows. Keeps the Thinker's hidden states (`accept_hidden_layer`) of
+        the whole prompt for the Talker, which reads them at the audio positions; rows of earlier turns
+        stay zero (the Talker has those positions in its cache already and does not feed them again)."""
+        new = req.new_prompt_ids
+        x = build_speech_input(
+            self.thinker, self._encoder(), new, req.audio_features, self.ids, encoded=req.audio_encoded
+        )
+        first, logits, hidden = self._prefill_embeds([req], x.inputs_embeds)  # [1], [1, V], [1, T, H]
+        full = hidden.new_zeros(len(req.prompt_ids), hidden.shape[-1])  # [P, H]
+        if req.carried_hidden is not None:  # earlier turns the Talker has not prefilled yet
+            full[: req.carried_hidden.shape[0]] = req.carried_hidden
+        full[req.thinker_start :] = hidden[0, : len(new)]  # a copy: a graph's output is reused
+        req.thinker_hidden = full
+        return kept(first), kept(logits)
+
+    @stage_call
+    def decode(self, reqs: list[Request]) -> list[int]:
+        last = to_device([[r.tokens[-1]] for r in reqs], self.device)  # [B, 1]
+        # the last token goes to the position after everything already in the cache
+        positions = to_device([[len(r.prompt_ids) + len(r.tokens) - 1] for r in reqs], self.device)  # [B, 1]
+        slots = to_device([r.slot for r in reqs], self.device)  # [B]
+        kv_len = kv_bucket(max(len(r.prompt_ids) + len(r.tokens) for r in reqs), self.cache.max_len)
+        choices = [
+            kept(self._decode_step(last[rows], positions[rows], slots[rows], kv_len))  # [b]
+            for rows in row_groups(len(reqs), self.settings.deterministic)
+        ]
+        return host_ids(choices)

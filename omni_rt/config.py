@@ -188,11 +188,12 @@ class EngineSettings(_Settings):
         1,
         ge=1,
         le=64,
-        description="with cuda_graphs: the Thinker's decode step as this many CUDA graphs launched back to back "
-        "(its layers split evenly), not one. A launch holds the CUDA driver's lock while it pushes its kernels "
-        "(the 1149-kernel step took ~2.8 ms of host time a launch at 64 conversations on an H200), and the other "
-        "stage threads' copies and launches wait for it (docs/performance.md, 2026-12-04 third session); "
-        "shorter launches let them in between. The same results; 1 until measured (scripts/gpu_launch_lock.py)",
+        description="with cuda_graphs: the Thinker's decode step and prefill each as this many CUDA graphs "
+        "launched back to back (its layers split evenly), not one. A launch holds the CUDA driver's lock while it "
+        "pushes its kernels (the 1149-kernel decode step took ~2.8 ms of host time a launch at 64 conversations "
+        "on an H200), and the other stage threads' copies and launches wait for it (docs/performance.md, "
+        "2026-12-04 third session); shorter launches let them in between, and a prefill's first kernels start "
+        "while the rest are pushed. The same results; 1 until measured (scripts/gpu_launch_lock.py)",
     )
     moe_backend: Literal["auto", "plain", "loop", "gather", "grouped_mm", "triton"] = Field(
         "auto",

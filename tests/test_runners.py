@@ -153,9 +153,9 @@ class LogitsSpy:
 
 @pytest.mark.parametrize("segments", [2, 64])
 def test_a_decode_step_graphed_in_segments_gives_the_one_graph_tokens(model, graphed, segments):
-    """`thinker_graph_segments`: the decode step as consecutive graphs of its layers (64: one a layer),
-    each replayed once a step; the logits the last one samples from are those of the step in one graph,
-    and its ids those of the eager step too."""
+    """`thinker_graph_segments`: the decode step (and the prefill) as consecutive graphs of its layers (64:
+    one a layer), each replayed once a step; the logits the last one samples from are those of the step in
+    one graph, and its ids those of the eager step too."""
     layers = model.cfg.thinker.num_hidden_layers
     assert layers >= 2
     texts = ["Hello there.", "A much longer question, about the weather today?"]
@@ -166,8 +166,9 @@ def test_a_decode_step_graphed_in_segments_gives_the_one_graph_tokens(model, gra
         runner = ThinkerRunner(model, s)
         runner.sampler = drawn = LogitsSpy(runner.sampler)
         reqs = [request(model, t, i) for i, t in enumerate(texts)]
-        traces.append(thinker_trace(runner, reqs, steps=5)[1])
-        logits.append(torch.cat(drawn.logits[-5:]))  # the decode steps' (the prefills drew before)
+        prefill_logits, tokens = thinker_trace(runner, reqs, steps=5)
+        traces.append(tokens)
+        logits.append(torch.cat([prefill_logits, *drawn.logits[-5:]]))  # the prefill's, the 5 steps'
         parts = [c for c in graphed[first:] if c.fn.__name__ == "part"]
         if n == segments:
             chain = runner._graphs[(2, 96)]
@@ -178,6 +179,33 @@ def test_a_decode_step_graphed_in_segments_gives_the_one_graph_tokens(model, gra
     assert traces[0] == traces[1] == traces[2]
     assert torch.equal(logits[0], logits[1])  # the same operations, in the same order
     torch.testing.assert_close(logits[0], logits[2], rtol=1e-4, atol=1e-5)  # eager: unpadded prefills
+
+
+@pytest.mark.parametrize("keep", [0, 1, 2])
+def test_a_prefill_in_parts_returns_what_the_whole_prefill_does(model, keep):
+    """`thinker_graph_segments` cuts the prefill too, and at the layer whose output a speech turn's Talker
+    reads (`accept_hidden_layer`: 0 the embeddings, 2 after the final norm here): its parts, run one after
+    another, return the first ids, logits and hidden states of the prefill in one function, bit for bit."""
+    runner = ThinkerRunner(model, EngineSettings(**SETTINGS, cuda_graphs=False, thinker_graph_segments=2))
+    runner.accept_hidden_layer = keep
+    req = request(model, "Hello there, how are you?", 0)
+    runner.sampler.assign(0, req.sampling.thinker, req.seed)
+    ids = torch.tensor([req.prompt_ids])
+    inputs = (
+        model.thinker.embed(ids),
+        torch.arange(ids.shape[1])[None],
+        torch.tensor([0]),
+        torch.tensor([ids.shape[1] - 1]),
+    )
+    parts = runner._in_parts(96, prefill=True)
+    assert len(parts) == 2
+    with torch.inference_mode():
+        out = ()
+        for part in parts:
+            out = part(*out, *inputs)
+        whole = runner._prefill_fn(96)(*inputs)
+    for a, b in zip(out, whole, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_thinker_padded_prefill_beside_a_slot_mid_generation(model, graphed):
@@ -595,7 +623,9 @@ def test_code2wav_chunks_of_different_sizes_in_one_call_are_each_its_own_stream(
         frames = [codes(n) for n in sizes]
         got = runner.push_many(reqs, frames)
         for g, stream, f in zip(got, alone, frames, strict=True):
-            torch.testing.assert_close(torch.from_numpy(g), torch.from_numpy(pcm(stream, f)), rtol=0, atol=1e-6)
+            torch.testing.assert_close(
+                torch.from_numpy(g), torch.from_numpy(pcm(stream, f)), rtol=0, atol=1e-6
+            )
     if graphs:
         assert [runner._graphs[(4, n)].replays for n in (1, 2, 4)] == [1, 1, 1]
 

@@ -61,38 +61,12 @@ class ThinkerRunner:
         def step(ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
             """ids, positions [B, 1], slots [B] -> the next ids [B] (each keyed by the position it takes)."""
             logits, _ = self.thinker(ids, positions, self.cache, slots, last_only=True, kv_len=kv_len)
-            return self.sampler(logits[:, -1], slots, positions[:, 0] + 1)
+            return self._decode_out(logits, positions, slots)
 
         return step
 
-    def _decode_parts(self, kv_len: int) -> list:
-        """The decode step (`_decode_fn`) as `thinker_graph_segments` functions over consecutive runs of
-        layers, for `graphs.capture_chain`: the first takes (ids, positions, slots) and returns (x, cos,
-        sin, mask) after its layers, each next one takes those and (ids, positions, slots), the last
-        returns the next ids. The same operations in the same order as `_decode_fn`."""
-        t = self.thinker
-        n = len(t.model.layers)
-        parts = min(self.settings.thinker_graph_segments, n)
-        if parts == 1:
-            return [self._decode_fn(kv_len)]
-        bounds = [round(i * n / parts) for i in range(parts + 1)]
-
-        def layers(start: int, stop: int, last: bool):
-            def part(*args: torch.Tensor):
-                *carried, ids, positions, slots = args
-                if carried:
-                    x, cos, sin, mask = carried
-                else:
-                    x = t.embed(ids)
-                    cos, sin, mask = t.layer_inputs(positions, positions, kv_len, x.dtype)
-                x = t.run_layers(x, cos, sin, mask, self.cache, slots, positions, kv_len, start, stop)
-                if not last:
-                    return x, cos, sin, mask
-                return self.sampler(t.logits(x, last_only=True)[:, -1], slots, positions[:, 0] + 1)
-
-            return part
-
-        return [layers(bounds[i], bounds[i + 1], i == parts - 1) for i in range(parts)]
+    def _decode_out(self, logits: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return self.sampler(logits[:, -1], slots, positions[:, 0] + 1)
 
     def _prefill_fn(self, kv_len: int):
         def prefill(embeds: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, index: torch.Tensor):
@@ -104,10 +78,55 @@ class ThinkerRunner:
                 None, positions, self.cache, slots, self.accept_hidden_layer,
                 inputs_embeds=embeds, logits_index=index, kv_len=kv_len,
             )  # fmt: skip
-            keys = positions.gather(1, index[:, None])[:, 0] + 1  # [B]: the position the reply starts at
-            return self.sampler(logits[:, -1], slots, keys), logits[:, -1], hidden
+            return self._prefill_out(logits, hidden, positions, slots, index)
 
         return prefill
+
+    def _prefill_out(self, logits, hidden, positions: torch.Tensor, slots: torch.Tensor, index: torch.Tensor):
+        keys = positions.gather(1, index[:, None])[:, 0] + 1  # [B]: the position the reply starts at
+        return self.sampler(logits[:, -1], slots, keys), logits[:, -1], hidden
+
+    def _in_parts(self, kv_len: int, prefill: bool) -> list:
+        """The decode step (`_decode_fn`) or the prefill (`_prefill_fn`) as `thinker_graph_segments`
+        functions over consecutive runs of its layers, for `graphs.capture_chain`: a launch of a shorter
+        graph holds the driver's lock for less time, and its first kernels start sooner. Each part takes
+        what the one before returned, (x, cos, sin, mask, hidden), then the step's inputs ((ids, positions,
+        slots) or (embeds, positions, slots, index)); the last returns the step's outputs. The prefill is
+        also cut at `accept_hidden_layer`, whose output it returns. The same operations in the same order
+        as the step in one function (Thinker.forward's parts)."""
+        t = self.thinker
+        n = len(t.model.layers)
+        count = min(self.settings.thinker_graph_segments, n)
+        if count == 1:
+            return [self._prefill_fn(kv_len) if prefill else self._decode_fn(kv_len)]
+        keep = self.accept_hidden_layer if prefill else None  # hidden_states[keep]: 0 = the embeddings
+        cuts = {round(i * n / count) for i in range(count + 1)} | ({keep} if keep and keep < n else set())
+        bounds = sorted(cuts)
+        width = 4 if prefill else 3  # the step's inputs, after what the part before returned
+
+        def layers(start: int, stop: int, last: bool):
+            def part(*args: torch.Tensor):
+                carried, inputs = args[:-width], args[-width:]
+                positions, slots = inputs[1], inputs[2]
+                if carried:
+                    x, cos, sin, mask, hidden = carried
+                else:
+                    x = hidden = inputs[0] if prefill else t.embed(inputs[0])
+                    cos, sin, mask = t.layer_inputs(positions, positions, kv_len, x.dtype)
+                x = t.run_layers(x, cos, sin, mask, self.cache, slots, positions, kv_len, start, stop)
+                if stop == keep:
+                    hidden = x
+                if not last:
+                    return x, cos, sin, mask, hidden
+                if not prefill:
+                    return self._decode_out(t.logits(x, last_only=True), positions, slots)
+                if keep == n:  # the reference's last hidden_states entry is after the final norm
+                    hidden = t.model.norm(x)
+                return self._prefill_out(t.logits(x, logits_index=inputs[3]), hidden, *inputs[1:])
+
+            return part
+
+        return [layers(a, b, b == n) for a, b in zip(bounds, bounds[1:], strict=False)]
 
     @torch.no_grad()
     def _capture_all(self) -> None:
@@ -122,7 +141,9 @@ class ThinkerRunner:
                     torch.zeros(b, 1, dtype=torch.long, device=self.device),  # positions [B, 1]
                     torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
                 )
-                self._graphs[(b, kv_len)] = graphs.capture_chain(self._decode_parts(kv_len), static, pool)
+                self._graphs[(b, kv_len)] = graphs.capture_chain(
+                    self._in_parts(kv_len, prefill=False), static, pool
+                )
         if not s.prefill_graphs:
             return
         # text and speech turns share these graphs: both enter as embeddings
@@ -135,8 +156,8 @@ class ThinkerRunner:
                     torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
                     torch.full((b,), t - 1, dtype=torch.long, device=self.device),  # index [B]
                 )
-                self._prefill_graphs[(b, t, kv_len)] = graphs.capture_or_eager(
-                    self._prefill_fn(kv_len), static, pool
+                self._prefill_graphs[(b, t, kv_len)] = graphs.capture_chain(
+                    self._in_parts(kv_len, prefill=True), static, pool
                 )
 
     def _decode_step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, kv_len: int):

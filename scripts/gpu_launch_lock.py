@@ -16,7 +16,9 @@ inside their copies. Two readings were left open, and they call for different ch
 
 Measured here, with no model (tiny kernels make the graphs; `torch.cuda._sleep` makes a stream busy):
 - `launch`: host time of one `replay()` of a straight-line graph of N tiny kernels, the queue empty,
-  for each N of `--nodes`; and of the same N kernels as K graphs of N/K launched back to back.
+  for each N of `--nodes`; and of the same N kernels as K graphs of N/K launched back to back; beside it
+  the wall time to the graph's end and its GPU time (their difference: how long the GPU waited for the
+  launch, which a graph on the path to first audio adds to it).
 - `victim`: a second thread's small calls while a first thread does something else: a 4-int pinned
   host-to-device copy (what `to_device` does), a 40-kernel graph launch, a 16-int read-back (pageable
   `.tolist()`; pinned copy + event), each timed alone on the host, a random 0-1 ms pause between them.
@@ -71,26 +73,39 @@ def pct(values: list[float]) -> dict:
 
 
 def launch_costs(dev: torch.device, nodes: list[int], segments: int, reps: int) -> list[dict]:
+    """Per graph size: the host time of the launch call(s), the wall time from the call to the stream's
+    end, and the GPU time between events around the launch(es): wall - gpu is about how long the GPU
+    waited for the launch before its first kernel (plus one synchronize)."""
     stream = torch.cuda.Stream(device=dev)
     rows = []
     for n in nodes:
         whole, _ = tiny_graph(n, dev, stream)
         parts = [tiny_graph(max(1, n // segments), dev, stream)[0] for _ in range(segments)]
         for label, graphs in ((f"1 graph of {n}", [whole]), (f"{segments} graphs of {n // segments}", parts)):
-            host = []
+            host, wall, gpu = [], [], []
             with torch.cuda.stream(stream):
                 for _ in range(reps):
                     torch.cuda.synchronize(dev)
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     t0 = time.perf_counter()
+                    start.record()
                     for g in graphs:
                         g.replay()
-                    host.append((time.perf_counter() - t0) * 1e6)
+                    end.record()
+                    t1 = time.perf_counter()
+                    end.synchronize()
+                    t2 = time.perf_counter()
+                    host.append((t1 - t0) * 1e6)
+                    wall.append((t2 - t0) * 1e6)
+                    gpu.append(start.elapsed_time(end) * 1e3)
             torch.cuda.synchronize(dev)
             rows.append(
                 {
                     "what": label,
                     "nodes": n,
                     "host_us": pct(host),
+                    "wall_us": pct(wall),
+                    "gpu_us": pct(gpu),
                     "us_per_node": round(statistics.median(host) / n, 2),
                 }
             )
@@ -233,10 +248,12 @@ def main() -> None:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res, indent=1))
-    print("\nlaunch host time, queue empty (us p50 / p90 / max; us per node)")
+    print("\nlaunch, queue empty, us p50: host time of the launch call(s) (per node), wall to the end, GPU")
     for r in res["launch"]:
-        h = r["host_us"]
-        print(f"  {r['what']:<24} {h['p50']:>8} {h['p90']:>8} {h['max']:>8}   {r['us_per_node']}")
+        h, w, g = r["host_us"], r["wall_us"], r["gpu_us"]
+        print(
+            f"  {r['what']:<24} host {h['p50']:>8} ({r['us_per_node']}/node)  wall {w['p50']:>8}  gpu {g['p50']:>8}"
+        )
     print("\nthe victim thread's calls beside the first thread (us p50 / p90 / max)")
     for r in res["interference"]:
         own = r["its own call us"]

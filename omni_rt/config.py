@@ -66,6 +66,16 @@ class EngineSettings(_Settings):
     frame0_in_prefill: bool = Field(
         True, description="run the code predictor for frame 0 in the step that finishes the Talker prefill"
     )
+    early_start: bool = Field(
+        False,
+        description="with talker_overlap_prefill, while no other response is speaking: a response's Talker last "
+        "prompt position and frame 0, and (with frame0_in_prefill) its first Code2Wav chunk, are enqueued on the "
+        "GPU as soon as its Thinker prefill is, each stage's stream waiting on an event for the stage before and "
+        "reading the first token and frame 0 on the device. The host reads them back as before and finds the "
+        "work done: without it each hop to the first audio waits for a read-back, a thread's wake-up and a graph "
+        "launch (on an H200 ~1.5 ms from the prefill's end to the last position, ~3 ms from frame 0 to the Code2Wav "
+        "chunk; docs/performance.md, 2026-12-04 third session). The same tokens, codes and PCM. Off until measured",
+    )
     batch_prefill: bool = Field(
         True, description="prefill the requests that arrive together in one batched call (right-padded)"
     )
@@ -271,6 +281,12 @@ class EngineSettings(_Settings):
                 f"max_chunk_frames ({self.max_chunk_frames}) < first_chunk_frames ({self.first_chunk_frames})"
             )
         return self
+
+    @property
+    def starts_early(self) -> bool:
+        """Are responses' starts enqueued on the device ahead of the host (`early_start`)? It needs the
+        Talker's prompt prefix in its cache before the first token (`talker_overlap_prefill`)."""
+        return self.early_start and self.talker_overlap_prefill
 
     @classmethod
     def all_off(cls, **overrides: object) -> EngineSettings:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from omni_rt.pipeline.handoff import AudioEnd, Frame, Handoff
+from omni_rt.pipeline.handoff import AudioEnd, Frame, FrameQueued, Handoff
 from omni_rt.pipeline.pacing import audio_urgency, chunk_to_decode, chunk_wait_until
 from omni_rt.pipeline.request import AudioDoneOut, AudioOut, Request
 
@@ -101,7 +101,9 @@ class Code2WavLoop:
             a = seqs.get(req)
             if a is None:
                 a = seqs[req] = AudioSeq(req)
-            if isinstance(m, Frame):
+            if isinstance(m, FrameQueued):
+                self._queue_first(a, m.ready, seqs)
+            elif isinstance(m, Frame):
                 a.pending.append(m.codes)
                 a.frame_arrived(self.p.clock())
             elif isinstance(m, AudioEnd):
@@ -126,6 +128,22 @@ class Code2WavLoop:
                 self._close(b, seqs)
             elif b.ended and not b.pending:
                 self._finish(b, seqs)
+
+    def _queue_first(self, a: AudioSeq, ready: object, seqs: dict[Request, AudioSeq]) -> None:
+        """`early_start`: decode the response's frame 0, on the device behind the Talker's, before it is
+        here. Only while no other response is here: the stream waits for the Talker, and another's chunk
+        would wait with it. Otherwise its frame 0 decodes when it comes, as without `early_start`."""
+        if len(seqs) > 1 or a.opened or a.pending or a.req.stopped:
+            return
+        t0 = self.p.clock()
+        try:
+            self.p.code2wav.queue_first(a.req, ready)
+        except Exception as e:
+            self.p._fail(a.req, self.p._stage_error("code2wav", "decode", e))
+            self._close(a, seqs)
+            return
+        a.opened = True
+        self.p._record("code2wav", "queue", t0, [a.req])
 
     def _ready(self, a: AudioSeq) -> bool:
         """Has `a` work now: a chunk to decode, an end to send, or a stop to act on?"""

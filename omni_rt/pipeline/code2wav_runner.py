@@ -13,7 +13,7 @@ from omni_rt.pipeline import graphs
 from omni_rt.pipeline.graphs import GraphPool
 from omni_rt.pipeline.request import Request
 from omni_rt.pipeline.shapes import code2wav_buckets, pad_rows
-from omni_rt.pipeline.stage_device import stage_call, stage_stream, to_device
+from omni_rt.pipeline.stage_device import StartHandoff, stage_call, stage_stream, to_device
 
 __all__ = ["Code2WavRunner"]
 
@@ -32,7 +32,7 @@ class Code2WavRunner:
     row exactly its own stream's decode: chunks of different sizes too, each row padded to the longest
     (ragged: `Code2WavState.valid`), its padding leaving no trace in its stream."""
 
-    def __init__(self, model, settings: EngineSettings) -> None:
+    def __init__(self, model, settings: EngineSettings, start: StartHandoff | None = None) -> None:
         self.code2wav = model.code2wav
         self.device = model.device
         self.samples_per_frame = self.code2wav.samples_per_frame
@@ -46,6 +46,10 @@ class Code2WavRunner:
         # slots whose stream is as `reset` leaves it (nothing decoded since): `open` has nothing to do,
         # so a response's first chunk, on the path to its first audio, waits for no reset
         self._fresh = set(range(settings.max_sessions))
+        # early_start: frames 0 from the Talker on the device (shared by the engine's runners); each slot's
+        # frame 0 decoded by `queue_first` for its request: (request, PCM on the device, its codes)
+        self.start = start or StartHandoff(settings.max_sessions + 1, model.cfg.num_code_groups, self.device)
+        self._queued: dict[int, tuple[Request, torch.Tensor, torch.Tensor]] = {}
         self._rows = code2wav_buckets(settings.max_sessions if settings.code2wav_batched else 1)
         self._sizes: list[int] = []  # chunk sizes with a graph, ascending
         if graphs.graphs_on(settings, self.device):
@@ -132,10 +136,33 @@ class Code2WavRunner:
         self._fresh.add(slot)
 
     @stage_call
-    def push(self, req: Request, frames: list[list[int]]) -> np.ndarray:
-        codes = to_device(frames, self.device).T  # [16, n]
+    def queue_first(self, req: Request, ready: object) -> None:
+        """`early_start`: open the request's stream and decode its frame 0, read on the device after
+        `ready` (the Talker's `queue_last`), before the host has it; its first `push` reads the PCM back."""
+        self.open(req)
+        slot = to_device([req.slot], self.device)
+        codes = self.start.frame0.read(slot, ready)  # [1, 16]
         # the Talker's codes are in range by construction: skip the check (a host sync on the GPU)
-        return self._streams[req.slot].push(codes, check=False).float().cpu().numpy()
+        self._queued[req.slot] = (req, self._streams[req.slot].push(codes.T, check=False), codes[0])
+
+    def _queued_heads(self, reqs: list[Request], frames: list[list[list[int]]]) -> dict[Request, np.ndarray]:
+        """The PCM of each request's frame 0 that `queue_first` decoded (a chunk starting at frame 0 whose
+        codes are the ones decoded; those of another chunk, or of other codes, are dropped, the stream then
+        starting afresh, so a chunk always decodes exactly)."""
+        heads = {}
+        for r, f in zip(reqs, frames, strict=True):
+            req, pcm, codes = self._queued.pop(r.slot, (None, None, None))
+            if req is not r:
+                continue
+            if self._streams[r.slot].frames[0] == 1 and codes.tolist() == f[0]:
+                heads[r] = pcm.float().cpu().numpy()
+            else:  # not this chunk's frame 0 (cannot happen: the Talker's frame 0 is what it decoded)
+                self._reset(r.slot)
+        return heads
+
+    @stage_call
+    def push(self, req: Request, frames: list[list[int]]) -> np.ndarray:
+        return self._push_many([req], [frames])[0]
 
     @stage_call
     def push_many(self, reqs: list[Request], frames: list[list[list[int]]]) -> list[np.ndarray]:
@@ -143,6 +170,29 @@ class Code2WavRunner:
         `push` gives it alone (up to float rounding of a batched kernel on a GPU)."""
         if len(reqs) == 1:
             return [self.push(reqs[0], frames[0])]
+        return self._push_many(reqs, frames)
+
+    def _push_many(self, reqs: list[Request], frames: list[list[list[int]]]) -> list[np.ndarray]:
+        """`push_many`: a frame 0 that `queue_first` decoded is read back, and the chunk's other frames
+        decoded after it."""
+        heads = self._queued_heads(reqs, frames) if self._queued else {}
+        rest = [f[1:] if r in heads else f for r, f in zip(reqs, frames, strict=True)]
+        todo = [i for i, f in enumerate(rest) if f]
+        pcms = [np.zeros(0, np.float32) for _ in reqs]
+        for i, pcm in zip(
+            todo, self._decode_chunks([reqs[i] for i in todo], [rest[i] for i in todo]), strict=True
+        ):
+            pcms[i] = pcm
+        return [np.concatenate([heads[r], p]) if r in heads else p for r, p in zip(reqs, pcms, strict=True)]
+
+    def _decode_chunks(self, reqs: list[Request], frames: list[list[list[int]]]) -> list[np.ndarray]:
+        """`push_many` of chunks with frames to decode (none: nothing)."""
+        if not reqs:
+            return []
+        if len(reqs) == 1:
+            codes = to_device(frames[0], self.device).T  # [16, n]
+            # the Talker's codes are in range by construction: skip the check (a host sync on the GPU)
+            return [self._streams[reqs[0].slot].push(codes, check=False).float().cpu().numpy()]
         sizes = [len(f) for f in frames]
         n, q = max(sizes), self.code2wav.cfg.num_quantizers
         padded = [f + [[0] * q] * (n - len(f)) for f in frames]  # any codes: the padding leaves no trace

@@ -68,7 +68,9 @@ class FakeThinker(_Busy):
             return self.ids.im_end
         return 33 + _h(*req.prompt_ids, i) % 90  # ids that the tiny byte-level tokenizer prints
 
-    def prefill(self, reqs: list[Request]) -> list[int]:
+    def prefill(self, reqs: list[Request], queued=None) -> list[int]:
+        if queued is not None:  # enqueued: the work below is the device's, the host then waits for it
+            queued(reqs, None)
         tokens = max(len(r.pending_prompt_ids) for r in reqs)
         self.work("prefill", self.t.thinker_prefill + self.t.thinker_prefill_token * tokens, reqs)
         return [self._token(r, 0) for r in reqs]
@@ -108,6 +110,10 @@ class FakeTalker(_Busy):
                 return self.ids.codec_eos
         return _h(*req.prompt_ids, f, text_id) % 2048
 
+    def queue_last(self, reqs: list[Request], ready: object) -> object:
+        self.work("queue", 0.0, reqs)  # `prefill_last` does the work here (its outputs are the same)
+        return None
+
     def prefill_last(self, reqs: list[Request], first_tokens: list[int]) -> list[int]:
         self.work("last", self.t.talker_last, reqs)
         return [self._code0(r, t) for r, t in zip(reqs, first_tokens, strict=True)]
@@ -133,6 +139,10 @@ class FakeCode2Wav(_Busy):
 
     def open(self, req: Request) -> None:
         self._emitted[req.slot] = 0
+
+    def queue_first(self, req: Request, ready: object) -> None:
+        self.work("queue", 0.0, [req])  # `push` does the work here (its PCM is the same)
+        self.open(req)
 
     def push(self, req: Request, frames: list[list[int]]) -> np.ndarray:
         self.work("chunk", self.t.code2wav_chunk, [req])

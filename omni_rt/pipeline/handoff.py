@@ -1,8 +1,8 @@
 """The messages the stage threads send each other through their inboxes (`inbox.Inbox`).
 
 Each names the request it is about (`req`). To the Thinker: `Admit`, `Stop`, `Progress`, `Spoken`. To
-the Talker: `Prefix`, `FirstToken`, `TextToken`, `TextEnd`, `Stop`. To Code2Wav: `Frame`, `AudioEnd`,
-`Stop`. What goes to the session is in `request.py` (`TextOut`, `AudioOut`, ...).
+the Talker: `Prefix`, `FirstTokenQueued`, `FirstToken`, `TextToken`, `TextEnd`, `Stop`. To Code2Wav:
+`FrameQueued`, `Frame`, `AudioEnd`, `Stop`. What goes to the session is in `request.py` (`TextOut`, `AudioOut`, ...).
 """
 
 from __future__ import annotations
@@ -38,6 +38,15 @@ class Prefix(Handoff):
 
 
 @dataclass(frozen=True, eq=False)
+class FirstTokenQueued(Handoff):
+    """The reply's first text token is enqueued on the device, not read back yet (`early_start`): the
+    Talker may enqueue its last prompt position and frame 0 behind it. `ready`: what its stream waits for
+    (a CUDA event; None off the GPU). `FirstToken` follows, unless the reply is empty."""
+
+    ready: object
+
+
+@dataclass(frozen=True, eq=False)
 class FirstToken(Handoff):
     """The reply's first text token: the Talker's last prompt position, then frame 0."""
 
@@ -61,6 +70,14 @@ class Frame(Handoff):
 
     codes: list[int]
     index: int
+
+
+@dataclass(frozen=True, eq=False)
+class FrameQueued(Handoff):
+    """Frame 0 is enqueued on the device, not read back yet (`early_start`): Code2Wav may enqueue its
+    first chunk behind it. `ready` as `FirstTokenQueued`'s. `Frame` 0 follows, unless the audio ends first."""
+
+    ready: object
 
 
 class AudioEnd(Handoff):

@@ -25,9 +25,10 @@ rows are read back to the host together (`host_ids`): one host sync per step, no
 
 from __future__ import annotations
 
+from omni_rt.admission import CAPTURE_ROWS
 from omni_rt.config import EngineSettings
 from omni_rt.pipeline.code2wav_runner import Code2WavRunner
-from omni_rt.pipeline.stage_device import LaunchGate
+from omni_rt.pipeline.stage_device import LaunchGate, StartHandoff
 from omni_rt.pipeline.talker_runner import TalkerRunner
 from omni_rt.pipeline.thinker_runner import ThinkerRunner
 
@@ -36,8 +37,9 @@ __all__ = ["Code2WavRunner", "TalkerRunner", "ThinkerRunner", "build_runners"]
 
 def build_runners(model, settings: EngineSettings) -> tuple[ThinkerRunner, TalkerRunner, Code2WavRunner]:
     gate = LaunchGate() if settings.prefill_launch_order and settings.talker_overlap_prefill else None
+    start = StartHandoff(settings.max_sessions + CAPTURE_ROWS, model.cfg.num_code_groups, model.device)
     return (
-        ThinkerRunner(model, settings, gate),
-        TalkerRunner(model, settings, gate),
-        Code2WavRunner(model, settings),
+        ThinkerRunner(model, settings, gate, start),
+        TalkerRunner(model, settings, gate, start),
+        Code2WavRunner(model, settings, start),
     )

@@ -1,6 +1,7 @@
 """What the stage runners share on the device side: host ids onto the device without a sync, each
-stage's own CUDA stream, the wrapper every runner method runs in, the one read-back per step, and the
-gate that orders the Thinker's and the Talker's prefill launches.
+stage's own CUDA stream, the wrapper every runner method runs in, the one read-back per step, the
+gate that orders the Thinker's and the Talker's prefill launches, and the values a response's start
+hands from stage to stage on the device (`StartHandoff`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,17 @@ import torch
 from omni_rt.model.device_ids import to_device  # the runners' way too: one place
 from omni_rt.pipeline.request import Request
 
-__all__ = ["LaunchGate", "host_ids", "kept", "row_groups", "stage_call", "stage_stream", "to_device"]
+__all__ = [
+    "DeviceHandoff",
+    "LaunchGate",
+    "StartHandoff",
+    "host_ids",
+    "kept",
+    "row_groups",
+    "stage_call",
+    "stage_stream",
+    "to_device",
+]
 
 
 _stage_streams: weakref.WeakValueDictionary[tuple[int, int], torch.cuda.Stream] = (
@@ -110,3 +121,39 @@ class LaunchGate:
         (False): one timeout for them all, so a batch of prefixes waits no longer than one."""
         with self._cond:
             return self._cond.wait_for(lambda: all(r in self._launched for r in reqs), self.timeout_s)
+
+
+class DeviceHandoff:
+    """Per-slot ids one stage leaves on the device for another stage's next launch, with no host round trip
+    between them: the producer writes its slots' rows on its stream and records an event after (`publish`
+    -> that event; None off the GPU, where a stage call is done when it returns); the consumer's stream
+    waits for the event, then reads the rows (`read`). A slot's row is written once per response, at its
+    start, and read before that response ends, so a read never races the next write."""
+
+    def __init__(self, slots: int, width: int, device: torch.device) -> None:
+        self.values = torch.zeros(slots, width, dtype=torch.long, device=device)
+
+    def publish(self, slots: torch.Tensor, values: torch.Tensor) -> torch.cuda.Event | None:
+        """On the current stream (the producer's): rows `slots` [B] = values [B] or [B, width]."""
+        self.values.index_copy_(0, slots, values.reshape(slots.shape[0], -1))
+        if self.values.device.type != "cuda":
+            return None
+        ready = torch.cuda.Event()
+        ready.record()
+        return ready
+
+    def read(self, slots: torch.Tensor, ready: torch.cuda.Event | None) -> torch.Tensor:
+        """On the current stream (the consumer's), after `ready`: rows `slots` [B] -> [B, width]."""
+        if ready is not None:
+            torch.cuda.current_stream(self.values.device).wait_event(ready)
+        return self.values.index_select(0, slots)
+
+
+class StartHandoff:
+    """What a response's start hands on the device from stage to stage (`EngineSettings.early_start`): the
+    Thinker's first reply id to the Talker, and the Talker's frame 0 to Code2Wav. One per engine, shared
+    by its three runners (`runners.build_runners`)."""
+
+    def __init__(self, slots: int, code_groups: int, device: torch.device) -> None:
+        self.first_token = DeviceHandoff(slots, 1, device)
+        self.frame0 = DeviceHandoff(slots, code_groups, device)

@@ -5,17 +5,22 @@ graphs behind it; the fake ones (`fake.py`) script durations for the policy test
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
 
 from omni_rt.pipeline.request import Request
 
+Queued = Callable[[list[Request], object], None]  # ThinkerStage.prefill's `queued`
+
 
 class ThinkerStage(Protocol):
-    def prefill(self, reqs: list[Request]) -> list[int]:
+    def prefill(self, reqs: list[Request], queued: Queued | None = None) -> list[int]:
         """Feed each request's `pending_prompt_ids` at positions `prefill_start`...; return the first
-        tokens."""
+        tokens. `queued` (`early_start` only): called with `reqs` and what a stream waits for before
+        reading their first tokens on the device, once they are enqueued there and before the host
+        reads them back."""
         ...
 
     def prefill_piece(self, req: Request, n: int) -> None:
@@ -31,6 +36,12 @@ class ThinkerStage(Protocol):
 class TalkerStage(Protocol):
     def prefill_prefix(self, reqs: list[Request]) -> None:
         """Feed every Talker prompt position but the last of each request (needs only the prompt ids)."""
+        ...
+
+    def queue_last(self, reqs: list[Request], ready: object) -> object:
+        """`early_start`: enqueue what `prefill_last` computes for `reqs`, reading their first tokens on the
+        device after `ready` (the Thinker's); `prefill_last` then reads it back. Returns what a stream
+        waits for before reading their frames 0 on the device (None: no frame 0 was made)."""
         ...
 
     def prefill_last(self, reqs: list[Request], first_tokens: list[int]) -> list[int]:
@@ -52,6 +63,11 @@ class Code2WavStage(Protocol):
     samples_per_frame: int
 
     def open(self, req: Request) -> None: ...
+
+    def queue_first(self, req: Request, ready: object) -> None:
+        """`early_start`: open the request's stream and enqueue the decode of its frame 0, read on the
+        device after `ready` (the Talker's); its first `push` then reads the PCM back."""
+        ...
 
     def push(self, req: Request, frames: list[list[int]]) -> np.ndarray:
         """Decode more frames of the request's stream: float32 PCM (exact streaming)."""

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 from omni_rt.pipeline.handoff import (
     AudioEnd,
     FirstToken,
+    FirstTokenQueued,
     Frame,
+    FrameQueued,
     Handoff,
     Prefix,
     Progress,
@@ -54,6 +56,8 @@ class TalkerSeq:
     code0: int | None = None  # sampled code 0 whose residual codes are not predicted yet
     codes_sampled: int = 0
     last_frame: list[int] | None = None
+    first_queued: bool = False  # early_start: the first token is on the device (`first_ready`), not here yet
+    first_ready: object = None
 
 
 class TalkerLoop:
@@ -90,6 +94,8 @@ class TalkerLoop:
                 s = seqs[req] = TalkerSeq(req)
             if isinstance(m, Prefix) and s.phase is TalkerPhase.WAITING:
                 s.phase = TalkerPhase.PREFIX
+            elif isinstance(m, FirstTokenQueued):
+                s.first_queued, s.first_ready = True, m.ready
             elif isinstance(m, FirstToken):
                 s.first = m.token
                 s.text.append(m.token)
@@ -109,6 +115,9 @@ class TalkerLoop:
         # a reply that is only `<|im_end|>` has nothing to speak (as offline): no Talker work
         for s in [s for s in seqs.values() if s.text_done and s.first is None]:
             self._finish(s, seqs)
+
+        # early_start: the last prompt positions (and frames 0) of those whose first tokens are on the device
+        self._queue_starts(seqs)
 
         # 2. the last prompt position at the first text token → code 0 (→ frame 0 in the same step)
         starting = [s for s in seqs.values() if s.phase is TalkerPhase.READY and s.first is not None]
@@ -156,6 +165,32 @@ class TalkerLoop:
             self._take_code0(s, code0, seqs)
         if self.p.settings.frame0_in_prefill:
             self._predict([s for s, _ in ready if s.code0 is not None], seqs)
+
+    def _queue_starts(self, seqs: dict[Request, TalkerSeq]) -> None:
+        """`early_start`: enqueue the starts (last prompt position, frame 0) of the responses whose first
+        tokens are enqueued on the device but not here yet, behind the Thinker's prefill, and tell Code2Wav
+        where their frames 0 will be. Only while no other response is speaking: the Talker's stream waits
+        for the prefill, and another response's next frame would wait with it. One try per response;
+        otherwise its start runs when its first token is here, as without `early_start`."""
+        early = [
+            s for s in seqs.values() if s.first_queued and s.phase is TalkerPhase.READY and s.first is None
+        ]
+        for s in early:
+            s.first_queued = False
+        if not early or any(s.phase is TalkerPhase.SPEAKING for s in seqs.values()):
+            return
+        groups: dict[int, list[TalkerSeq]] = {}  # by the prefill they wait for
+        for s in early:
+            groups.setdefault(id(s.first_ready), []).append(s)
+        for group in groups.values():
+            ready = group[0].first_ready
+
+            def queue(reqs: list[Request], ready=ready) -> list[object]:
+                return [self.p.talker.queue_last(reqs, ready)] * len(reqs)
+
+            for s, frame_ready in self._each(group, "queue", "prefill", queue, seqs):
+                if self.p.settings.frame0_in_prefill:
+                    self.p.code2wav_inbox.put(FrameQueued(s.req, frame_ready))
 
     def _each(
         self, batch: list[TalkerSeq], kind: str, what: str, call, seqs: dict[Request, TalkerSeq]

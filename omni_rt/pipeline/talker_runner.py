@@ -30,6 +30,7 @@ from omni_rt.pipeline.shapes import (
 )
 from omni_rt.pipeline.stage_device import (
     LaunchGate,
+    StartHandoff,
     host_ids,
     kept,
     row_groups,
@@ -40,7 +41,13 @@ from omni_rt.pipeline.stage_device import (
 
 
 class TalkerRunner:
-    def __init__(self, model, settings: EngineSettings, gate: LaunchGate | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        settings: EngineSettings,
+        gate: LaunchGate | None = None,
+        start: StartHandoff | None = None,
+    ) -> None:
         self.talker = model.talker
         self.gate = gate  # the prefix prefill waits for the request's Thinker prefill to be enqueued
         self.embed_text = model.thinker.embed  # the Talker reads the Thinker's input embeddings
@@ -77,6 +84,10 @@ class TalkerRunner:
         self._last_graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> last prompt position
         self._prefix_graphs: dict[tuple[int, int, int], object] = {}  # (batch, padded T, kv_len) -> prefix
         self._frame_ahead: dict[int, list[int]] = {}  # slot -> frame 0 made in `prefill_last`
+        # early_start: the first tokens from the Thinker, frames 0 to Code2Wav, on the device (shared by the
+        # engine's runners); and each slot's start enqueued by `queue_last` for its request, on the device
+        self.start = start or StartHandoff(slots, self.cfg.num_code_groups, self.device)
+        self._queued: dict[int, tuple[Request, torch.Tensor]] = {}
         self._mm_ids = {self.cfg.ids.audio, self.cfg.ids.image, self.cfg.ids.video}
         if graphs.graphs_on(settings, self.device):
             self._capture_all()
@@ -231,25 +242,55 @@ class TalkerRunner:
         return kv_len, self._last_graphs.get((len(reqs), kv_len))
 
     @stage_call
+    def queue_last(self, reqs: list[Request], ready: object) -> object:
+        """`early_start`: `prefill_last`'s work for `reqs`, enqueued behind the Thinker's prefill (`ready`),
+        reading the first tokens it left on the device; kept for `prefill_last`, which reads it back.
+        With `frame0_in_prefill`, the frames 0 go on the device for Code2Wav: -> what its stream waits
+        for (None without)."""
+        slots = to_device([r.slot for r in reqs], self.device)  # [B]
+        first = self.start.first_token.read(slots, ready)[:, 0]  # [B]
+        row = {r: i for i, r in enumerate(reqs)}
+        for rows in self._batches(reqs, self._last_plan):
+            part = first if len(rows) == len(reqs) else first[to_device([row[r] for r in rows], self.device)]
+            out = self._first_position(rows, part)  # [b] or [b, 16]
+            for i, r in enumerate(rows):
+                self._queued[r.slot] = (r, out[i])
+        if not self.settings.frame0_in_prefill:
+            return None
+        frames = torch.stack([self._queued[r.slot][1] for r in reqs])  # [B, 16]
+        return self.start.frame0.publish(slots, frames)
+
+    @stage_call
     def prefill_last(self, reqs: list[Request], first_tokens: list[int]) -> list[int]:
         """The last prompt position of responses whose first text tokens are here -> each one's code 0;
-        in calls as their prefixes are (`_batches`), read back in one host sync."""
+        in calls as their prefixes are (`_batches`), read back in one host sync. What `queue_last`
+        enqueued for a request is read back, not made again."""
         first = dict(zip(reqs, first_tokens, strict=True))
-        groups = self._batches(reqs, self._last_plan)
-        values = torch.cat([self._first_position(rows, [first[r] for r in rows]) for rows in groups]).tolist()
+        queued = {r: self._queued.pop(r.slot)[1] for r in reqs if self._queued.get(r.slot, (None,))[0] is r}
+        groups = (
+            self._batches([r for r in reqs if r not in queued], self._last_plan)
+            if len(queued) < len(reqs)
+            else []
+        )
+        outs = [
+            self._first_position(rows, to_device([first[r] for r in rows], self.device)) for rows in groups
+        ]
+        if queued:
+            outs.append(torch.stack(list(queued.values())))
+        values = torch.cat(outs).tolist()
         code0 = {}
-        for r, v in zip([r for rows in groups for r in rows], values, strict=True):
+        for r, v in zip([r for rows in groups for r in rows] + list(queued), values, strict=True):
             if self.settings.frame0_in_prefill:
                 self._frame_ahead[r.slot] = v  # frame 0, which `predict` hands out
                 v = v[0]
             code0[r] = v
         return [code0[r] for r in reqs]
 
-    def _first_position(self, rows: list[Request], first_tokens: list[int]) -> torch.Tensor:
-        """One call of `prefill_last`: code 0 [B], or with `frame0_in_prefill` frame 0's codes [B, 16]."""
+    def _first_position(self, rows: list[Request], first: torch.Tensor) -> torch.Tensor:
+        """One call of `prefill_last` at the first tokens [B] on the device: code 0 [B], or with
+        `frame0_in_prefill` frame 0's codes [B, 16]."""
         for r in rows:
             self._frame_ahead.pop(r.slot, None)  # one a former request of the slot left (its code 0 was EOS)
-        first = to_device(first_tokens, self.device)  # [B]
         positions = to_device([[self._prompt_len[r.slot] - 1] for r in rows], self.device)  # [B, 1]
         slots = to_device([r.slot for r in rows], self.device)  # [B]
         kv_len, graph = self._last_plan(rows)

@@ -11,7 +11,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from omni_rt.errors import EngineClosedError
-from omni_rt.pipeline.handoff import Admit, FirstToken, Handoff, Prefix, Spoken, TextEnd, TextToken
+from omni_rt.pipeline.handoff import (
+    Admit,
+    FirstToken,
+    FirstTokenQueued,
+    Handoff,
+    Prefix,
+    Spoken,
+    TextEnd,
+    TextToken,
+)
 from omni_rt.pipeline.inbox import InboxClosed
 from omni_rt.pipeline.pacing import may_decode_text
 from omni_rt.pipeline.request import Request, TextOut
@@ -153,7 +162,8 @@ class ThinkerLoop:
     def _prefill(self, group: list[Request], active: list[Request], out: list[Handoff]) -> None:
         """Prefill `group` in one call (what is left of each prompt); each first token is accepted and its
         request joins `active` unless that token ended it."""
-        done = self._step("prefill", group, lambda: self.p.thinker.prefill(group))
+        early = {"queued": self._first_queued} if self.p.settings.starts_early else {}
+        done = self._step("prefill", group, lambda: self.p.thinker.prefill(group, **early))
         if not done:
             return
         for req, token in zip(group, done[0], strict=True):
@@ -161,6 +171,14 @@ class ThinkerLoop:
             self._accept_token(req, token, out)
             if not req.text_done:
                 active.append(req)
+
+    def _first_queued(self, reqs: list[Request], ready: object) -> None:
+        """`early_start` (`ThinkerStage.prefill`'s `queued`): the first tokens of `reqs` are enqueued on the
+        device; the Talker may enqueue the text turns' starts behind them (a spoken turn's Talker prefix
+        waits for its Thinker hidden states, which come with its first token)."""
+        for req in reqs:
+            if not req.needs_thinker_hidden and not req.stopped:
+                self.p.talker_inbox.put(FirstTokenQueued(req, ready))
 
     def _step(self, kind: str, reqs: list[Request], call) -> tuple | None:
         """One Thinker call over `reqs`, logged as `kind`: (its result,), or None when it raised, each of

@@ -29,6 +29,7 @@ from omni_rt.pipeline.shapes import (
 )
 from omni_rt.pipeline.stage_device import (
     LaunchGate,
+    StartHandoff,
     host_ids,
     kept,
     row_groups,
@@ -36,10 +37,17 @@ from omni_rt.pipeline.stage_device import (
     stage_stream,
     to_device,
 )
+from omni_rt.pipeline.stages import Queued
 
 
 class ThinkerRunner:
-    def __init__(self, model, settings: EngineSettings, gate: LaunchGate | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        settings: EngineSettings,
+        gate: LaunchGate | None = None,
+        start: StartHandoff | None = None,
+    ) -> None:
         self.thinker = model.thinker
         self.ids = model.cfg.ids
         self.accept_hidden_layer = model.cfg.accept_hidden_layer
@@ -47,6 +55,10 @@ class ThinkerRunner:
         self.settings = settings
         self.device = model.device
         self.gate = gate  # told when a prefill is enqueued (the Talker's prefix waits for it)
+        # where `early_start` leaves the first reply ids for the Talker (shared by the engine's runners)
+        self.start = start or StartHandoff(
+            settings.max_sessions + CAPTURE_ROWS, model.cfg.num_code_groups, self.device
+        )
         self.stream = stage_stream(self.device, priority=0)
         self.scratch = settings.max_sessions  # the extra cache row graph capture writes into
         self.cache = self.thinker.allocate_cache(settings.max_sessions + CAPTURE_ROWS, settings.max_context)
@@ -170,7 +182,7 @@ class ThinkerRunner:
         return step(pad_rows(ids, b, 0), pad_rows(positions, b, 0), pad_rows(slots, b, self.scratch))[:n]
 
     @stage_call
-    def prefill(self, reqs: list[Request]) -> list[int]:
+    def prefill(self, reqs: list[Request], queued: Queued | None = None) -> list[int]:
         try:
             for req in reqs:
                 # the repetition penalty covers the whole conversation, as the reference's covers its prompt
@@ -180,6 +192,9 @@ class ThinkerRunner:
         finally:
             if self.gate is not None:  # enqueued (or failed): the Talker's prefixes may launch now
                 self.gate.open(reqs)
+        if queued is not None:  # early_start: the Talker may enqueue its start behind this prefill
+            slots = to_device([r.slot for r in reqs], self.device)
+            queued(reqs, self.start.first_token.publish(slots, first))
         return host_ids([first])
 
     def _prefill_first(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:

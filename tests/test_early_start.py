@@ -15,6 +15,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 import omni_rt
 from omni_rt.pipeline.handoff import FirstTokenQueued
@@ -167,6 +168,7 @@ def test_an_early_frame_0_in_a_chunk_of_several_frames_is_read_back_before_the_o
         if early:
             code2wav.queue_first(req, talker.queue_last([req], readies[0]))
         code0 = talker.prefill_last([req], first)
+        hidden = talker._last_hidden[0].clone()  # the last position's: its input is the first token
         frames = [talker.predict([req], code0)[0]]
         code0 = talker.step([req], frames[-1:], [5])
         frames.append(talker.predict([req], code0)[0])
@@ -175,7 +177,7 @@ def test_an_early_frame_0_in_a_chunk_of_several_frames_is_read_back_before_the_o
         else:  # the same cuts: frame 0, then the rest (other cuts differ by float rounding)
             code2wav.open(req)
             pcm = np.concatenate([code2wav.push(req, frames[:1]), code2wav.push(req, frames[1:])])
-        outs.append((frames, pcm))
+        outs.append((frames, pcm, hidden))
         assert not code2wav._queued and not talker._queued  # read back, nothing kept
-    assert outs[0][0] == outs[1][0]
+    assert outs[0][0] == outs[1][0] and torch.equal(outs[0][2], outs[1][2])
     np.testing.assert_array_equal(outs[0][1], outs[1][1])

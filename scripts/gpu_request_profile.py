@@ -1,6 +1,6 @@
 """Where a served request's host time goes: the CUDA runtime calls of every stage thread, profiled.
 
-    PYTHONUNBUFFERED=1 python scripts/gpu_request_profile.py --out $OUT
+    PYTHONUNBUFFERED=1 python scripts/gpu_request_profile.py --out $OUT [--set early_start=true ...]
     python scripts/gpu_request_profile.py --preset tiny --device cpu --out /tmp/prof   # the logic only
 
 The served configuration at real shapes (random bf16 weights, default `Sampling()`, seeded) warms up
@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import omni_rt  # noqa: E402
 from omni_rt.bench import chat_prompt  # noqa: E402
 from omni_rt.bench_measure import timed_request  # noqa: E402
+from omni_rt.bench_plan import parse_sets  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_timeline import print_timeline, timeline  # noqa: E402
@@ -58,11 +59,17 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--max-sessions", type=int, default=64, help="engine slots (the load protocol's: 64)")
     ap.add_argument("--out", default="request_profile")
-    ap.add_argument("--sequence", type=int, default=40, help="the first N stage launches listed in host order")
+    ap.add_argument(
+        "--sequence", type=int, default=40, help="the first N stage launches listed in host order"
+    )
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="an engine setting over the served ones (repeatable), as omni-rt bench's: early_start=true",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    kw = dict(max_sessions=args.max_sessions, max_context=512, max_talker_context=512)
+    kw = dict(max_sessions=args.max_sessions, max_context=512, max_talker_context=512) | parse_sets(args.set)
     engine = omni_rt.Engine.load(args.preset, random_weights=True, device=args.device, **kw)
     prompt = chat_prompt(20, 24, seed=0, ids=engine.cfg.ids)
 

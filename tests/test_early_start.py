@@ -18,10 +18,14 @@ import pytest
 import torch
 
 import omni_rt
+from omni_rt.config import EngineSettings
 from omni_rt.pipeline.handoff import FirstTokenQueued
+from omni_rt.pipeline.request import AudioOut, ErrorOut
 from omni_rt.pipeline.runners import build_runners
 from omni_rt.pipeline.talker import TalkerLoop
 from omni_rt.pipeline.thinker import ThinkerLoop
+from tests.test_pipeline_policy import make, run
+from tests.test_pipeline_policy import request as policy_request
 from tests.test_runners import request
 
 KW = dict(max_output_tokens=6, max_audio_frames=8)
@@ -181,3 +185,26 @@ def test_an_early_frame_0_in_a_chunk_of_several_frames_is_read_back_before_the_o
         assert not code2wav._queued and not talker._queued  # read back, nothing kept
     assert outs[0][0] == outs[1][0] and torch.equal(outs[0][2], outs[1][2])
     np.testing.assert_array_equal(outs[0][1], outs[1][1])
+
+
+def test_a_start_that_fails_on_the_way_fails_alone(read_back_waits):
+    """Two responses start together (one Thinker prefill): the Talker's early start of one fails, and so
+    does that response alone; Code2Wav's early decode of a later one fails, and so does it alone. Each
+    other response speaks to its end."""
+    p = make(EngineSettings(early_start=True), talker={"queue:bad"}, code2wav={"queue:worse"}, reply_len=4)
+    try:
+        good, good_sink = policy_request("good", slot=0, max_audio_frames=6)
+        bad, bad_sink = policy_request("bad", slot=1, max_audio_frames=6)
+        run(p, (good, good_sink), (bad, bad_sink))
+        assert {s.request_ids for s in p.steps if s.stage == "talker" and s.kind == "queue"} >= {("good",)}
+        worse, worse_sink = policy_request("worse", slot=1, max_audio_frames=6)
+        run(p, (worse, worse_sink))
+        after, after_sink = policy_request("after", slot=1, max_audio_frames=6)
+        run(p, (after, after_sink))
+    finally:
+        p.stop()
+    for sink in (bad_sink, worse_sink):
+        (error,) = sink.of(ErrorOut)
+        assert "scripted failure in queue" in str(error.error) and not sink.of(AudioOut)
+    for sink in (good_sink, after_sink):
+        assert not sink.of(ErrorOut) and len(sink.of(AudioOut)) > 0

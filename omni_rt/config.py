@@ -205,6 +205,15 @@ class EngineSettings(_Settings):
         "2026-12-04 third session); shorter launches let them in between, and a prefill's first kernels start "
         "while the rest are pushed. The same results; 1 until measured (scripts/gpu_launch_lock.py)",
     )
+    pinned_readback: bool = Field(
+        False,
+        description="on a GPU, read each step's ids and each chunk's PCM back through pinned memory after a wait on "
+        "an event, not by a blocking copy into pageable memory, which may hold the CUDA driver's lock while it "
+        "waits for the stage's stream, so that another stage thread's launches wait too (at 64 conversations "
+        "on an H200 the Talker thread spent 13 % of its time in such copies, blocked on the driver's mutex; "
+        "docs/performance.md, 2026-12-04 third session). The same values; off until measured "
+        "(scripts/gpu_launch_lock.py)",
+    )
     moe_backend: Literal["auto", "plain", "loop", "gather", "grouped_mm", "triton"] = Field(
         "auto",
         description="expert FFN backend. 'auto': the Triton decode kernel (omni_rt.kernels.moe_decode, up to 16 "

@@ -33,6 +33,7 @@ from omni_rt.pipeline.shapes import (
     prefill_lengths,
     prefill_shapes,
 )
+from omni_rt.pipeline.stage_device import host_ids, to_host
 from omni_rt.tokenizer import Tokenizer
 
 GREEDY = omni_rt.Sampling.greedy()
@@ -463,6 +464,17 @@ def test_frame0_made_from_code0_on_the_device(model, graphed):
     e.prefill_prefix([req2])
     assert e.prefill_last([req2], [4])[0] == code0
     assert g.predict([req2], [code0]) == e.predict([req2], [code0])
+
+
+def test_read_backs_give_the_values_in_memory_of_their_own():
+    """`host_ids` and `to_host`, pinned or not (pinned is a GPU's; on the CPU both copy)."""
+    out = torch.arange(6).view(3, 2)
+    for pinned in (False, True):
+        assert host_ids([out[:1], out[1:]], pinned) == [[0, 1], [2, 3], [4, 5]]
+        host = to_host(out, pinned)
+        out[0, 0] = 7  # a graph's output buffer, overwritten by its next replay
+        assert host[0, 0].item() == 0 and host.device.type == "cpu"
+        out[0, 0] = 0
 
 
 def test_launch_gate():

@@ -13,7 +13,7 @@ from omni_rt.pipeline import graphs
 from omni_rt.pipeline.graphs import GraphPool
 from omni_rt.pipeline.request import Request
 from omni_rt.pipeline.shapes import code2wav_buckets, pad_rows
-from omni_rt.pipeline.stage_device import StartHandoff, stage_call, stage_stream, to_device
+from omni_rt.pipeline.stage_device import StartHandoff, stage_call, stage_stream, to_device, to_host
 
 __all__ = ["Code2WavRunner"]
 
@@ -37,6 +37,7 @@ class Code2WavRunner:
         self.device = model.device
         self.samples_per_frame = self.code2wav.samples_per_frame
         self.stream = stage_stream(self.device, priority=-1)
+        self.pinned = settings.pinned_readback
         self._graphs: dict[tuple[int, int], object] = {}  # (rows bucket, chunk frames) -> captured decode
         self._work: dict[int, object] = {}  # rows bucket -> the work state its graphs decode
         self._index: dict[int, torch.Tensor] = {}  # rows bucket -> the pool streams its graphs decode
@@ -155,7 +156,7 @@ class Code2WavRunner:
             if req is not r:
                 continue
             if self._streams[r.slot].frames[0] == 1 and codes.tolist() == f[0]:
-                heads[r] = pcm.float().cpu().numpy()
+                heads[r] = to_host(pcm.float(), self.pinned).numpy()
             else:  # not this chunk's frame 0 (cannot happen: the Talker's frame 0 is what it decoded)
                 self._reset(r.slot)
         return heads
@@ -192,7 +193,8 @@ class Code2WavRunner:
         if len(reqs) == 1:
             codes = to_device(frames[0], self.device).T  # [16, n]
             # the Talker's codes are in range by construction: skip the check (a host sync on the GPU)
-            return [self._streams[reqs[0].slot].push(codes, check=False).float().cpu().numpy()]
+            pcm = self._streams[reqs[0].slot].push(codes, check=False)
+            return [to_host(pcm.float(), self.pinned).numpy()]
         sizes = [len(f) for f in frames]
         n, q = max(sizes), self.code2wav.cfg.num_quantizers
         padded = [f + [[0] * q] * (n - len(f)) for f in frames]  # any codes: the padding leaves no trace
@@ -200,7 +202,7 @@ class Code2WavRunner:
         streams = [self._streams[r.slot] for r in reqs]
         # one copy to the host for all rows (not one read-back each), out of the graph's output buffer,
         # which the next replay overwrites
-        wav = self._decode(codes, [r.slot for r in reqs], sizes)[:, 0].float().to("cpu", copy=True)
+        wav = to_host(self._decode(codes, [r.slot for r in reqs], sizes)[:, 0].float(), self.pinned)
         spf = self.samples_per_frame
         return [
             s.take(0, wav[i, : spf * k], k).numpy()
@@ -209,7 +211,7 @@ class Code2WavRunner:
 
     @stage_call
     def flush(self, req: Request) -> np.ndarray:
-        pcm = self._streams[req.slot].flush().float().cpu().numpy()  # (and the stream starts afresh)
+        pcm = to_host(self._streams[req.slot].flush().float(), self.pinned).numpy()  # (and a fresh stream)
         self._fresh.add(req.slot)
         return pcm
 

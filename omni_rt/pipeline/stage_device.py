@@ -26,6 +26,7 @@ __all__ = [
     "stage_call",
     "stage_stream",
     "to_device",
+    "to_host",
 ]
 
 
@@ -74,11 +75,30 @@ def row_groups(n: int, deterministic: bool) -> list[slice]:
     return [slice(i, i + 1) for i in range(n)] if deterministic else [slice(0, n)]
 
 
-def host_ids(choices: list[torch.Tensor]) -> list[int]:
-    """Ids chosen on the device ([b] each, one per row group), read back in one host sync: every
-    group's step is enqueued before the host waits, so a step pays one device round trip, not one per
-    group. Each must be a copy (`kept`) when a later group replays the graph that made it."""
-    return torch.cat(choices).tolist()
+def host_ids(choices: list[torch.Tensor], pinned: bool = False) -> list:
+    """Ids chosen on the device ([b] or [b, k] each, one per row group), read back in one host sync:
+    every group's step is enqueued before the host waits, so a step pays one device round trip, not one
+    per group. Each must be a copy (`kept`) when a later group replays the graph that made it. `pinned`:
+    as `to_host`'s."""
+    ids = torch.cat(choices)
+    return (to_host(ids, pinned) if pinned else ids).tolist()
+
+
+def to_host(t: torch.Tensor, pinned: bool = False) -> torch.Tensor:
+    """`t`'s values in host memory of their own, once the work queued before on the current stream is
+    done. `pinned` (`EngineSettings.pinned_readback`, on a GPU): a copy queued into pinned memory and a
+    wait on an event recorded after it, instead of a blocking copy into pageable memory, which may hold
+    the driver's lock while it waits for the stream (what `scripts/gpu_launch_lock.py` measures); the
+    values then leave the pinned block, which goes back to PyTorch's cache at once (a session may keep
+    PCM for seconds)."""
+    if not pinned or t.device.type != "cuda":
+        return t.to("cpu", copy=True)
+    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    staged.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return staged.clone()
 
 
 def kept(out: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,7 @@ class TalkerRunner:
         self.device = model.device
         self.cfg = model.cfg
         self.stream = stage_stream(self.device, priority=-1)
+        self.pinned = settings.pinned_readback
         self.scratch = settings.max_sessions  # the extra cache row graph capture writes into
         self.cache = self.talker.allocate_cache(
             settings.max_sessions + CAPTURE_ROWS, settings.max_talker_context
@@ -277,7 +278,7 @@ class TalkerRunner:
         ]
         if queued:
             outs.append(torch.stack(list(queued.values())))
-        values = torch.cat(outs).tolist()
+        values = host_ids(outs, self.pinned)
         code0 = {}
         for r, v in zip([r for rows in groups for r in rows] + list(queued), values, strict=True):
             if self.settings.frame0_in_prefill:
@@ -334,7 +335,7 @@ class TalkerRunner:
             kept(self._frame(c0[rows], slots[rows], keys[rows]))  # [b, 16]
             for rows in row_groups(len(reqs), self.settings.deterministic)
         ]
-        return torch.cat(frames).tolist()
+        return host_ids(frames, self.pinned)
 
     def _step(self, codes, text, positions, slots, kv_len: int):
         """One Talker step of a batch: the captured graph of its batch bucket, or eager."""
@@ -365,4 +366,4 @@ class TalkerRunner:
             kept(self._step(codes[rows], text[rows], positions[rows], slots[rows], kv_len))  # [b]
             for rows in row_groups(len(reqs), self.settings.deterministic)
         ]
-        return host_ids(choices)
+        return host_ids(choices, self.pinned)

@@ -60,6 +60,7 @@ class ThinkerRunner:
             settings.max_sessions + CAPTURE_ROWS, model.cfg.num_code_groups, self.device
         )
         self.stream = stage_stream(self.device, priority=0)
+        self.pinned = settings.pinned_readback
         self.scratch = settings.max_sessions  # the extra cache row graph capture writes into
         self.cache = self.thinker.allocate_cache(settings.max_sessions + CAPTURE_ROWS, settings.max_context)
         self.vocab = self.thinker.cfg.vocab_size
@@ -195,7 +196,7 @@ class ThinkerRunner:
         if queued is not None:  # early_start: the Talker may enqueue its start behind this prefill
             slots = to_device([r.slot for r in reqs], self.device)
             queued(reqs, self.start.first_token.publish(slots, first))
-        return host_ids([first])
+        return host_ids([first], self.pinned)
 
     def _prefill_first(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's first reply id after its new prompt tokens [B] and the logits it was drawn
@@ -306,4 +307,4 @@ class ThinkerRunner:
             kept(self._decode_step(last[rows], positions[rows], slots[rows], kv_len))  # [b]
             for rows in row_groups(len(reqs), self.settings.deterministic)
         ]
-        return host_ids(choices)
+        return host_ids(choices, self.pinned)

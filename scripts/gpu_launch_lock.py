@@ -12,7 +12,7 @@ inside their copies. Two readings were left open, and they call for different ch
    (`EngineSettings.thinker_graph_segments`) lets the other stages' calls in between.
 2. A blocking read-back into pageable memory (`.tolist()`, `.cpu()`) holds the lock while it waits for its
    stream, so a thread reading back a 16 ms Thinker step stalls every other thread's launches. Then a
-   copy into pinned memory and a wait on an event would release them.
+   copy into pinned memory and a wait on an event would release them (`EngineSettings.pinned_readback`).
 
 Measured here, with no model (tiny kernels make the graphs; `torch.cuda._sleep` makes a stream busy):
 - `launch`: host time of one `replay()` of a straight-line graph of N tiny kernels, the queue empty,

@@ -68,8 +68,9 @@ class EngineSettings(_Settings):
     )
     early_start: bool = Field(
         False,
-        description="with talker_overlap_prefill, while no other response is speaking: a response's Talker last "
-        "prompt position and frame 0, and (with frame0_in_prefill) its first Code2Wav chunk, are enqueued on the "
+        description="with talker_overlap_prefill, while the Talker (and Code2Wav) hold no other response: a "
+        "response's Talker last prompt position and frame 0, and (with frame0_in_prefill) its first Code2Wav chunk, "
+        "are enqueued on the "
         "GPU as soon as its Thinker prefill is, each stage's stream waiting on an event for the stage before and "
         "reading the first token and frame 0 on the device. The host reads them back as before and finds the "
         "work done: without it each hop to the first audio waits for a read-back, a thread's wake-up and a graph "

@@ -169,28 +169,25 @@ class TalkerLoop:
     def _queue_starts(self, seqs: dict[Request, TalkerSeq]) -> None:
         """`early_start`: enqueue the starts (last prompt position, frame 0) of the responses whose first
         tokens are enqueued on the device but not here yet, behind the Thinker's prefill, and tell Code2Wav
-        where their frames 0 will be. Only while no other response is speaking: the Talker's stream waits
-        for the prefill, and another response's next frame would wait with it. One try per response;
+        where their frames 0 will be. Only when they are all the Talker holds, from one prefill: its stream
+        then waits for that prefill, and any other response's work (a step, a start whose first token is
+        here, a prefix an earlier prefill's first token needs) would wait with it. One try per response;
         otherwise its start runs when its first token is here, as without `early_start`."""
         early = [
             s for s in seqs.values() if s.first_queued and s.phase is TalkerPhase.READY and s.first is None
         ]
         for s in early:
             s.first_queued = False
-        if not early or any(s.phase is TalkerPhase.SPEAKING for s in seqs.values()):
+        if not early or len(early) < len(seqs) or len({id(s.first_ready) for s in early}) > 1:
             return
-        groups: dict[int, list[TalkerSeq]] = {}  # by the prefill they wait for
-        for s in early:
-            groups.setdefault(id(s.first_ready), []).append(s)
-        for group in groups.values():
-            ready = group[0].first_ready
+        ready = early[0].first_ready
 
-            def queue(reqs: list[Request], ready=ready) -> list[object]:
-                return [self.p.talker.queue_last(reqs, ready)] * len(reqs)
+        def queue(reqs: list[Request]) -> list[object]:
+            return [self.p.talker.queue_last(reqs, ready)] * len(reqs)
 
-            for s, frame_ready in self._each(group, "queue", "prefill", queue, seqs):
-                if self.p.settings.frame0_in_prefill:
-                    self.p.code2wav_inbox.put(FrameQueued(s.req, frame_ready))
+        for s, frame_ready in self._each(early, "queue", "prefill", queue, seqs):
+            if self.p.settings.frame0_in_prefill:
+                self.p.code2wav_inbox.put(FrameQueued(s.req, frame_ready))
 
     def _each(
         self, batch: list[TalkerSeq], kind: str, what: str, call, seqs: dict[Request, TalkerSeq]

@@ -3,7 +3,7 @@ frame 0, Code2Wav's first chunk) enqueued stage after stage on the device, each 
 before's output there, before the host has read it back.
 
 On the CPU a stage call is done when it returns, so these check the bookkeeping that the GPU relies on:
-starts go the early way only while nothing else is speaking; tokens, codes and PCM are those of the
+starts go the early way only while the stages hold no other response; tokens, codes and PCM are those of the
 start made when the host has the first token; a start made early and never read back (an empty reply,
 a codec end at once) leaves nothing behind for the slot's next response.
 """

@@ -16,6 +16,7 @@ from omni_rt.model.config import TokenIds
 from omni_rt.pipeline import inbox as inbox_mod
 from omni_rt.pipeline import scheduler as scheduler_mod
 from omni_rt.pipeline.fake import FakeCode2Wav, FakeTalker, FakeThinker, FakeTimings
+from omni_rt.pipeline.handoff import Progress, Spoken
 from omni_rt.pipeline.request import (
     AudioDoneOut,
     AudioOut,
@@ -26,6 +27,7 @@ from omni_rt.pipeline.request import (
     TranscriptOut,
 )
 from omni_rt.pipeline.scheduler import Pipeline
+from omni_rt.pipeline.talker import TalkerLoop, TalkerSeq
 
 IDS = TokenIds()
 PROMPT = [
@@ -671,3 +673,18 @@ def test_a_code2wav_call_takes_the_most_urgent_chunk_and_every_due_chunk_no_long
     assert chunk_batch(ready[:4], batched=True) == [(seqs[0], 8), (seqs[1], 2), (seqs[3], 8)]
     assert chunk_batch(ready[:4], batched=False) == [(seqs[0], 8)]
     assert chunk_batch(ready[:4], batched=True, ragged=False) == [(seqs[0], 8), (seqs[3], 8)]
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_audio_that_ends_before_a_fixed_length_text_wakes_the_thinker(ignore_eos):
+    """A fixed-length reply (`ignore_eos`) held at its text lead goes on to its length once its audio ends
+    (`pacing.may_decode_text`): the Talker letting go wakes the Thinker (a Progress after the release),
+    which no frame would wake again. Another reply's text ends with its audio (Spoken)."""
+    t = FakeTimings()
+    p = Pipeline(FakeThinker(t, IDS), FakeTalker(t, IDS), FakeCode2Wav(t), EngineSettings(), IDS)
+    req, _ = request("r", ignore_eos=ignore_eos)
+    seq = TalkerSeq(req)
+    TalkerLoop(p)._finish(seq, {req: seq})
+    (msg,) = p.thinker_inbox.take(block=False)
+    assert type(msg) is (Progress if ignore_eos else Spoken) and msg.req is req
+    assert "talker" not in req.holders

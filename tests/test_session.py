@@ -745,6 +745,30 @@ async def test_audio_before_text_the_thinker_keeps_within_its_lead_of_the_talker
         assert max(LeadRecorder.leads) <= lead
 
 
+async def test_a_fixed_length_reply_keeps_within_its_lead_while_spoken_then_runs_to_its_length():
+    """`ignore_eos` (the benchmark's fixed lengths) is paced as every reply is, so the load protocol
+    measures what users get; once its audio has ended (its audio cap here, with text still to come) no
+    frame would let the Thinker on, so it goes on to max_output_tokens."""
+    t = FakeTimings(thinker_prefill=0.001, thinker_decode=0.001, talker_prefix=0.001, talker_step=0.01)
+    seen: list[tuple[int, int]] = []  # (tokens, frames) at each decode
+
+    class Recorder(FakeThinker):
+        def decode(self, reqs):
+            seen.extend((len(r.tokens), r.frames) for r in reqs)
+            return super().decode(reqs)
+
+    def stages(s):
+        return Recorder(t, CFG.ids, reply_len=80), FakeTalker(t, CFG.ids), FakeCode2Wav(t)
+
+    async with Engine(CFG, TOK, stages, omni_rt.EngineSettings(max_text_lead=8)) as engine:
+        async with engine.session() as s:
+            done = await s.run("Talk", max_output_tokens=60, max_audio_frames=20, ignore_eos=True)
+    assert done.status == "completed" and done.usage.output_tokens == 60 and done.usage.audio_frames == 20
+    spoken = [tokens - frames for tokens, frames in seen if frames < 20]
+    assert spoken and max(spoken) <= 8  # held at its lead while it was spoken
+    assert max(tokens for tokens, _ in seen) == 59  # then on to its length (the last decode makes the 60th)
+
+
 async def test_a_reply_that_contains_the_audio_start_id_as_text_does_not_break_the_conversation():
     """Random weights (and a confused model) can emit `<|audio_start|>` as a text token. It is not a
     spoken clip: found at 32 load-protocol conversations, where the next turn's done callback raised."""

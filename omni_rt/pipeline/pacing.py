@@ -9,7 +9,8 @@ stage threads share the cores (and one interpreter lock), they keep the playback
 - Text lead (`may_decode_text`): the Thinker decodes a request while it is at most `max_text_lead`
   tokens ahead of the Talker's frames, and at most `urgent_text_lead` while the request's audio is less
   than `audio_ahead_s` ahead (or has not started): text no one will hear for seconds waits for the audio
-  that is due. The Talker reads one token per frame, so any lead of 1 or more keeps it fed.
+  that is due. The Talker reads one token per frame, so any lead of 1 or more keeps it fed. Replies of
+  fixed length (the benchmark's) are held too, until their audio ends.
 - Deadlines (`audio_urgency`): one Code2Wav chunk at a time goes to the response whose audio runs dry
   first, a response with no audio yet before all of them; between chunks the frames that came meanwhile are
   read, so a new conversation's first chunk waits for one chunk, not for every other conversation's.
@@ -70,9 +71,14 @@ def text_lead_limit(req: Request, now: float, s: EngineSettings) -> int | None:
 
 
 def may_decode_text(req: Request, now: float, s: EngineSettings) -> bool:
-    """May the Thinker decode `req` now? The benchmark's fixed lengths (ignore_eos) never wait."""
+    """May the Thinker decode `req` now? A reply of fixed length (`ignore_eos`: the benchmark's) waits as
+    every reply does while it is spoken, so that the load protocol measures the pacing that users get;
+    once its audio has ended (the Talker let go of it), no frame would ever let it on, and it goes on
+    to its length."""
     limit = text_lead_limit(req, now, s)
-    return limit is None or req.ignore_eos or len(req.tokens) - req.frames <= limit
+    if limit is None or len(req.tokens) - req.frames <= limit:
+        return True
+    return req.ignore_eos and "talker" not in req.holders
 
 
 def _planned(decoded: int, req: Request, s: EngineSettings) -> int:

@@ -256,10 +256,13 @@ class TalkerLoop:
         seqs.pop(s.req, None)
         self.p.code2wav_inbox.put(AudioEnd(s.req))
         # the audio ended first (codec end, audio cap): text nobody hears stops too; the benchmark's
-        # fixed lengths (ignore_eos) keep the Thinker to max_output_tokens
+        # fixed lengths (ignore_eos) keep the Thinker to max_output_tokens: one held at its text lead
+        # goes on once the Talker has let go (`pacing.may_decode_text`), woken here
         if not s.text_done and not s.req.ignore_eos:
             self.p.thinker_inbox.put(Spoken(s.req))
         self.p._release(s.req, "talker")
+        if not s.text_done and s.req.ignore_eos:
+            self.p.thinker_inbox.put(Progress(s.req))
 
     def _drop(self, s: TalkerSeq, seqs: dict[Request, TalkerSeq]) -> None:
         s.phase = TalkerPhase.DONE

@@ -151,6 +151,16 @@ class EngineSettings(_Settings):
         "of max_text_lead), so that on a small CPU the Talker and Code2Wav get the cores; None: max_text_lead "
         "throughout",
     )
+    text_due_lead: int | None = Field(
+        None,
+        ge=0,
+        description="with a text lead: the Thinker runs a decode step only when some reply is at most this many "
+        "tokens ahead of its voice (its text is due), and the step then takes every reply below its lead "
+        "(pipeline/pacing.text_due). Held at their leads, replies come free one frame at a time, so at many "
+        "conversations steps ran back to back with the few replies freed since the last; this makes fewer "
+        "steps of more rows, for the same tokens. None: a step whenever any reply may decode. Off until "
+        "measured",
+    )
     audio_ahead_s: float = Field(
         1.0,
         ge=0.0,

@@ -12,7 +12,7 @@ from omni_rt.bench_load import LATE_MS, playback_lateness
 from omni_rt.config import EngineSettings
 from omni_rt.pipeline import pacing
 from omni_rt.pipeline.fake import FakeCode2Wav, FakeTimings
-from omni_rt.pipeline.pacing import PCM_RATE, audio_ahead_s, chunk_to_decode, may_decode_text
+from omni_rt.pipeline.pacing import PCM_RATE, audio_ahead_s, chunk_to_decode, may_decode_text, text_due
 from omni_rt.pipeline.request import AudioOut, Request
 
 
@@ -44,6 +44,27 @@ def test_the_thinker_keeps_close_to_the_voice_until_the_audio_is_ahead():
     off = EngineSettings(max_text_lead=32, urgent_text_lead=None)
     assert may_decode_text(req(tokens=30, frames=1), 10.5, off)
     assert may_decode_text(req(tokens=90, frames=1), 10.5, EngineSettings(max_text_lead=None))
+
+
+def test_text_is_due_at_the_due_lead_and_may_decode_up_to_its_lead():
+    s = EngineSettings(max_text_lead=32, urgent_text_lead=None, text_due_lead=2)
+    assert text_due(req(tokens=3, frames=1), 10.5, s)  # lead 2: due
+    assert not text_due(req(tokens=4, frames=1), 10.5, s) and may_decode_text(
+        req(tokens=4, frames=1), 10.5, s
+    )
+    urgent = EngineSettings(max_text_lead=32, urgent_text_lead=1, text_due_lead=2)
+    assert not text_due(req(tokens=3, frames=1), 10.5, urgent)  # the urgent lead (1) is below the due lead
+    fixed = req(tokens=40, frames=1, ignore_eos=True)
+    assert not text_due(fixed, 10.5, s)
+    fixed.holders.discard("talker")  # its audio is over: nothing else will make it due
+    assert text_due(fixed, 10.5, s)
+    for settings in (
+        EngineSettings(max_text_lead=32, urgent_text_lead=None),
+        EngineSettings(max_text_lead=None),
+    ):
+        for tokens in (3, 4, 40):  # without a due lead (or a lead): due whenever it may decode
+            r = req(tokens=tokens, frames=1)
+            assert text_due(r, 10.5, settings) == may_decode_text(r, 10.5, settings)
 
 
 def test_chunks_go_early_only_when_the_audio_would_run_dry_first():
@@ -261,7 +282,9 @@ def test_an_early_chunk_comes_due_by_the_clock_when_the_frames_stop(wake, monkey
             return super().predict(reqs, code0)
 
     t = FakeTimings(thinker_decode=0.002, talker_step=0.015, predict=0.025, code2wav_chunk=0.002)
-    chunks = reply_chunks(EngineSettings(early_chunks=True), t, 20, reply_len=40, talker_stage=Stalling(t, IDS))
+    chunks = reply_chunks(
+        EngineSettings(early_chunks=True), t, 20, reply_len=40, talker_stage=Stalling(t, IDS)
+    )
     before = [(ts, m) for ts, m in chunks if m.frame_index <= 10]  # chunks that start before the stall
     sizes = [(m.frame_index, m.num_frames) for _, m in chunks]
     if wake:

@@ -769,6 +769,49 @@ async def test_a_fixed_length_reply_keeps_within_its_lead_while_spoken_then_runs
     assert max(tokens for tokens, _ in seen) == 59  # then on to its length (the last decode makes the 60th)
 
 
+@pytest.mark.parametrize("due", [2, None])
+async def test_with_a_due_lead_a_decode_step_runs_only_for_text_that_is_due_and_takes_every_reply(due):
+    """`text_due_lead`: four conversations, each starting at the one before's first audio, held at a text
+    lead of 8, the Thinker much faster than the Talker. With a due lead of 2, every decode step has a
+    reply at most 2 tokens ahead of its voice, and takes the others below their lead too (some more than
+    2 ahead); without, steps run as replies come free (some with every reply more than 2 ahead). Each
+    reply gets its full length either way."""
+    t = FakeTimings(thinker_prefill=0.001, thinker_decode=0.001, talker_prefix=0.001, talker_step=0.01)
+    steps: list[list[int]] = []  # the leads of each decode step's replies
+
+    class Recorder(FakeThinker):
+        def decode(self, reqs):
+            steps.append([len(r.tokens) - r.frames for r in reqs])
+            return super().decode(reqs)
+
+    def stages(s):
+        return Recorder(t, CFG.ids, reply_len=40), FakeTalker(t, CFG.ids), FakeCode2Wav(t)
+
+    settings = omni_rt.EngineSettings(
+        max_text_lead=8, urgent_text_lead=None, text_due_lead=due, max_sessions=4
+    )
+    heard = [asyncio.Event() for _ in range(4)]
+
+    async def converse(engine, k: int):
+        if k:
+            await heard[k - 1].wait()
+        async with engine.session() as s:
+            async for ev in s.respond("Talk", max_output_tokens=40, max_audio_frames=200):
+                if ev.type == "response.output_audio.delta":
+                    heard[k].set()
+        return ev
+
+    async with Engine(CFG, TOK, stages, settings) as engine:
+        dones = await asyncio.gather(*(converse(engine, k) for k in range(4)))
+    assert all(d.status == "completed" and d.usage.output_tokens == 40 for d in dones)
+    not_due = [leads for leads in steps if min(leads) > 2]
+    if due is None:
+        assert not_due  # steps ran for replies that were not due
+    else:
+        assert not not_due and max(max(leads) for leads in steps) <= 8
+        assert any(max(leads) > 2 for leads in steps)  # the step took replies that were not due yet
+
+
 async def test_a_reply_that_contains_the_audio_start_id_as_text_does_not_break_the_conversation():
     """Random weights (and a confused model) can emit `<|audio_start|>` as a text token. It is not a
     spoken clip: found at 32 load-protocol conversations, where the next turn's done callback raised."""

@@ -10,7 +10,9 @@ stage threads share the cores (and one interpreter lock), they keep the playback
   tokens ahead of the Talker's frames, and at most `urgent_text_lead` while the request's audio is less
   than `audio_ahead_s` ahead (or has not started): text no one will hear for seconds waits for the audio
   that is due. The Talker reads one token per frame, so any lead of 1 or more keeps it fed. Replies of
-  fixed length (the benchmark's) are held too, until their audio ends.
+  fixed length (the benchmark's) are held too, until their audio ends. With `text_due_lead`, a step runs
+  only when some reply is due (`text_due`: at most that many tokens ahead), and takes every reply that
+  may decode, so that steps carry many replies at once.
 - Deadlines (`audio_urgency`): one Code2Wav chunk at a time goes to the response whose audio runs dry
   first, a response with no audio yet before all of them; between chunks the frames that came meanwhile are
   read, so a new conversation's first chunk waits for one chunk, not for every other conversation's.
@@ -68,6 +70,20 @@ def text_lead_limit(req: Request, now: float, s: EngineSettings) -> int | None:
         return lead
     ahead = audio_ahead_s(req, now)
     return s.urgent_text_lead if ahead is None or ahead < s.audio_ahead_s else lead
+
+
+def text_due(req: Request, now: float, s: EngineSettings) -> bool:
+    """Is `req`'s text due: does it call for a Thinker step now? With `text_due_lead`, when it is at most
+    that many tokens ahead of its voice (or `may_decode_text` lets it on for another reason: no limit,
+    its audio over); a step then takes every reply that may decode, so at many conversations a step
+    carries most of them, not the few that came free since the last. Without, whenever it may decode."""
+    due = s.text_due_lead
+    limit = text_lead_limit(req, now, s)
+    if due is None or limit is None:
+        return may_decode_text(req, now, s)
+    if len(req.tokens) - req.frames <= min(due, limit):
+        return True
+    return req.ignore_eos and "talker" not in req.holders
 
 
 def may_decode_text(req: Request, now: float, s: EngineSettings) -> bool:

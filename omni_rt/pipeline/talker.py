@@ -25,7 +25,7 @@ from omni_rt.pipeline.handoff import (
     TextEnd,
     TextToken,
 )
-from omni_rt.pipeline.pacing import may_decode_text
+from omni_rt.pipeline.pacing import text_due
 from omni_rt.pipeline.request import Request, TranscriptOut
 from omni_rt.prompt_layout import talker_text_id
 
@@ -244,9 +244,9 @@ class TalkerLoop:
                 self._finish(s, seqs)
 
     def _text_progress(self, req: Request) -> None:
-        """A frame was spoken: wake the Thinker if it holds `req` at its text lead and may go on."""
+        """A frame was spoken: wake the Thinker if it holds `req` at its text lead and `req` is due now."""
         with self.p._lock:
-            if req not in self.p._text_waiting or not may_decode_text(req, self.p.clock(), self.p.settings):
+            if req not in self.p._text_waiting or not text_due(req, self.p.clock(), self.p.settings):
                 return
             self.p._text_waiting.discard(req)
         self.p.thinker_inbox.put(Progress(req))

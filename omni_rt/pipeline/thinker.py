@@ -22,7 +22,7 @@ from omni_rt.pipeline.handoff import (
     TextToken,
 )
 from omni_rt.pipeline.inbox import InboxClosed
-from omni_rt.pipeline.pacing import may_decode_text
+from omni_rt.pipeline.pacing import may_decode_text, text_due
 from omni_rt.pipeline.request import Request, TextOut
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ class ThinkerLoop:
                 # every active request held at its text lead (and no text held for hand-off, which the
                 # Talker may be waiting for): sleep until the Talker's progress wakes this thread
                 msgs = self.p.thinker_inbox.take(
-                    block=not held and not self._pieces and not any(self._may_decode(r) for r in active)
+                    block=not held and not self._pieces and not any(self._due(r) for r in active)
                 )
                 try:
                     active, held = self._iteration(msgs, active, held)
@@ -137,7 +137,7 @@ class ThinkerLoop:
             self._deliver(out)
             out = []
 
-        batch = [r for r in active if not r.stopped and self._may_decode(r)]
+        batch = self._decode_batch(active)
         if batch:
             self._yield_to_talker(batch)
             done = self._step("decode", batch, lambda: self.p.thinker.decode(batch))
@@ -194,18 +194,30 @@ class ThinkerLoop:
         self.p._record("thinker", kind, t0, reqs)
         return (result,)
 
-    def _may_decode(self, req: Request) -> bool:
-        """Audio before text (`pacing.may_decode_text`): a request too far ahead of the Talker waits (it
-        goes in `_text_waiting`, and the Talker's next frame for it wakes this thread). A stopped request
-        never waits: it is released, not decoded."""
+    def _due(self, req: Request) -> bool:
+        """Audio before text (`pacing.text_due`): does `req` call for a decode step now? One that does not
+        goes in `_text_waiting`, and the Talker's frame that makes it due wakes this thread. A stopped
+        request is always due: it is released, not decoded."""
         if req.stopped:
             return True
         with self.p._lock:
-            if may_decode_text(req, self.p.clock(), self.p.settings):
+            if text_due(req, self.p.clock(), self.p.settings):
                 self.p._text_waiting.discard(req)
                 return True
             self.p._text_waiting.add(req)
             return False
+
+    def _decode_batch(self, active: list[Request]) -> list[Request]:
+        """The next decode step's requests: when one is due (`_due`), every one that may decode
+        (`pacing.may_decode_text`, which without `text_due_lead` is the same); else none."""
+        live = [r for r in active if not r.stopped]
+        if not any([self._due(r) for r in live]):  # (each one not due marked waiting)
+            return []
+        now = self.p.clock()
+        with self.p._lock:
+            batch = [r for r in live if may_decode_text(r, now, self.p.settings)]
+            self.p._text_waiting.difference_update(batch)
+        return batch
 
     def _accept_token(self, req: Request, token: int, out: list[Handoff]) -> None:
         first = not req.tokens

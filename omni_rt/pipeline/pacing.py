@@ -73,27 +73,29 @@ def text_lead_limit(req: Request, now: float, s: EngineSettings) -> int | None:
 
 
 def text_due(req: Request, now: float, s: EngineSettings) -> bool:
-    """Is `req`'s text due: does it call for a Thinker step now? With `text_due_lead`, when it is at most
-    that many tokens ahead of its voice (or `may_decode_text` lets it on for another reason: no limit,
-    its audio over); a step then takes every reply that may decode, so at many conversations a step
-    carries most of them, not the few that came free since the last. Without, whenever it may decode."""
+    """Is `req`'s text due: does it call for a Thinker step now? With `text_due_lead`, when it may decode
+    and is at most that many tokens ahead of its voice (or may decode for another reason: no limit, its
+    audio over); a step then takes every reply that may decode, so at many conversations a step carries
+    most of them, not the few that came free since the last. Without, whenever it may decode."""
+    if not may_decode_text(req, now, s):
+        return False
     due = s.text_due_lead
-    limit = text_lead_limit(req, now, s)
-    if due is None or limit is None:
-        return may_decode_text(req, now, s)
-    if len(req.tokens) - req.frames <= min(due, limit):
+    if due is None or text_lead_limit(req, now, s) is None or _spoken_fixed_length(req):
         return True
-    return req.ignore_eos and "talker" not in req.holders
+    return len(req.tokens) - req.frames <= due
 
 
 def may_decode_text(req: Request, now: float, s: EngineSettings) -> bool:
     """May the Thinker decode `req` now? A reply of fixed length (`ignore_eos`: the benchmark's) waits as
     every reply does while it is spoken, so that the load protocol measures the pacing that users get;
-    once its audio has ended (the Talker let go of it), no frame would ever let it on, and it goes on
-    to its length."""
+    once its audio has ended, it goes on to its length (`_spoken_fixed_length`)."""
     limit = text_lead_limit(req, now, s)
-    if limit is None or len(req.tokens) - req.frames <= limit:
-        return True
+    return limit is None or len(req.tokens) - req.frames <= limit or _spoken_fixed_length(req)
+
+
+def _spoken_fixed_length(req: Request) -> bool:
+    """A reply of fixed length whose audio has ended (the Talker let go of it): no frame will ever let its
+    text on again, so no lead holds it."""
     return req.ignore_eos and "talker" not in req.holders
 
 

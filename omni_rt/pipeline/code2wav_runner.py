@@ -177,6 +177,8 @@ class Code2WavRunner:
         """`push_many`: a frame 0 that `queue_first` decoded is read back, and the chunk's other frames
         decoded after it."""
         heads = self._queued_heads(reqs, frames) if self._queued else {}
+        if not heads:
+            return self._decode_chunks(reqs, frames)
         rest = [f[1:] if r in heads else f for r, f in zip(reqs, frames, strict=True)]
         todo = [i for i, f in enumerate(rest) if f]
         pcms = [np.zeros(0, np.float32) for _ in reqs]

@@ -100,7 +100,8 @@ class Thinker(nn.Module):
             positions if rope_positions is None else rope_positions, positions, kv_len, x.dtype
         )
         n_layers = len(self.model.layers)
-        hidden, start = (x if hidden_layer == 0 else None), 0
+        hidden = x if hidden_layer == 0 else None
+        start = 0
         if hidden_layer is not None and 0 < hidden_layer < n_layers:
             hidden = x = self.run_layers(x, cos, sin, mask, cache, slots, positions, kv_len, 0, hidden_layer)
             start = hidden_layer

@@ -273,6 +273,13 @@ class EngineSettings(_Settings):
         "and a parallel op then waits for a helper thread that another stage's work has descheduled (torch "
         "also makes it the default of threads that have not run torch yet); None: torch's default",
     )
+    freeze_collector: bool = Field(
+        True,
+        description="while the engine runs, what was alive at its start (the model, torch, the app's long-lived "
+        "objects) is frozen out of Python's cycle collector (`gc.freeze`), so a full collection, which holds "
+        "the interpreter lock and so every stage thread, scans only what came later (omni_rt/collector.py). "
+        "Reference counting still frees frozen objects; cycles among them wait for the engine's stop",
+    )
     deterministic: bool = Field(
         False,
         description="run every sequence's step on its own (batch-invariant results) instead of batching",

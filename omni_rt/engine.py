@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
+from omni_rt import collector
 from omni_rt.admission import Capacity, Slots, check_kv_ceiling, kv_bytes_per_slot, kv_cache_bytes
 from omni_rt.config import EngineSettings, Sampling, SessionSettings
 from omni_rt.errors import ConfigError, EngineClosedError, EngineStalledError, InvalidRequestError
@@ -206,6 +207,7 @@ class Engine:
         self._generation = 0  # runs of the pipeline so far: each start has new, empty caches
         self._host = _Host(self)
         self._speech_worker: Any = None  # made at the first live turn (omni_rt.live_speech)
+        self._holds_collector = False  # omni_rt.collector's freeze, from start to stop
 
     # -- loading ---------------------------------------------------------------------------------------
 
@@ -303,6 +305,9 @@ class Engine:
             )
             self._pipeline.start()
             self._generation += 1
+            if self.settings.freeze_collector and not self._holds_collector:
+                collector.hold()
+                self._holds_collector = True
 
     def _stage_thread_init(self) -> Callable[[], None] | None:
         """What each stage thread runs first: on the CPU, its torch intra-op thread count
@@ -323,6 +328,9 @@ class Engine:
             if p is not None:
                 await asyncio.to_thread(p.stop)
                 p.thinker = p.talker = p.code2wav = None  # the runners hold the caches
+            if self._holds_collector:
+                collector.release()
+                self._holds_collector = False
 
     async def __aenter__(self) -> Engine:
         await self.start()

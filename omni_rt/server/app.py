@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import ipaddress
 import json
 import logging
@@ -32,6 +31,7 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.datastructures import Headers, MultipleValuesError
 from websockets.http11 import Request, Response
 
+from omni_rt import collector
 from omni_rt.config import EngineSettings, setting_overrides
 from omni_rt.model.config import PRESETS, preset
 from omni_rt.server import protocol
@@ -43,7 +43,6 @@ from omni_rt.server.transport import CLOSE_TIMEOUT_S
 from omni_rt.server.webrtc import IcePolicy, ice_server
 
 log = logging.getLogger("omni_rt.server")
-_running = 0  # servers started and not closed in this process (`Server.start`: gc.freeze)
 
 
 # The tiny preset's random weights babble until a limit: a demo reply of a few seconds is enough to hear.
@@ -101,6 +100,7 @@ class Server:
         self.rest = RealtimeHttp(self)
         self._server: Any = None
         self._handlers: set[asyncio.Task] = set()
+        self._held = False  # holds omni_rt.collector's freeze (from start to close)
 
     async def start(self) -> None:
         s = self.settings
@@ -119,24 +119,17 @@ class Server:
             # Don't let a client that never closes its end hold a shutdown (or a slot) for long.
             close_timeout=2,
         )
-        # What is alive now (the model, torch, the libraries) outlives the server: frozen out of the
-        # cycle collector's sight while servers run, its full collections scan only what came later. Unfrozen, one
-        # took 380-480 ms in the browser test's process, holding the interpreter lock: no packet went
-        # out and no stage stepped meanwhile (docs/performance.md, 2026-12-01 night). Frozen objects
-        # are still freed by reference counting; cycles among them wait for the last server's close.
-        global _running
-        if _running == 0:
-            gc.collect()
-            gc.freeze()
-        _running += 1
+        # What is alive now (the web stack's objects too) outlives the server: frozen out of the cycle
+        # collector's full scans while it runs (omni_rt.collector says why)
+        collector.hold()
+        self._held = True
 
     async def close(self) -> None:
         if self._server is None:
             return
-        global _running
-        _running -= 1
-        if _running == 0:
-            gc.unfreeze()  # back in the collector's sight, cycles included (at exit too)
+        if self._held:
+            collector.release()
+            self._held = False
         self._server.close()  # stops accepting, closes every socket: each peer then cleans up
         try:
             await asyncio.wait_for(self._server.wait_closed(), CLOSE_TIMEOUT_S)

@@ -1,5 +1,5 @@
 """What a load level's timeline says (`omni-rt bench --load N --load-trace`): each stage's calls, and for
-every late reply whether its audio was late because the frame was not made in time (the Talker) or because
+where each reply's time to its first audio went (`first_audio_path`), and for every late reply whether its audio was late because the frame was not made in time (the Talker) or because
 it was made in time and decoded late (Code2Wav).
 
     python scripts/load_trace.py docs/img/bench-2026-12-03-b4ecec0-h200.json.gz --level 64
@@ -43,7 +43,7 @@ def first_late_delta(arrivals: list, rate: int = RATE) -> tuple[float, int, floa
 
 
 def why_late(response: dict, frames_made: list[float]) -> str | None:
-    """"frame late" (made after its audio was due), "decode late" (made in time), None (not late)."""
+    """ "frame late" (made after its audio was due), "decode late" (made in time), None (not late)."""
     late = first_late_delta(response["arrivals"])
     if late is None:
         return None
@@ -54,7 +54,9 @@ def why_late(response: dict, frames_made: list[float]) -> str | None:
     return "frame late" if frames_made[k] > due else "decode late"
 
 
-def late_detail(response: dict, frames_made: list[float], calls: list[tuple[float, float, int]]) -> dict | None:
+def late_detail(
+    response: dict, frames_made: list[float], calls: list[tuple[float, float, int]]
+) -> dict | None:
     """Of a late reply's first late delta: its chunk's index in the reply, frames, lateness (ms), slack (ms
     from its chunk's last frame made to the delta's due time; negative: made after it), and the Code2Wav
     call that brought it (`calls`: this response's (start, end, rows), in order): its time and rows."""
@@ -71,6 +73,44 @@ def late_detail(response: dict, frames_made: list[float], calls: list[tuple[floa
         slack_ms=(due - frames_made[last]) * 1e3 if last < len(frames_made) else None,
         call_ms=(call[1] - call[0]) * 1e3 if call else None, call_rows=call[2] if call else None,
     )  # fmt: skip
+
+
+PATH = ("wait", "behind decode", "behind prefills", "prefill", "to talker", "last + frame 0", "to code2wav",
+        "first chunk", "to client")  # fmt: skip
+
+
+def first_audio_path(level: dict) -> dict[str, dict[str, float]]:
+    """Where each reply's time to first audio went, p50 / mean / p90 ms over the level's replies: from
+    sent to its prefill's start ("wait"; of it, Thinker decode steps and other prompts' prefills that ran
+    meanwhile), the prefill, to its Talker start, the last prompt position and frame 0, to its first
+    Code2Wav call, that call, and to the client's first audio."""
+    steps, responses = level["trace"]["steps"], level["trace"]["responses"]
+    thinker = [s for s in steps if s[0] == "thinker" and s[1] in ("decode", "prefill")]
+    first: dict[int, dict[tuple[str, str], tuple[float, float]]] = collections.defaultdict(dict)
+    for stage, kind, t0, t1, ids in steps:
+        for i in ids:
+            first[i].setdefault((stage, kind), (t0, t1))
+    rows = collections.defaultdict(list)
+    for i, r in enumerate(responses):
+        f = first.get(i, {})
+        keys = (("thinker", "prefill"), ("talker", "last"), ("talker", "predict"), ("code2wav", "chunk"))
+        if not r["arrivals"] or any(k not in f for k in keys):
+            continue
+        (p0, p1), (l0, _), (_, f1), (c0, c1) = (f[k] for k in keys)
+        sent = r["t_sent_s"]
+        overlap = collections.Counter()
+        for _, kind, t0, t1, ids in thinker:
+            if i not in ids:
+                overlap[kind] += max(0.0, min(t1, p0) - max(t0, sent))
+        for name, v in zip(PATH, (
+            p0 - sent, overlap["decode"], overlap["prefill"], p1 - p0, l0 - p1, f1 - l0, c0 - f1, c1 - c0,
+            r["arrivals"][0][0] - c1,
+        ), strict=True):  # fmt: skip
+            rows[name].append(v * 1e3)
+    return {
+        k: dict(p50=statistics.median(v), mean=statistics.mean(v), p90=sorted(v)[int(0.9 * (len(v) - 1))])
+        for k, v in rows.items()
+    }
 
 
 def analyse(level: dict) -> dict:
@@ -96,7 +136,9 @@ def analyse(level: dict) -> dict:
                 decoded[i].append((t0, t1, len(ids)))
     why = collections.Counter(why_late(r, made.get(i, [])) for i, r in enumerate(responses))
     why.pop(None, None)
-    details = [d for i, r in enumerate(responses) if (d := late_detail(r, made.get(i, []), decoded.get(i, [])))]
+    details = [
+        d for i, r in enumerate(responses) if (d := late_detail(r, made.get(i, []), decoded.get(i, [])))
+    ]
     return dict(
         conversations=level["conversations"], late=level["late_replies"], stages=stages, why_late=dict(why),
         late_at_chunk=dict(sorted(collections.Counter(d["chunk"] for d in details).items())), late_details=details,
@@ -111,17 +153,24 @@ def main(argv=None) -> int:
     opener = gzip.open if args.bench_json.endswith(".gz") else open
     with opener(args.bench_json, "rt") as f:
         data = json.load(f)
-    levels = [lv for lv in data["load"] if lv.get("trace") and (not args.level or lv["conversations"] in args.level)]
+    levels = [
+        lv for lv in data["load"] if lv.get("trace") and (not args.level or lv["conversations"] in args.level)
+    ]
     if not levels:
         print("no traced level (run the bench with --load-trace)", file=sys.stderr)
         return 1
     for lv in levels:
         a = analyse(lv)
         variant = "" if lv.get("variant", "served") == "served" else f" ({lv['variant']})"
-        print(f"\n{a['conversations']} conversations{variant}: {a['late']} late replies; why: {a['why_late']}")
+        print(
+            f"\n{a['conversations']} conversations{variant}: {a['late']} late replies; why: {a['why_late']}"
+        )
         for name, s in a["stages"].items():
             print(f"  {name:18} {s['calls']:5} calls, {s['rows']:5.1f} rows, {s['p50_ms']:5.1f} / "
                   f"{s['mean_ms']:5.1f} ms p50 / mean, busy {s['busy']:.2f}")  # fmt: skip
+        path = first_audio_path(lv)
+        print("  to first audio, ms p50 / mean / p90: " + ", ".join(
+            f"{k} {v['p50']:.1f}/{v['mean']:.1f}/{v['p90']:.1f}" for k, v in path.items()))  # fmt: skip
         if a["late_details"]:
             med = lambda k, ds=a["late_details"]: statistics.median(d[k] for d in ds if d[k] is not None)  # noqa: E731
             print(f"  first late delta at chunk (1: a reply's second): {a['late_at_chunk']}")

@@ -49,3 +49,34 @@ def test_analyse_counts_stage_calls_and_the_late_replies():
     assert abs(detail["call_ms"] - 170.0) < 1e-6
     assert a["stages"]["code2wav.chunk"]["calls"] == 2 and a["stages"]["code2wav.chunk"]["rows"] == 1.5
     assert abs(a["stages"]["talker.predict"]["busy"] - (0.09 + 0.03) / 0.3) < 1e-9
+
+
+def test_first_audio_path_splits_a_replys_wait_by_what_the_thinker_ran():
+    # reply 0 sent at 0.100: the Thinker decodes others until 0.115, prefills reply 1 until 0.130, then
+    # reply 0 (0.131-0.152); its Talker start 0.155-0.160 and frame 0 to 0.162; Code2Wav 0.163-0.166;
+    # the client has it at 0.167
+    level = {
+        "trace": {
+            "responses": [
+                {"t_sent_s": 0.100, "arrivals": [[0.167, 1365]]},
+                {"t_sent_s": 0.090, "arrivals": []},  # no audio: left out
+            ],
+            "steps": [
+                ["thinker", "decode", 0.095, 0.115, [2, 3]],
+                ["thinker", "prefill", 0.115, 0.130, [1]],
+                ["thinker", "prefill", 0.131, 0.152, [0]],
+                ["talker", "last", 0.155, 0.160, [0]],
+                ["talker", "predict", 0.160, 0.162, [0]],
+                ["talker", "predict", 0.170, 0.172, [0]],
+                ["code2wav", "chunk", 0.163, 0.166, [0]],
+            ],
+        }
+    }
+    path = lt.first_audio_path(level)
+    expect = {
+        "wait": 31, "behind decode": 15, "behind prefills": 15, "prefill": 21, "to talker": 3,
+        "last + frame 0": 7, "to code2wav": 1, "first chunk": 3, "to client": 1,
+    }  # fmt: skip
+    assert list(path) == list(lt.PATH)
+    for k, ms in expect.items():
+        assert abs(path[k]["p50"] - ms) < 1e-6 and path[k]["p50"] == path[k]["p90"], k

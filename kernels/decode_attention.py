@@ -11,8 +11,11 @@ Numbers: scores and the softmax in fp32, probabilities rounded to the value dtyp
 one bf16 ulp, not bit for bit (already true between SDPA's own backends and kv_len buckets, see
 `layers.attend`). Rows above a query's position, and beyond kv_len, get no weight, as under the mask.
 
-The hook sets `Attention.attn_fn`, the seam layers.py has for this; calls with more than `max_rows`
-token rows (prefill) go to `layers.attend`.
+The hook sets `Attention.attn_fn`, the seam layers.py has for this. Decode steps (one token a row) run
+here at any batch size; calls of several tokens a row and more than `max_rows` token rows (a prefill)
+go to `layers.attend`. (Until 2026-12-05 any call of more than 16 rows went there, so at 32 and 64
+conversations the Thinker's and the Talker's steps of 17+ rows gathered every row's cache twice a layer
+and ran a masked SDPA: ~75 MB a Thinker layer at 24 rows and kv_len 512, against the ~20 MB this reads.)
 """
 
 from __future__ import annotations
@@ -154,12 +157,13 @@ def decode_attention(
 
 
 def make_attn_fn(max_rows: int | None = 16) -> layers.AttnFn:
-    """An `Attention.attn_fn`: the kernel for up to `max_rows` token rows, else `layers.attend`."""
+    """An `Attention.attn_fn`: the kernel for decode steps (one token a row, any batch) and for calls of at
+    most `max_rows` token rows; `layers.attend` for longer calls of several tokens a row (prefill)."""
 
     def attn_fn(q, k_cache, v_cache, slots, positions, mask, kv_len):
         b, _, t, d = q.shape
         if (
-            (max_rows is not None and b * t > max_rows)
+            (max_rows is not None and t > 1 and b * t > max_rows)
             or q.dtype not in FLOATS
             or k_cache.dtype != q.dtype
             or d & (d - 1)

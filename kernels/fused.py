@@ -53,8 +53,8 @@ def install_all(
 ) -> dict[str, int]:
     """Install the `enabled` kernels (True: all of KERNELS, False: none) on `model`; modules patched per kernel.
 
-    max_rows: decode attention runs for calls of at most this many token rows (B*T) and leaves larger
-    ones (prefill) to SDPA; None: every call. prefill: the row-wise kernels (RMSNorm, q/k norm + RoPE +
+    max_rows: decode attention runs for decode steps (T = 1, any B) and calls of at most this many token
+    rows (B*T), and leaves larger ones of several tokens a row (prefill) to SDPA; None: every call. prefill: the row-wise kernels (RMSNorm, q/k norm + RoPE +
     cache write, router) run for calls of any size, prefill included (they work row by row, so a long
     prompt is just more programs); False: they too stop at `max_rows`. fuse_gate: the router
     computes the gate logits itself (one launch) instead of taking them from the module's gate (two;

@@ -231,6 +231,28 @@ def test_decode_attention_matches_attend(dtype, b, t, heads, kv_heads, kv_len):
     assert torch.equal(da.decode_attention(q, k2, v2, slots, positions, mask, kv_len, block_n=16), got)
 
 
+def test_decode_steps_of_any_batch_take_the_kernel_and_long_prompts_sdpa():
+    # the Thinker's and the Talker's steps at 32-64 conversations carry 17+ rows of one token each: the
+    # kernel; a prompt of several tokens a row over max_rows rows: SDPA (layers.attend)
+    from omni_rt.kernels import decode_attention as da
+
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, kv_len = 4, 2, 16, 24
+    k_cache = torch.randn(8, kv_heads, 32, d, generator=g)
+    v_cache = torch.randn(8, kv_heads, 32, d, generator=g)
+    fn = da.make_attn_fn(max_rows=4)
+    for b, t in ((6, 1), (2, 3)):
+        q = torch.randn(b, heads, t, d, generator=g)
+        slots = torch.arange(b)
+        positions = torch.arange(t).expand(b, t) + torch.arange(b)[:, None] * 2
+        mask = layers.attention_mask(positions, kv_len, heads // kv_heads)
+        got = fn(q, k_cache, v_cache, slots, positions, mask, kv_len)
+        kernel = da.decode_attention(q, k_cache, v_cache, slots, positions, mask, kv_len)
+        plain = layers.attend(q, k_cache, v_cache, slots, positions, mask, kv_len)
+        assert not torch.equal(kernel, plain)  # the two paths tell apart here
+        assert torch.equal(got, kernel if t == 1 else plain), (b, t)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Router
 # ----------------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from omni_rt import collector
 from omni_rt.bench_measure import chat_prompt, yield_outcome
 
 LATE_MS = 20.0  # an audible gap at 20 ms frames
@@ -375,9 +376,10 @@ async def run_levels(
             replies: list[Reply] = []
             t_level = time.perf_counter()
             deadline = t_level + args.load_seconds
-            await asyncio.gather(
-                *(conversation(engine, plan, k, t_level, deadline, rngs[k], replies) for k in range(n))
-            )
+            with collector.Pauses() as pauses:  # a full collection stalls every thread: say so
+                await asyncio.gather(
+                    *(conversation(engine, plan, k, t_level, deadline, rngs[k], replies) for k in range(n))
+                )
             t_end = time.perf_counter()
             pipeline = getattr(engine, "pipeline", None)
             row = summarise_level(
@@ -396,6 +398,7 @@ async def run_levels(
                     getattr(engine.settings, "yield_until", None),
                 ),
             )
+            row["collector"] = pauses.summary()
             if getattr(args, "load_trace", False):
                 row["trace"] = level_trace(replies, getattr(pipeline, "steps", []), t_level, t_end)
             rows.append(row)
@@ -429,7 +432,7 @@ def load_settings(args: argparse.Namespace, levels: Sequence[int], prompt_len: i
 def format_load_table(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'load':>5} {'turns':>6} {'sampling':>9} {'replies':>7} {'TTFA p50/p95/max ms':>22} "
-        f"{'lateness p50/p95/max ms':>26} {'late':>7} {'audio s/s':>9} {'yield->audio':>12}"
+        f"{'lateness p50/p95/max ms':>26} {'late':>7} {'audio s/s':>9} {'yield->audio':>12} {'full gc (max)':>14}"
     )
     variants = any(r.get("variant", "served") != "served" for r in rows)
     if variants:
@@ -447,10 +450,15 @@ def format_load_table(rows: list[dict[str, Any]]) -> str:
             + f"{r['conversations']:>5} {r['turns']:>6} {r['sampling']:>9} {r['replies']:>7} "
             f"{three(r['ttfa_ms']):>22} {three(r['lateness_ms']):>26} "
             f"{str(r['late_replies']) + '/' + str(r['replies']):>7} {r['audio_s_per_s'] or 0:>9.2f} "
-            f"{'-' if frac is None else f'{100 * frac:.0f} %':>12}"
+            f"{'-' if frac is None else f'{100 * frac:.0f} %':>12} {_collections(r.get('collector')):>14}"
             + (f"  ({r['failed']} failed: {'; '.join(r['errors'])})" if r["failed"] else "")
         )
     return "\n".join(lines)
+
+
+def _collections(c: dict[str, float] | None) -> str:
+    """A level's full collections of the cycle collector (`collector.Pauses.summary`): "2 (115 ms)"."""
+    return "-" if not c else f"{c['full']} ({c['full_max_ms']:.0f} ms)" if c["full"] else "0"
 
 
 def plot_load(rows: list[dict[str, Any]], path: Path, title: str) -> None:

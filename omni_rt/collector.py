@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 _lock = threading.Lock()
 _holds = 0  # engines and servers running that asked for the freeze
@@ -43,3 +44,37 @@ def release() -> None:
 def holds() -> int:
     """Engines and servers holding the freeze now."""
     return _holds
+
+
+class Pauses:
+    """The collections that ran while in its `with` block, each (generation, ms): the benchmark's load
+    levels report theirs (`summary`), so a late reply can be told from a stall of the whole process."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[int, float]] = []
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":  # collections never overlap: the collecting thread holds the interpreter lock
+            self._t0 = time.perf_counter()
+        else:
+            self.records.append((info["generation"], (time.perf_counter() - self._t0) * 1e3))
+
+    def __enter__(self) -> Pauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, float]:
+        """Full collections (generation 2): how many, the longest and their sum (ms); the younger ones'
+        sum (ms)."""
+        full = [ms for gen, ms in self.records if gen == 2]
+        young = [ms for gen, ms in self.records if gen < 2]
+        return {
+            "full": len(full),
+            "full_max_ms": round(max(full, default=0.0), 1),
+            "full_ms": round(sum(full), 1),
+            "young_ms": round(sum(young), 1),
+        }

@@ -200,6 +200,10 @@ def main() -> int:
     ap.add_argument(
         "--no-driver-lock", action="store_true", help="launches and read-backs do not exclude each other"
     )
+    ap.add_argument(
+        "--stall-every", type=float, default=0.0, help="s between forced full collections (0: none)"
+    )
+    ap.add_argument("--stall-objects", type=int, default=1_000_000, help="objects those collections walk")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
 
@@ -222,10 +226,10 @@ def main() -> int:
     sizes = load_settings(args, levels, len(load_prompt(args)))
     plan = LoadPlan(text_tokens=args.text_tokens, frames=args.frames, prompt=load_prompt(args), speech=None,
                     sampling=args.load_sampling, seed=args.seed, voice=args.voice)  # fmt: skip
-    pauses = _gc_pauses()
+    if a.stall_every:
+        _stall_thread(a.stall_every, a.stall_objects)
     results = {}
     for name, overrides in json.loads(a.variants).items():
-        pauses.clear()
         gpu = SharedGpu(a.capacity)
         engine = sim_engine(sizes | overrides, gpu, a.host_scale, a.cost_scale, not a.no_driver_lock,
                             a.readback_holds)  # fmt: skip
@@ -237,13 +241,7 @@ def main() -> int:
             row["first_audio_path"] = first_audio_path(row)
             row.pop("trace", None)
             row.pop("per_reply", None)
-        full = sorted(ms for gen, ms in pauses if gen == 2)
-        results[name] = {
-            "rows": rows, "gpu_busy": round(gpu.busy_s / wall, 2), "wall_s": round(wall, 1),
-            "gc_full": {"count": len(full), "max_ms": round(max(full, default=0), 1), "sum_ms": round(sum(full), 1)},
-            "gc_young_ms": round(sum(ms for gen, ms in pauses if gen < 2), 1),
-        }  # fmt: skip
-        print(f"[sim] {name}: full collections {results[name]['gc_full']}", file=sys.stderr, flush=True)
+        results[name] = {"rows": rows, "gpu_busy": round(gpu.busy_s / wall, 2), "wall_s": round(wall, 1)}
         print(f"[sim] {name}: {wall:.0f} s", file=sys.stderr, flush=True)
         print(format_load_table(rows), flush=True)
         for row in rows:
@@ -279,22 +277,22 @@ def main() -> int:
     return 0
 
 
-def _gc_pauses() -> list[tuple[int, float]]:
-    """(generation, ms) of every collection of the cycle collector from now on: a full one holds the
-    interpreter lock while it walks every tracked object, and every stage thread waits."""
+def _stall_thread(every_s: float, objects: int) -> None:
+    """A daemon thread that runs a full collection over `objects` live objects of its own every `every_s`
+    seconds: the interpreter-lock stall of a full collection in a big process, on purpose."""
     import gc
 
-    pauses: list[tuple[int, float]] = []
-    t0 = [0.0]
+    heap = [[i] for i in range(objects)]  # tracked objects: what a full collection walks
 
-    def cb(phase: str, info: dict) -> None:
-        if phase == "start":
-            t0[0] = time.perf_counter()
-        else:
-            pauses.append((info["generation"], (time.perf_counter() - t0[0]) * 1e3))
+    def run() -> None:
+        while True:
+            time.sleep(every_s)
+            t0 = time.perf_counter()
+            gc.collect()
+            print(f"[sim] stall: a full collection over {len(heap)} objects took "
+                  f"{(time.perf_counter() - t0) * 1e3:.0f} ms", file=sys.stderr, flush=True)  # fmt: skip
 
-    gc.callbacks.append(cb)
-    return pauses
+    threading.Thread(target=run, daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -379,6 +379,7 @@ def test_load_conversations_loop_play_and_pause(monkeypatch):
     assert row["ttfa_ms"]["max"] < 200  # first audio came at once (a busy CI machine may add jitter)
     assert row["wall_s"] >= 1.2 and row["audio_s_per_s"] == pytest.approx(row["audio_s"] / row["wall_s"])
     assert row["thinker_yield"]["fraction_first_audio"] == 1.0  # read from the per-response field
+    assert set(row["collector"]) == {"full", "full_max_ms", "full_ms", "young_ms"}  # the level's collections
     # what every turn asks: the fixed lengths, EOS ignored, the seeded default sampling, its own seed
     req = on_time[0]
     assert req["input_ids"] == [1, 2, 3] and req["ignore_eos"] is True

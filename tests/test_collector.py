@@ -67,3 +67,14 @@ async def test_a_second_stop_does_not_release_another_engines_hold():
         await b.stop()
         assert collector.holds() == 1 and gc.get_freeze_count() > 0
     assert collector.holds() == 0
+
+
+def test_pauses_count_the_full_collections_in_their_block():
+    with collector.Pauses() as pauses:
+        gc.collect(0)
+        gc.collect()
+        gc.collect()
+    gc.collect()  # after the block: not counted
+    s = pauses.summary()
+    assert s["full"] == 2 and s["full_ms"] >= s["full_max_ms"] > 0
+    assert [gen for gen, _ in pauses.records] == [0, 2, 2]

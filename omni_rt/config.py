@@ -161,6 +161,21 @@ class EngineSettings(_Settings):
         "steps of more rows, for the same tokens. None: a step whenever any reply may decode. Off until "
         "measured",
     )
+    talker_audio_lead_s: float | None = Field(
+        None,
+        gt=0.0,
+        description="audio before audio: the Talker makes a reply's frames no further than this many seconds of "
+        "audio ahead of its playback (real time from its first PCM), and steps when some reply is within "
+        "talker_due_s of it (pipeline/pacing.talker_due), taking then every reply below this lead, so that at "
+        "many conversations its steps, and the Thinker's that feed them, carry most replies at once. A reply "
+        "with no audio yet is always due. None: as fast as its text allows. Off until measured",
+    )
+    talker_due_s: float = Field(
+        1.0,
+        gt=0.0,
+        description="with talker_audio_lead_s: a reply whose frames are at most this many seconds of audio "
+        "ahead of its playback calls for a Talker step",
+    )
     audio_ahead_s: float = Field(
         1.0,
         ge=0.0,

@@ -292,3 +292,63 @@ def test_an_early_chunk_comes_due_by_the_clock_when_the_frames_stop(wake, monkey
         assert played_dry_ms(before) < LATE_MS, sizes
     else:
         assert played_dry_ms(before) > 200, sizes  # the clock is what brings them out: this test can fail
+
+
+def test_the_talker_steps_below_its_audio_lead_and_when_a_reply_is_due():
+    s = EngineSettings(talker_audio_lead_s=1.0, talker_due_s=0.4)
+    # first PCM at t = 10; 20 frames = 1.6 s of audio: at 10.5 they are 1.1 s ahead of the playback
+    assert pacing.frames_ahead_s(req(frames=20, audio_s=0.1), 10.5) == pytest.approx(1.1)
+    assert not pacing.talker_may_step(req(frames=20, audio_s=0.1), 10.5, s)
+    assert pacing.talker_may_step(req(frames=18, audio_s=0.1), 10.5, s)  # 0.94 s: it may go in a step
+    assert not pacing.talker_due(req(frames=18, audio_s=0.1), 10.5, s)  # but it calls for none
+    assert pacing.talker_due(req(frames=11, audio_s=0.1), 10.5, s)  # 0.38 s ahead: due
+    assert pacing.talker_due(req(frames=3), 10.5, s) and pacing.talker_may_step(
+        req(frames=3), 10.5, s
+    )  # no audio yet
+    assert pacing.talker_due_at(req(frames=18, audio_s=0.1), s) == pytest.approx(10 + 18 * 0.08 - 0.4)
+    assert pacing.talker_due_at(req(frames=3), s) is None
+    off = EngineSettings()
+    assert pacing.talker_due(req(frames=200, audio_s=0.1), 10.5, off)
+    assert pacing.talker_may_step(req(frames=200, audio_s=0.1), 10.5, off)
+    assert pacing.talker_due_at(req(frames=200, audio_s=0.1), off) is None
+
+
+def _frames_ahead_at_steps(settings: EngineSettings, second_after_first_audio: bool):
+    """Two replies of 30 frames (2.4 s) from fast fake stages: per Talker step, the rows it carried and
+    how far each one's frames were ahead of its playback then."""
+    t = FakeTimings(thinker_decode=0.001, talker_step=0.002, predict=0.002, code2wav_chunk=0.001)
+    p = make(settings, t, reply_len=30)
+    seen: list[list[float | None]] = []
+    step = p.talker.step
+
+    def recording(reqs, frames, text_ids):
+        now = p.clock()
+        seen.append([pacing.frames_ahead_s(r, now) for r in reqs])
+        return step(reqs, frames, text_ids)
+
+    p.talker.step = recording
+    try:
+        a = request("a", slot=0, max_audio_frames=30, max_output_tokens=30, ignore_eos=True)
+        b = request("b", slot=1, max_audio_frames=30, max_output_tokens=30, ignore_eos=True)
+        p.submit(a[0])
+        if second_after_first_audio:  # by the event, not a sleep
+            while not any(isinstance(m, AudioOut) for _, m in a[1].msgs):
+                time.sleep(0.001)
+        p.submit(b[0])
+        for _, sink in (a, b):
+            assert sink.done.wait(20), "response never finished"  # the clock woke the Talker
+    finally:
+        p.stop()
+    assert a[0].frames == b[0].frames == 30
+    return seen
+
+
+def test_the_talker_keeps_each_reply_within_its_audio_lead_and_steps_them_together():
+    lead = EngineSettings(talker_audio_lead_s=0.6, talker_due_s=0.3)
+    paced = _frames_ahead_at_steps(lead, second_after_first_audio=True)
+    ahead = [x for row in paced for x in row if x is not None]
+    assert ahead and max(ahead) < 0.6  # a step never takes a reply at its lead
+    together = sum(len(row) == 2 for row in paced)
+    assert together >= 10, paced  # a step takes every reply below the lead, not only the due one
+    flat = _frames_ahead_at_steps(EngineSettings(), second_after_first_audio=True)
+    assert max(x for row in flat for x in row if x is not None) > 1.0  # without: as fast as it can

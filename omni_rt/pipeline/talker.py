@@ -25,7 +25,7 @@ from omni_rt.pipeline.handoff import (
     TextEnd,
     TextToken,
 )
-from omni_rt.pipeline.pacing import text_due
+from omni_rt.pipeline.pacing import talker_due, talker_due_at, talker_may_step, text_due
 from omni_rt.pipeline.request import Request, TranscriptOut
 from omni_rt.prompt_layout import talker_text_id
 
@@ -67,7 +67,9 @@ class TalkerLoop:
         self.p = pipeline
 
     def loop(self) -> None:
-        self.p._serve("talker", self.p.talker_inbox, self._has_work, self._iteration, self._drop)
+        self.p._serve(
+            "talker", self.p.talker_inbox, self._has_work, self._iteration, self._drop, self._wake_at
+        )
 
     def _next_text_id(self, s: TalkerSeq) -> int | None:
         return talker_text_id(s.text, s.step, s.text_done, self.p.ids, s.req.ignore_eos)
@@ -81,8 +83,19 @@ class TalkerLoop:
             if s.phase is TalkerPhase.READY and s.first is not None:
                 return True
             if s.phase is TalkerPhase.SPEAKING and self._next_text_id(s) is not None:
-                return True
+                if talker_due(s.req, self.p.clock(), self.p.settings):
+                    return True
         return False
+
+    def _wake_at(self, seqs: dict[Request, TalkerSeq]) -> float | None:
+        """The earliest time (pipeline clock) a reply whose text is here comes due by the clock alone
+        (`talker_audio_lead_s`): nothing else would wake this thread then."""
+        times = [
+            t for s in seqs.values()
+            if s.phase is TalkerPhase.SPEAKING and self._next_text_id(s) is not None
+            if (t := talker_due_at(s.req, self.p.settings)) is not None
+        ]  # fmt: skip
+        return min(times, default=None)
 
     def _iteration(self, msgs: list[Handoff], seqs: dict[Request, TalkerSeq]) -> None:
         for m in msgs:
@@ -134,14 +147,16 @@ class TalkerLoop:
         if self.p.settings.frame0_in_prefill:
             self._predict([s for s, _ in started if s.code0 is not None], seqs)
 
-        # 3. one batched step for every started sequence whose next text input is there
+        # 3. one batched step for every started sequence whose next text input is there (and, with
+        # talker_audio_lead_s, whose audio is below that lead), when one of them is due
+        now, settings = self.p.clock(), self.p.settings
         ready = []
         for s in seqs.values():
-            if s.phase is TalkerPhase.SPEAKING:
+            if s.phase is TalkerPhase.SPEAKING and talker_may_step(s.req, now, settings):
                 text_id = self._next_text_id(s)
                 if text_id is not None:
                     ready.append((s, text_id))
-        if not ready:
+        if not any(talker_due(s.req, now, settings) for s, _ in ready):
             return
         # frame0_in_prefill off: a frame's residual codes come at the start of the next step (stock)
         self._predict([s for s, _ in ready if s.code0 is not None], seqs)

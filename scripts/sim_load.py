@@ -19,7 +19,13 @@ The model (`COSTS`, solo GPU milliseconds by rows; from docs/performance.md's H2
   streams fill each other's gaps). A Thinker call weighs 2, the others 1. Calibrated on the 95024cb
   load run's step medians (small calls 1.1-1.5x slower than alone at 16-64 conversations, the Thinker's
   decode ~1.05x); beside a Thinker-like graph running back to back a 1-frame Code2Wav step ran 3.5x slower.
-- Host time: each call also takes `HOST_MS` outside the GPU (the launch, the read-back).
+- Host time: each call also takes `HOST_MS` outside the GPU (the launch, the read-back), of it
+  `LAUNCH_MS` holding one driver lock that all stage threads share.
+
+Calibration (docs/performance.md, 2026-12-05): at 16 conversations the model's calls and TTFA are within
+~15 % of the H200's (95024cb); at 64 `--cost-scale 1.3` brings each part of the path to the first audio
+within ~20 % of the measured one, yet no reply plays late unless the whole process stalls
+(`--stall-every`: full collections over objects of its own).
 """
 
 from __future__ import annotations

@@ -66,6 +66,13 @@ class EngineSettings(_Settings):
     frame0_in_prefill: bool = Field(
         True, description="run the code predictor for frame 0 in the step that finishes the Talker prefill"
     )
+    frames_in_step: bool = Field(
+        True,
+        description="run the code predictor for each Talker step's frame right behind the step on the device, "
+        "read back with its code 0 in one sync (as frame0_in_prefill does for frame 0): no host round trip "
+        "and no second launch wait between a step and its frame. The same codes; a frame whose code 0 is "
+        "the codec's end is made and dropped",
+    )
     early_start: bool = Field(
         False,
         description="with talker_overlap_prefill, while the Talker (and Code2Wav) hold no other response: a "

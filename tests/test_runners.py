@@ -466,6 +466,27 @@ def test_frame0_made_from_code0_on_the_device(model, graphed):
     assert g.predict([req2], [code0]) == e.predict([req2], [code0])
 
 
+def test_a_steps_frame_is_made_behind_it_on_the_device(model, graphed):
+    """`frames_in_step`: `step` replays the frame graph on its device code 0 and `predict` hands that
+    frame out (no replay of its own); the codes are those of a runner that predicts after the step."""
+    s = EngineSettings(**SETTINGS)
+    g = TalkerRunner(model, s)
+    e = TalkerRunner(model, s.model_copy(update={"frames_in_step": False}))
+    out = []
+    for runner in (g, e):
+        frame_graph = runner._frame_graphs[1]
+        req = request(model, "Hello there.", 0)
+        runner.prefill_prefix([req])
+        frames = [runner.predict([req], [runner.prefill_last([req], [9])[0]])[0]]
+        for text in (11, 12, 13):
+            code0 = runner.step([req], [frames[-1]], [text])[0]
+            before = frame_graph.replays
+            frames.append(runner.predict([req], [code0])[0])
+            assert frame_graph.replays == before + int(runner is e)  # g made it in `step`
+        out.append(frames)
+    assert out[0] == out[1]
+
+
 def test_read_backs_give_the_values_in_memory_of_their_own():
     """`host_ids` and `to_host`, pinned or not (pinned is a GPU's; on the CPU both copy)."""
     out = torch.arange(6).view(3, 2)

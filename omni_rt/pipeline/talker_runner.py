@@ -84,7 +84,7 @@ class TalkerRunner:
         self._frame_graphs: dict[int, object] = {}  # batch -> captured code-predictor frame
         self._last_graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> last prompt position
         self._prefix_graphs: dict[tuple[int, int, int], object] = {}  # (batch, padded T, kv_len) -> prefix
-        self._frame_ahead: dict[int, list[int]] = {}  # slot -> frame 0 made in `prefill_last`
+        self._frame_ahead: dict[int, list[int]] = {}  # slot -> a frame made ahead (`prefill_last`, `step`)
         # early_start: the first tokens from the Thinker, frames 0 to Code2Wav, on the device (shared by the
         # engine's runners); and each slot's start enqueued by `queue_last` for its request, on the device
         self.start = start or StartHandoff(slots, self.cfg.num_code_groups, self.device)
@@ -327,7 +327,7 @@ class TalkerRunner:
     def predict(self, reqs: list[Request], code0: list[int]) -> list[list[int]]:
         ahead = [self._frame_ahead.pop(r.slot, None) for r in reqs]  # never reused for a later frame
         if all(a is not None and a[0] == c for a, c in zip(ahead, code0, strict=True)):
-            return ahead  # frame 0, predicted in `prefill_last`
+            return ahead  # predicted in `prefill_last` (frame 0) or in `step` (`frames_in_step`)
         c0 = to_device(code0, self.device)  # [B]
         slots = to_device([r.slot for r in reqs], self.device)  # [B]
         keys = to_device([self._position(r) for r in reqs], self.device)  # [B]
@@ -362,8 +362,16 @@ class TalkerRunner:
         positions = to_device(pos, self.device)[:, None]  # [B, 1]
         slots = to_device([r.slot for r in reqs], self.device)  # [B]
         kv_len = kv_bucket(max(pos) + 1, self.cache.max_len)
-        choices = [
-            kept(self._step(codes[rows], text[rows], positions[rows], slots[rows], kv_len))  # [b]
-            for rows in row_groups(len(reqs), self.settings.deterministic)
-        ]
-        return host_ids(choices, self.pinned)
+        ahead = self.settings.frames_in_step
+        choices = []
+        for rows in row_groups(len(reqs), self.settings.deterministic):
+            code0 = self._step(codes[rows], text[rows], positions[rows], slots[rows], kv_len)  # [b]
+            # `frames_in_step`: the frame straight from code 0 on the device, as `_first_position` makes
+            # frame 0; `predict` hands it out (its draws are keyed by the same position)
+            choices.append(kept(self._frame(code0, slots[rows], positions[rows, 0]) if ahead else code0))
+        values = host_ids(choices, self.pinned)
+        if not ahead:
+            return values
+        for r, frame in zip(reqs, values, strict=True):
+            self._frame_ahead[r.slot] = frame
+        return [frame[0] for frame in values]

@@ -33,7 +33,7 @@ from omni_rt.pipeline.shapes import (
     prefill_lengths,
     prefill_shapes,
 )
-from omni_rt.pipeline.stage_device import host_ids, to_host
+from omni_rt.pipeline.stage_device import StepInputs, host_ids, to_host
 from omni_rt.tokenizer import Tokenizer
 
 GREEDY = omni_rt.Sampling.greedy()
@@ -466,9 +466,11 @@ def test_frame0_made_from_code0_on_the_device(model, graphed):
     assert g.predict([req2], [code0]) == e.predict([req2], [code0])
 
 
-def test_a_steps_frame_is_made_behind_it_on_the_device(model, graphed):
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_steps_frame_is_made_behind_it_on_the_device(model, graphed, sampled):
     """`frames_in_step`: `step` replays the frame graph on its device code 0 and `predict` hands that
-    frame out (no replay of its own); the codes are those of a runner that predicts after the step."""
+    frame out (no replay of its own); the codes are those of a runner that predicts after the step
+    (sampled: the frame's draws keyed by the step's position, as `predict` keys them)."""
     s = EngineSettings(**SETTINGS)
     g = TalkerRunner(model, s)
     e = TalkerRunner(model, s.model_copy(update={"frames_in_step": False}))
@@ -476,6 +478,9 @@ def test_a_steps_frame_is_made_behind_it_on_the_device(model, graphed):
     for runner in (g, e):
         frame_graph = runner._frame_graphs[1]
         req = request(model, "Hello there.", 0)
+        if sampled:
+            req.sampling = omni_rt.Sampling(seed=5)
+            req.seed = req.sampling.response_seed()
         runner.prefill_prefix([req])
         frames = [runner.predict([req], [runner.prefill_last([req], [9])[0]])[0]]
         for text in (11, 12, 13):
@@ -485,6 +490,18 @@ def test_a_steps_frame_is_made_behind_it_on_the_device(model, graphed):
             assert frame_graph.replays == before + int(runner is e)  # g made it in `step`
         out.append(frames)
     assert out[0] == out[1]
+
+
+def test_step_inputs_fill_their_rows_and_pad_the_rest_in_the_same_tensors():
+    """What a graph is captured over stays the same tensors (a replay copies no input); each fill writes
+    its rows and pads the rest, whatever an earlier fill left."""
+    inputs = StepInputs([(3, 2), (3,), (3, 1)], [0, 9, 5], torch.device("cpu"))
+    first = inputs.tensors
+    assert [t.tolist() for t in first] == [[[0, 0]] * 3, [9, 9, 9], [[5]] * 3]  # what capture reads
+    got = inputs.fill([[[1, 2], [3, 4], [5, 6]], [7, 8, 6], [1, 2, 3]])
+    assert got is first and all(t.is_contiguous() for t in got)
+    inputs.fill([[[1, 2]], [7], [4]])
+    assert [t.tolist() for t in first] == [[[1, 2], [0, 0], [0, 0]], [7, 9, 9], [[4], [5], [5]]]
 
 
 def test_read_backs_give_the_values_in_memory_of_their_own():

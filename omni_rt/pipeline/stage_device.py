@@ -7,8 +7,10 @@ hands from stage to stage on the device (`StartHandoff`).
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import weakref
+from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
@@ -20,6 +22,7 @@ __all__ = [
     "DeviceHandoff",
     "LaunchGate",
     "StartHandoff",
+    "StepInputs",
     "host_ids",
     "kept",
     "row_groups",
@@ -99,6 +102,58 @@ def to_host(t: torch.Tensor, pinned: bool = False) -> torch.Tensor:
     done.record()
     done.synchronize()
     return staged.clone()
+
+
+class StepInputs:
+    """A graphed step's integer inputs, filled from the host in one copy. `tensors` are views of one
+    device buffer, and the step's graphs are captured over them, so a replay copies no input; the host
+    writes them, padding rows included, into one pinned buffer, copied over in one call.
+
+    Why: fed as separate tensors, each input of a step cost a pinned staging, a copy, a padding kernel
+    and a copy into the graph's own input: ~30 driver calls a Talker step and its frame, each taking the
+    driver's lock, which another stage thread's graph launch holds for up to ~3 ms (docs/performance.md,
+    2026-12-04 third session). `fill` waits for the previous copy only when no read-back has followed it
+    (`read_back`), so the pinned buffer is never rewritten under a copy still queued."""
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]], pads: Sequence[int], device: torch.device) -> None:
+        sizes = [math.prod(shape) for shape in shapes]
+        total = sum(sizes)
+        cuda = device.type == "cuda"
+        self._device = torch.empty(total, dtype=torch.long, device=device)
+        self._host = torch.empty(total, dtype=torch.long, pin_memory=cuda)
+        self.tensors: tuple[torch.Tensor, ...] = ()
+        self._rows: list = []  # per input, its host rows (numpy views of the pinned buffer)
+        start = 0
+        for shape, size in zip(shapes, sizes, strict=True):
+            self.tensors += (self._device[start : start + size].view(shape),)
+            self._rows.append(self._host[start : start + size].numpy().reshape(shape[0], -1))
+            start += size
+        self._pads = list(pads)
+        self._queued: torch.cuda.Stream | None = None  # the stream of a copy no read-back has followed
+        self.fill([[] for _ in shapes])  # every row padding: what a graph's capture reads
+        if self._queued is not None:  # before a capture on another stream reads them
+            self._queued.synchronize()
+            self._queued = None
+
+    def fill(self, values: Sequence[Sequence]) -> tuple[torch.Tensor, ...]:
+        """Input i's first len(values[i]) rows (each an int, or a row of ints) from values[i], the rest
+        its pad; one copy to the device, queued on the current stream. -> `tensors`."""
+        if self._queued is not None:  # a copy from the pinned buffer may not have run yet
+            self._queued.synchronize()
+        for rows, given, pad in zip(self._rows, values, self._pads, strict=True):
+            n = len(given)
+            if n:
+                rows[:n] = [row if isinstance(row, (list, tuple)) else [row] for row in given]
+            rows[n:] = pad
+        cuda = self._device.device.type == "cuda"
+        self._device.copy_(self._host, non_blocking=cuda)
+        self._queued = torch.cuda.current_stream(self._device.device) if cuda else None
+        return self.tensors
+
+    def read_back(self) -> None:
+        """A host sync on the copy's stream came after it (the step's read-back): the pinned buffer is
+        free."""
+        self._queued = None
 
 
 def kept(out: torch.Tensor) -> torch.Tensor:

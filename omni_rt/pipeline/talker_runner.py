@@ -31,6 +31,7 @@ from omni_rt.pipeline.shapes import (
 from omni_rt.pipeline.stage_device import (
     LaunchGate,
     StartHandoff,
+    StepInputs,
     host_ids,
     kept,
     row_groups,
@@ -85,6 +86,7 @@ class TalkerRunner:
         self._last_graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> last prompt position
         self._prefix_graphs: dict[tuple[int, int, int], object] = {}  # (batch, padded T, kv_len) -> prefix
         self._frame_ahead: dict[int, list[int]] = {}  # slot -> a frame made ahead (`prefill_last`, `step`)
+        self._inputs: dict[int, StepInputs] = {}  # batch -> the step and frame graphs' inputs
         # early_start: the first tokens from the Thinker, frames 0 to Code2Wav, on the device (shared by the
         # engine's runners); and each slot's start enqueued by `queue_last` for its request, on the device
         self.start = start or StartHandoff(slots, self.cfg.num_code_groups, self.device)
@@ -116,21 +118,16 @@ class TalkerRunner:
         batches = [1] if self.settings.deterministic else batch_buckets(self.settings.max_sessions)
         groups = self.cfg.num_code_groups
         for b in batches:
+            # the step's codes [B, 16], text ids [B], positions [B, 1], slots [B], then the frame's code 0,
+            # slots, keys [B], in one buffer (StepInputs); padding rows: the scratch slot
+            pad = (0, self.cfg.ids.tts_pad, 0, self.scratch, 0, self.scratch, 0)
+            shapes = [(b, groups), (b,), (b, 1), (b,), (b,), (b,), (b,)]
+            self._inputs[b] = StepInputs(shapes, pad, self.device)
+            static = self._inputs[b].tensors
             for kv_len in kv_buckets(self.cache.max_len):
-                static = (
-                    torch.zeros(b, groups, dtype=torch.long, device=self.device),  # codes [B, 16]
-                    torch.full((b,), self.cfg.ids.tts_pad, dtype=torch.long, device=self.device),  # text [B]
-                    torch.zeros(b, 1, dtype=torch.long, device=self.device),  # positions [B, 1]
-                    torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
-                )
-                self._graphs[(b, kv_len)] = graphs.capture_or_eager(self._step_fn(kv_len), static, pool)
+                self._graphs[(b, kv_len)] = graphs.capture_or_eager(self._step_fn(kv_len), static[:4], pool)
             # a whole frame of the code predictor (15 steps, greedy or sampled per row) as one graph
-            static = (
-                torch.zeros(b, dtype=torch.long, device=self.device),  # code 0 [B]
-                torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
-                torch.zeros(b, dtype=torch.long, device=self.device),  # keys [B]
-            )
-            self._frame_graphs[b] = graphs.capture_or_eager(self._frame_fn, static, pool)
+            self._frame_graphs[b] = graphs.capture_or_eager(self._frame_fn, static[4:], pool)
         # the last prompt position (first text token + codec bos): on the path to the first audio; and
         # the prompt prefix, right-padded as the Thinker's prefill is (see the module doc). Both for the
         # batches the Thinker's prefill graphs have: responses that arrive together start together
@@ -337,6 +334,22 @@ class TalkerRunner:
         ]
         return host_ids(frames, self.pinned)
 
+    def _graphed_step(self, reqs, frames, text_ids, pos, graph, inputs: StepInputs, ahead: bool) -> list[int]:
+        """`step` through its batch's graph, the inputs of the step and its frame in one copy: the frame
+        (`frames_in_step`) reads the step's code 0 on the device, and both are read back in one sync."""
+        slots = [r.slot for r in reqs]
+        n = len(reqs)
+        static = inputs.fill([frames, text_ids, pos, slots, [], slots, pos])
+        code0 = graph(*static[:4])  # [b]
+        if not ahead:
+            values = host_ids([code0[:n]], self.pinned)
+            inputs.read_back()
+            return values
+        static[4].copy_(code0, non_blocking=True)
+        values = host_ids([self._frame_graphs[code0.shape[0]](*static[4:])[:n]], self.pinned)  # [n, 16]
+        inputs.read_back()
+        return self._frames_ahead(reqs, values)
+
     def _step(self, codes, text, positions, slots, kv_len: int):
         """One Talker step of a batch: the captured graph of its batch bucket, or eager."""
         n = codes.shape[0]
@@ -353,16 +366,21 @@ class TalkerRunner:
 
     @stage_call
     def step(self, reqs: list[Request], frames: list[list[int]], text_ids: list[int]) -> list[int]:
-        codes = to_device(frames, self.device)  # [B, 16]
-        text = to_device(text_ids, self.device)  # [B]
         for r in reqs:
             self._steps[r.slot] += 1
         # step k of a sequence with an L-position prompt writes position L - 1 + k
         pos = [self._position(r) for r in reqs]
-        positions = to_device(pos, self.device)[:, None]  # [B, 1]
-        slots = to_device([r.slot for r in reqs], self.device)  # [B]
         kv_len = kv_bucket(max(pos) + 1, self.cache.max_len)
         ahead = self.settings.frames_in_step
+        n = len(reqs)
+        b = batch_bucket(n, self.settings.max_sessions)
+        graph = self._graphs.get((b, kv_len))
+        if graph is not None and not self.settings.deterministic:
+            return self._graphed_step(reqs, frames, text_ids, pos, graph, self._inputs[b], ahead)
+        codes = to_device(frames, self.device)  # [B, 16]
+        text = to_device(text_ids, self.device)  # [B]
+        positions = to_device(pos, self.device)[:, None]  # [B, 1]
+        slots = to_device([r.slot for r in reqs], self.device)  # [B]
         choices = []
         for rows in row_groups(len(reqs), self.settings.deterministic):
             code0 = self._step(codes[rows], text[rows], positions[rows], slots[rows], kv_len)  # [b]
@@ -370,8 +388,10 @@ class TalkerRunner:
             # frame 0; `predict` hands it out (its draws are keyed by the same position)
             choices.append(kept(self._frame(code0, slots[rows], positions[rows, 0]) if ahead else code0))
         values = host_ids(choices, self.pinned)
-        if not ahead:
-            return values
-        for r, frame in zip(reqs, values, strict=True):
+        return self._frames_ahead(reqs, values) if ahead else values
+
+    def _frames_ahead(self, reqs: list[Request], frames: list[list[int]]) -> list[int]:
+        """Keep each step's frame for `predict` to hand out (`frames_in_step`); -> the codes 0."""
+        for r, frame in zip(reqs, frames, strict=True):
             self._frame_ahead[r.slot] = frame
-        return [frame[0] for frame in values]
+        return [frame[0] for frame in frames]

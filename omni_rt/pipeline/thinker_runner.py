@@ -30,6 +30,7 @@ from omni_rt.pipeline.shapes import (
 from omni_rt.pipeline.stage_device import (
     LaunchGate,
     StartHandoff,
+    StepInputs,
     host_ids,
     kept,
     row_groups,
@@ -66,6 +67,7 @@ class ThinkerRunner:
         self.vocab = self.thinker.cfg.vocab_size
         self.sampler = StageSampler("thinker", settings.max_sessions + CAPTURE_ROWS, self.vocab, self.device)
         self._graphs: dict[tuple[int, int], object] = {}  # (batch, kv_len) -> captured decode step
+        self._inputs: dict[int, StepInputs] = {}  # batch -> the decode graphs' inputs (ids, positions, slots)
         self._prefill_graphs: dict[tuple[int, int, int], object] = {}  # (batch, padded T, kv_len) -> prefill
         if graphs.graphs_on(settings, self.device):
             self._capture_all()
@@ -148,14 +150,11 @@ class ThinkerRunner:
         batches = [1] if s.deterministic else batch_buckets(s.max_sessions)
         max_len = self.cache.max_len
         for b in batches:
+            # ids [B, 1], positions [B, 1], slots [B]; padding rows: the scratch slot at position 0
+            self._inputs[b] = StepInputs([(b, 1), (b, 1), (b,)], [0, 0, self.scratch], self.device)
             for kv_len in kv_buckets(max_len):
-                static = (
-                    torch.zeros(b, 1, dtype=torch.long, device=self.device),  # ids [B, 1]
-                    torch.zeros(b, 1, dtype=torch.long, device=self.device),  # positions [B, 1]
-                    torch.full((b,), self.scratch, dtype=torch.long, device=self.device),  # slots [B]
-                )
                 self._graphs[(b, kv_len)] = graphs.capture_chain(
-                    self._in_parts(kv_len, prefill=False), static, pool
+                    self._in_parts(kv_len, prefill=False), self._inputs[b].tensors, pool
                 )
         if not s.prefill_graphs:
             return
@@ -298,11 +297,21 @@ class ThinkerRunner:
 
     @stage_call
     def decode(self, reqs: list[Request]) -> list[int]:
-        last = to_device([[r.tokens[-1]] for r in reqs], self.device)  # [B, 1]
-        # the last token goes to the position after everything already in the cache
-        positions = to_device([[len(r.prompt_ids) + len(r.tokens) - 1] for r in reqs], self.device)  # [B, 1]
-        slots = to_device([r.slot for r in reqs], self.device)  # [B]
         kv_len = kv_bucket(max(len(r.prompt_ids) + len(r.tokens) for r in reqs), self.cache.max_len)
+        # the last token goes to the position after everything already in the cache
+        pos = [len(r.prompt_ids) + len(r.tokens) - 1 for r in reqs]
+        n = len(reqs)
+        b = batch_bucket(n, self.settings.max_sessions)
+        graph = self._graphs.get((b, kv_len))
+        if graph is not None and not self.settings.deterministic:  # the inputs in one copy (StepInputs)
+            inputs = self._inputs[b]
+            ids = inputs.fill([[r.tokens[-1] for r in reqs], pos, [r.slot for r in reqs]])
+            values = host_ids([graph(*ids)[:n]], self.pinned)
+            inputs.read_back()
+            return values
+        last = to_device([[r.tokens[-1]] for r in reqs], self.device)  # [B, 1]
+        positions = to_device([[p] for p in pos], self.device)  # [B, 1]
+        slots = to_device([r.slot for r in reqs], self.device)  # [B]
         choices = [
             kept(self._decode_step(last[rows], positions[rows], slots[rows], kv_len))  # [b]
             for rows in row_groups(len(reqs), self.settings.deterministic)

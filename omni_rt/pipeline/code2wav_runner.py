@@ -12,8 +12,15 @@ from omni_rt.model.code2wav_stream import Code2WavStream
 from omni_rt.pipeline import graphs
 from omni_rt.pipeline.graphs import GraphPool
 from omni_rt.pipeline.request import Request
-from omni_rt.pipeline.shapes import code2wav_buckets, pad_rows
-from omni_rt.pipeline.stage_device import StartHandoff, stage_call, stage_stream, to_device, to_host
+from omni_rt.pipeline.shapes import code2wav_buckets
+from omni_rt.pipeline.stage_device import (
+    StartHandoff,
+    StepInputs,
+    stage_call,
+    stage_stream,
+    to_device,
+    to_host,
+)
 
 __all__ = ["Code2WavRunner"]
 
@@ -39,8 +46,10 @@ class Code2WavRunner:
         self.stream = stage_stream(self.device, priority=-1)
         self.pinned = settings.pinned_readback
         self._graphs: dict[tuple[int, int], object] = {}  # (rows bucket, chunk frames) -> captured decode
+        # (rows bucket, chunk frames) -> that graph's codes, index and counts in one copy (StepInputs)
+        self._inputs: dict[tuple[int, int], StepInputs] = {}
+        self._filled: list[StepInputs] = []  # filled since this runner's last read-back
         self._work: dict[int, object] = {}  # rows bucket -> the work state its graphs decode
-        self._index: dict[int, torch.Tensor] = {}  # rows bucket -> the pool streams its graphs decode
         self.scratch = settings.max_sessions  # the pool's stream for rows that pad a batch
         self._pool = self.code2wav.new_state(settings.max_sessions + 1)
         self._eager_one = None  # the work state of one-stream calls without a graph
@@ -68,24 +77,32 @@ class Code2WavRunner:
         q = self.code2wav.cfg.num_quantizers
         for b in self._rows:
             work = self._work[b] = self.code2wav.new_state(b)
-            index = self._index[b] = torch.full((b,), self.scratch, dtype=torch.long, device=self.device)
-            if b > 1:  # a call of several rows may be ragged; one stream's call never is
-                work.valid = torch.zeros(b, dtype=torch.long, device=self.device)
             for n in chunk_sizes:
-                codes = torch.zeros(b, q, n, dtype=torch.long, device=self.device)  # [b, Q, n]
+                # codes [b, Q, n], the pool streams to decode [b] (padding rows: the scratch stream), and
+                # each row's own frames [b] (a call of several rows may be ragged; one stream's never is):
+                # the graph's own, filled in one copy; the work state between calls is the bucket's
+                inputs = self._inputs[(b, n)] = StepInputs(
+                    [(b, q, n), (b,), (b,)], [0, self.scratch, 0], self.device
+                )
+                codes, index, valid = inputs.tensors
+                own = valid if b > 1 else None
                 self._graphs[(b, n)] = graphs.capture_or_eager(
-                    lambda c, w=work, ix=index: self._pooled_step(c, w, ix), (codes,), pool
+                    lambda c, w=work, ix=index, v=own: self._pooled_step(c, w, ix, v), (codes,), pool
                 )
 
-    def _pooled_step(self, codes: torch.Tensor, work, index: torch.Tensor) -> torch.Tensor:
+    def _pooled_step(self, codes: torch.Tensor, work, index: torch.Tensor, valid: torch.Tensor | None):
         """The pool's streams `index` [B] each decode their row of codes [B, Q, n]: loaded into `work`,
-        stepped, stored back. -> wav [B, 1, spf n]"""
+        stepped, stored back. -> wav [B, 1, spf n]. `valid` [B]: the rows' own frames (None: all n), set on
+        `work` here because the graphs of one rows bucket share it and each reads its own counts."""
+        work.valid = valid
         work.gather(self._pool, index)
         wav = self.code2wav.step(codes, work)
         work.scatter(self._pool, index)
         return wav
 
-    def _decode(self, codes: torch.Tensor, slots: list[int], valid: list[int] | None = None) -> torch.Tensor:
+    def _decode(
+        self, codes: torch.Tensor, slots: list[int], valid: list[int] | None = None, host=None
+    ) -> torch.Tensor:
         """One chunk of each of the slots' streams in one call: codes [B, Q, n] -> wav [B, 1, spf n],
         each stream advanced as its own decode would. `valid`: each row's own frames (ragged:
         row i's chunk is codes[i, :, :valid[i]], its PCM the first spf valid[i] samples); None: all n.
@@ -95,8 +112,8 @@ class Code2WavRunner:
         rows, n = codes.shape[0], codes.shape[-1]
         self._fresh.difference_update(slots)  # before the call: one that fails may have written some
         if rows == 1 and valid is not None:  # one stream: its own frames, never ragged
-            codes, n, valid = codes[..., : valid[0]], valid[0], None
-        b = next((r for r in self._rows if r >= rows), None)
+            codes, n, valid, host = codes[..., : valid[0]], valid[0], None, None
+        b = self._bucket(rows)
         graph = self._graphs.get((b, n))
         if graph is None and b is not None and (sizes := [m for m in self._sizes if m < n]):
             # a size without a graph (a reply's last chunk): graphed pieces one after another, the PCM
@@ -110,22 +127,38 @@ class Code2WavRunner:
             head = self._decode(codes[..., :m], slots, head_valid).clone()
             return torch.cat([head, self._decode(codes[..., m:], slots, tail_valid)], dim=-1)
         if graph is not None:
-            work, index = self._work[b], self._index[b]
-        elif rows == 1:  # the one-stream work state, kept (on the CPU every call is eager)
+            # the graph's codes, index and counts in one copy: the codes from the host when the caller
+            # has them there (`host`, [rows, Q n]), else copied over on the device (a stream's push)
+            inputs = self._inputs[(b, n)]
+            own = [n] * rows if valid is None else valid
+            static = inputs.fill([[] if host is None else host, slots, own])
+            if host is None:
+                static[0][:rows].copy_(codes, non_blocking=True)
+            self._filled.append(inputs)
+            return graph(static[0])[:rows]
+        if rows == 1:  # the one-stream work state, kept (on the CPU every call is eager)
             if self._eager_one is None:
                 self._eager_one = self.code2wav.new_state(1)
-            work, index = self._eager_one, None
+            work = self._eager_one
         else:  # a fresh one (kept for every row count, at real shapes they would hold GBs)
-            work, index = self.code2wav.new_state(rows), None
+            work = self.code2wav.new_state(rows)
             work.valid = torch.zeros(rows, dtype=torch.long, device=self.device)
         padded = slots + [self.scratch] * (work.pos.shape[0] - rows)
-        if work.valid is not None:  # (a one-row graph reads no counts: its stream's frames are all its own)
+        if work.valid is not None:
             own = [n] * rows if valid is None else valid
             work.valid.copy_(to_device(own + [0] * (work.valid.shape[0] - rows), self.device))
-        if graph is None:
-            return self._pooled_step(codes, work, to_device(padded, self.device))
-        index.copy_(to_device(padded, self.device))
-        return graph(pad_rows(codes, b, 0))[:rows]
+        return self._pooled_step(codes, work, to_device(padded, self.device), work.valid)
+
+    def _bucket(self, rows: int) -> int | None:
+        """The rows bucket a call of `rows` streams runs at (None: above every bucket)."""
+        return next((r for r in self._rows if r >= rows), None)
+
+    def _read_back(self) -> None:
+        """A read-back of this runner's stream came after the inputs filled since the last: their pinned
+        buffers are free (`StepInputs.read_back`)."""
+        for inputs in self._filled:
+            inputs.read_back()
+        self._filled.clear()
 
     @stage_call  # a reset writes the slot's device state: in stream order with the pushes around it
     def open(self, req: Request) -> None:
@@ -196,15 +229,24 @@ class Code2WavRunner:
             codes = to_device(frames[0], self.device).T  # [16, n]
             # the Talker's codes are in range by construction: skip the check (a host sync on the GPU)
             pcm = self._streams[reqs[0].slot].push(codes, check=False)
-            return [to_host(pcm.float(), self.pinned).numpy()]
+            host = to_host(pcm.float(), self.pinned).numpy()
+            self._read_back()
+            return [host]
         sizes = [len(f) for f in frames]
         n, q = max(sizes), self.code2wav.cfg.num_quantizers
         padded = [f + [[0] * q] * (n - len(f)) for f in frames]  # any codes: the padding leaves no trace
-        codes = to_device(padded, self.device).transpose(1, 2)  # [B, 16, n]
+        host = np.asarray(padded, dtype=np.int64).transpose(0, 2, 1)  # [B, 16, n]
+        graphed = (self._bucket(len(reqs)), n) in self._graphs
+        # a graph takes the codes in its one copy of inputs (StepInputs); otherwise they go over here
+        codes = torch.from_numpy(host) if graphed else to_device(host, self.device)
         streams = [self._streams[r.slot] for r in reqs]
         # one copy to the host for all rows (not one read-back each), out of the graph's output buffer,
         # which the next replay overwrites
-        wav = to_host(self._decode(codes, [r.slot for r in reqs], sizes)[:, 0].float(), self.pinned)
+        out = self._decode(
+            codes, [r.slot for r in reqs], sizes, host.reshape(len(reqs), -1) if graphed else None
+        )
+        wav = to_host(out[:, 0].float(), self.pinned)
+        self._read_back()
         spf = self.samples_per_frame
         return [
             s.take(0, wav[i, : spf * k], k).numpy()

@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Sequence
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 
 from omni_rt.model.device_ids import to_device  # the runners' way too: one place
@@ -136,14 +137,15 @@ class StepInputs:
             self._queued = None
 
     def fill(self, values: Sequence[Sequence]) -> tuple[torch.Tensor, ...]:
-        """Input i's first len(values[i]) rows (each an int, or a row of ints) from values[i], the rest
-        its pad; one copy to the device, queued on the current stream. -> `tensors`."""
+        """Input i's first len(values[i]) rows (each an int, or a row of ints, flattened in the input's
+        order) from values[i], the rest its pad; one copy to the device, queued on the current stream.
+        -> `tensors`."""
         if self._queued is not None:  # a copy from the pinned buffer may not have run yet
             self._queued.synchronize()
         for rows, given, pad in zip(self._rows, values, self._pads, strict=True):
             n = len(given)
             if n:
-                rows[:n] = [row if isinstance(row, (list, tuple)) else [row] for row in given]
+                rows[:n] = np.asarray(given, dtype=np.int64).reshape(n, -1)
             rows[n:] = pad
         cuda = self._device.device.type == "cuda"
         self._device.copy_(self._host, non_blocking=cuda)

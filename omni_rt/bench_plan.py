@@ -31,7 +31,7 @@ def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
         ("+ packed projections", ("packed_projections",)),
         ("+ event hand-off", ("handoff",)),
         ("+ talker prefill overlap", ("talker_overlap_prefill",)),
-        ("+ frame 0 in prefill", ("frame0_in_prefill",)),
+        ("+ frame 0 in prefill, frames in step", ("frame0_in_prefill", "frames_in_step")),
         ("+ 1-frame first chunk", ("first_chunk_frames", "chunk_growth", "max_chunk_frames")),
         ("+ yield to talker", ("yield_to_talker_ms",)),
         ("+ yield until first audio", ("yield_until",)),

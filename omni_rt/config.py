@@ -343,6 +343,7 @@ class EngineSettings(_Settings):
         base: dict[str, object] = dict(
             talker_overlap_prefill=False,
             frame0_in_prefill=False,
+            frames_in_step=False,
             batch_prefill=False,
             handoff="after_step",
             first_chunk_frames=4,

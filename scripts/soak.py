@@ -60,6 +60,8 @@ class Report:
     statuses: Counter = field(default_factory=Counter)  # "<action>:<status>" -> count
     stuck: list[str] = field(default_factory=list)  # what waited past --stuck-s, and where
     errors: list[str] = field(default_factory=list)  # error events the server sent (codes)
+    # each error event's "code: message", and each failed response's error, to tell a failure's cause
+    error_messages: Counter = field(default_factory=Counter)
     warm_rss_mb: float = 0.0
     end_rss_mb: float = 0.0
     left_sessions: int = 0
@@ -199,6 +201,9 @@ class Conversation:
             status = response["status"]
             if status == "incomplete":  # e.g. a reply that used all its tokens: say why
                 status += f":{(response.get('status_details') or {}).get('reason', '?')}"
+            if status == "failed":  # and what failed it
+                error = (response.get("status_details") or {}).get("error") or {}
+                self.report.error_messages[f"{action} failed: {_said(error)}"] += 1
             self.report.statuses[f"{action}:{status}"] += 1
 
     async def _expect(
@@ -223,8 +228,14 @@ class Conversation:
                 self.recent.append(ev["type"])
             if ev["type"] == "error":
                 self.report.errors.append(ev["error"].get("code") or "?")
+                self.report.error_messages[_said(ev["error"])] += 1
             if ev["type"] in types:
                 return ev
+
+
+def _said(error: dict) -> str:
+    """An error object of the protocol as "code: message" (the message cut at 200 characters)."""
+    return f"{error.get('code') or error.get('type') or '?'}: {str(error.get('message'))[:200]}"
 
 
 async def soak(
@@ -316,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"responses: {dict(sorted(report.statuses.items()))}")
     print(f"errors from the server: {dict(Counter(report.errors))}")
+    if report.error_messages:
+        print(f"their messages: {dict(report.error_messages)}")
     print(f"RSS {report.warm_rss_mb} MB after the warm-up -> {report.end_rss_mb} MB at the end")
     failures = report.failures(args.max_rss_growth_mb)
     print("stuck: none" if not report.stuck else f"stuck: {report.stuck}")
@@ -323,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         data = vars(report) | {
             "samples": [asdict(x) for x in report.samples],
             "statuses": dict(report.statuses),  # asdict() would rebuild the Counter from its items
+            "error_messages": dict(report.error_messages),
             "rss_growth_mb": report.rss_growth_mb,
             "failures": failures,
         }

@@ -60,7 +60,7 @@ class Report:
     statuses: Counter = field(default_factory=Counter)  # "<action>:<status>" -> count
     stuck: list[str] = field(default_factory=list)  # what waited past --stuck-s, and where
     errors: list[str] = field(default_factory=list)  # error events the server sent (codes)
-    # each error event's "code: message", and each failed response's error, to tell a failure's cause
+    # each error event's "code: message" during a turn, and each failed response's error: what failed it
     error_messages: Counter = field(default_factory=Counter)
     warm_rss_mb: float = 0.0
     end_rss_mb: float = 0.0

@@ -106,12 +106,19 @@ def _spoken_fixed_length(req: Request) -> bool:
     return req.ignore_eos and "talker" not in req.holders
 
 
-def frames_ahead_s(req: Request, now: float) -> float | None:
-    """Seconds of audio in `req`'s frames (made by the Talker, decoded or not) beyond what real-time
-    playback from its first PCM has used; None before its first PCM."""
+def frames_run_dry_at(req: Request) -> float | None:
+    """When (pipeline clock) playback in real time from `req`'s first PCM will have used all the audio of
+    its frames (made by the Talker, decoded or not); None before its first PCM."""
     if req.t_first_pcm is None:
         return None
-    return req.t_first_pcm + req.frames * FRAME_SAMPLES / PCM_RATE - now
+    return req.t_first_pcm + req.frames * FRAME_SAMPLES / PCM_RATE
+
+
+def frames_ahead_s(req: Request, now: float) -> float | None:
+    """Seconds of audio in `req`'s frames beyond what real-time playback from its first PCM has used;
+    None before its first PCM."""
+    dry = frames_run_dry_at(req)
+    return None if dry is None else dry - now
 
 
 def talker_may_step(req: Request, now: float, s: EngineSettings) -> bool:
@@ -121,21 +128,23 @@ def talker_may_step(req: Request, now: float, s: EngineSettings) -> bool:
     return ahead is None or ahead < s.talker_audio_lead_s
 
 
+def _talker_due_lead(s: EngineSettings) -> float:
+    """Audio ahead of its playback (s) below which a reply calls for a Talker step (with a lead)."""
+    return min(s.talker_due_s, s.talker_audio_lead_s)
+
+
 def talker_due(req: Request, now: float, s: EngineSettings) -> bool:
     """Does `req` call for a Talker step now (then every reply that `talker_may_step` goes in it)? Within
     `talker_due_s` of its playback, or before its first PCM; without `talker_audio_lead_s`, whenever it may."""
     ahead = None if s.talker_audio_lead_s is None else frames_ahead_s(req, now)
-    return ahead is None or ahead < min(s.talker_due_s, s.talker_audio_lead_s)
+    return ahead is None or ahead < _talker_due_lead(s)
 
 
 def talker_due_at(req: Request, s: EngineSettings) -> float | None:
     """When (pipeline clock) `req` comes due for a Talker step by the clock alone; None: it does not wait
     on the clock (no lead, or no audio yet)."""
-    if s.talker_audio_lead_s is None or req.t_first_pcm is None:
-        return None
-    return (
-        req.t_first_pcm + req.frames * FRAME_SAMPLES / PCM_RATE - min(s.talker_due_s, s.talker_audio_lead_s)
-    )
+    dry = None if s.talker_audio_lead_s is None else frames_run_dry_at(req)
+    return None if dry is None else dry - _talker_due_lead(s)
 
 
 def _planned(decoded: int, req: Request, s: EngineSettings) -> int:

@@ -126,11 +126,11 @@ class Code2WavRunner:
                 head_valid, tail_valid = [min(v, m) for v in valid], [max(v - m, 0) for v in valid]
             head = self._decode(codes[..., :m], slots, head_valid).clone()
             return torch.cat([head, self._decode(codes[..., m:], slots, tail_valid)], dim=-1)
+        own = [n] * rows if valid is None else valid  # each row's own frames
         if graph is not None:
             # the graph's codes, index and counts in one copy: the codes from the host when the caller
             # has them there (`host`, [rows, Q n]), else copied over on the device (a stream's push)
             inputs = self._inputs[(b, n)]
-            own = [n] * rows if valid is None else valid
             static = inputs.fill([[] if host is None else host, slots, own])
             if host is None:
                 static[0][:rows].copy_(codes, non_blocking=True)
@@ -145,7 +145,6 @@ class Code2WavRunner:
             work.valid = torch.zeros(rows, dtype=torch.long, device=self.device)
         padded = slots + [self.scratch] * (work.pos.shape[0] - rows)
         if work.valid is not None:
-            own = [n] * rows if valid is None else valid
             work.valid.copy_(to_device(own + [0] * (work.valid.shape[0] - rows), self.device))
         return self._pooled_step(codes, work, to_device(padded, self.device), work.valid)
 

@@ -35,9 +35,11 @@ def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
         ("+ 1-frame first chunk", ("first_chunk_frames", "chunk_growth", "max_chunk_frames")),
         ("+ yield to talker", ("yield_to_talker_ms",)),
         ("+ yield until first audio", ("yield_until",)),
+        ("+ pinned read-backs", ("pinned_readback",)),
+        ("+ early start", ("early_start",)),
     ]
     # CUDA graphs and packed projections: off on a CPU by default (nothing to show there)
-    gpu_only = {("cuda_graphs",), ("prefill_graphs",), ("packed_projections",)}
+    gpu_only = {("cuda_graphs",), ("prefill_graphs",), ("packed_projections",), ("pinned_readback",)}
     # Triton kernels: a row only where they run
     needs_kernels = {("moe_backend",), ("moe_prefill_kernel",), ("fused_kernels",)}
     covered = {f for _, fields in known for f in fields}

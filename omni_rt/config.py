@@ -73,16 +73,17 @@ class EngineSettings(_Settings):
         "and no second launch wait between a step and its frame. The same codes; a frame whose code 0 is "
         "the codec's end is made and dropped",
     )
-    early_start: bool = Field(
-        False,
-        description="with talker_overlap_prefill, while the Talker (and Code2Wav) hold no other response: a "
-        "response's Talker last prompt position and frame 0, and (with frame0_in_prefill) its first Code2Wav chunk, "
-        "are enqueued on the "
-        "GPU as soon as its Thinker prefill is, each stage's stream waiting on an event for the stage before and "
-        "reading the first token and frame 0 on the device. The host reads them back as before and finds the "
-        "work done: without it each hop to the first audio waits for a read-back, a thread's wake-up and a graph "
-        "launch (on an H200 ~1.5 ms from the prefill's end to the last position, ~3 ms from frame 0 to the Code2Wav "
-        "chunk; docs/performance.md, 2026-12-04 third session). The same tokens, codes and PCM. Off until measured",
+    early_start: bool | None = Field(
+        None,
+        description="None: on where the model runs on a CUDA device (off the GPU a stage call is done when it "
+        "returns: nothing to gain). With talker_overlap_prefill, for a response that starts alone while the Talker (and "
+        "Code2Wav) hold no other: its Talker last prompt position and frame 0, and (with frame0_in_prefill) its "
+        "first Code2Wav chunk, are enqueued on the GPU as soon as its Thinker prefill is, each stage's stream "
+        "waiting on an event for the stage before and reading the first token and frame 0 on the device. The host "
+        "reads them back as before and finds the work done, where otherwise each hop to the first audio waits for "
+        "a read-back, a thread's wake-up and a graph launch. The same tokens, codes and PCM. On an H200 first "
+        "audio came at 27.5 ms with it against 28.3 ms without (docs/performance.md, 2026-12-05); starts that come "
+        "together from one prefill go the usual way (8 at once early took 57.5 ms against 41.2)",
     )
     batch_prefill: bool = Field(
         True, description="prefill the requests that arrive together in one batched call (right-padded)"
@@ -239,13 +240,13 @@ class EngineSettings(_Settings):
         "while the rest are pushed. The same results; 1 until measured (scripts/gpu_launch_lock.py)",
     )
     pinned_readback: bool = Field(
-        False,
+        True,
         description="on a GPU, read each step's ids and each chunk's PCM back through pinned memory after a wait on "
         "an event, not by a blocking copy into pageable memory, which may hold the CUDA driver's lock while it "
         "waits for the stage's stream, so that another stage thread's launches wait too (at 64 conversations "
-        "on an H200 the Talker thread spent 13 % of its time in such copies, blocked on the driver's mutex; "
-        "docs/performance.md, 2026-12-04 third session). The same values; off until measured "
-        "(scripts/gpu_launch_lock.py)",
+        "on an H200 the Talker thread spent 13 % of its time in such copies, blocked on the driver's mutex). "
+        "The same values. At 64 conversations on an H200: 0 of 193 replies late with it, 9 without, in one "
+        "run (docs/performance.md, 2026-12-05)",
     )
     moe_backend: Literal["auto", "plain", "loop", "gather", "grouped_mm", "triton"] = Field(
         "auto",
@@ -335,13 +336,14 @@ class EngineSettings(_Settings):
     def starts_early(self) -> bool:
         """Are responses' starts enqueued on the device ahead of the host (`early_start`)? It needs the
         Talker's prompt prefix in its cache before the first token (`talker_overlap_prefill`)."""
-        return self.early_start and self.talker_overlap_prefill
+        return bool(self.early_start) and self.talker_overlap_prefill
 
     @classmethod
     def all_off(cls, **overrides: object) -> EngineSettings:
         """Every optimisation off: what a stock serving stack does (the benchmark's baseline row)."""
         base: dict[str, object] = dict(
             talker_overlap_prefill=False,
+            early_start=False,
             frame0_in_prefill=False,
             frames_in_step=False,
             batch_prefill=False,
@@ -356,6 +358,7 @@ class EngineSettings(_Settings):
             urgent_text_lead=None,
             cuda_graphs=False,
             prefill_graphs=False,
+            pinned_readback=False,
             prefill_launch_order=False,
             moe_backend="plain",
             moe_prefill_kernel=False,
@@ -376,7 +379,7 @@ class EngineSettings(_Settings):
 
     def for_device(self, kind: str) -> EngineSettings:
         """These settings with the defaults that depend on the device (`chunk_plan_rate`,
-        `playout_lead_ms`, `code2wav_batch`, `early_chunks`) made concrete for a model on `kind` ("cpu", "cuda", ...)."""
+        `playout_lead_ms`, `code2wav_batch`, `early_chunks`, `early_start`) made concrete for a model on `kind` ("cpu", "cuda", ...)."""
         cpu = kind == "cpu"
         update: dict[str, object] = {}
         if self.chunk_plan_rate is None:
@@ -387,6 +390,8 @@ class EngineSettings(_Settings):
             update["code2wav_batch"] = not cpu
         if self.early_chunks is None:
             update["early_chunks"] = not cpu
+        if self.early_start is None:
+            update["early_start"] = not cpu
         return self.model_copy(update=update)
 
     @property

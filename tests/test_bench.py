@@ -111,6 +111,7 @@ def test_row_plan_adds_one_optimisation_per_row_and_ends_all_on():
         moe_prefill_kernel=False,
         fused_kernels=False,
         packed_projections=False,
+        pinned_readback=False,
     )
     assert EngineSettings.all_off(**cpu_last).model_dump() == gpu_only_off.model_dump()
 

@@ -182,18 +182,20 @@ class TalkerLoop:
             self._predict([s for s, _ in ready if s.code0 is not None], seqs)
 
     def _queue_starts(self, seqs: dict[Request, TalkerSeq]) -> None:
-        """`early_start`: enqueue the starts (last prompt position, frame 0) of the responses whose first
-        tokens are enqueued on the device but not here yet, behind the Thinker's prefill, and tell Code2Wav
-        where their frames 0 will be. Only when they are all the Talker holds, from one prefill: its stream
-        then waits for that prefill, and any other response's work (a step, a start whose first token is
-        here, a prefix an earlier prefill's first token needs) would wait with it. One try per response;
-        otherwise its start runs when its first token is here, as without `early_start`."""
+        """`early_start`: enqueue the start (last prompt position, frame 0) of a response whose first
+        token is enqueued on the device but not here yet, behind the Thinker's prefill, and tell Code2Wav
+        where its frame 0 will be. Only for a response that starts alone, the only one the Talker holds: its
+        stream then waits for that prefill, and any other response's work (a step, a start whose first token
+        is here, a prefix an earlier prefill's first token needs) would wait with it. Starts that come
+        together from one prefill go the usual way too: 8 at once took 57.5 ms to first audio early against
+        41.2 the usual way on an H200, one alone 27.5 against 28.3 (docs/performance.md, 2026-12-05). One
+        try per response; otherwise its start runs when its first token is here, as without `early_start`."""
         early = [
             s for s in seqs.values() if s.first_queued and s.phase is TalkerPhase.READY and s.first is None
         ]
         for s in early:
             s.first_queued = False
-        if not early or len(early) < len(seqs) or len({id(s.first_ready) for s in early}) > 1:
+        if len(early) != 1 or len(seqs) != 1:
             return
         ready = early[0].first_ready
 

@@ -38,8 +38,10 @@ def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
         ("+ pinned read-backs", ("pinned_readback",)),
         ("+ early start", ("early_start",)),
     ]
-    # CUDA graphs and packed projections: off on a CPU by default (nothing to show there)
-    gpu_only = {("cuda_graphs",), ("prefill_graphs",), ("packed_projections",), ("pinned_readback",)}
+    # what does nothing on a CPU (off there by default, or no effect off the GPU): no row there
+    gpu_only = {
+        ("cuda_graphs",), ("prefill_graphs",), ("packed_projections",), ("pinned_readback",), ("early_start",),
+    }  # fmt: skip
     # Triton kernels: a row only where they run
     needs_kernels = {("moe_backend",), ("moe_prefill_kernel",), ("fused_kernels",)}
     covered = {f for _, fields in known for f in fields}

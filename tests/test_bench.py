@@ -99,7 +99,7 @@ def test_row_plan_adds_one_optimisation_per_row_and_ends_all_on():
     kernel_rows = ["+ triton MoE decode", "+ triton MoE prefill", "+ fused kernels", "+ packed projections"]
     assert names[names.index(kernel_rows[0]) :][:4] == kernel_rows
     cpu = dict(bench.row_plan("cpu", kernel_ok=False))
-    assert "+ cuda graphs" not in cpu and "+ prefill graphs" not in cpu
+    assert "+ cuda graphs" not in cpu and "+ prefill graphs" not in cpu and "+ early start" not in cpu
     kernel_fields = {"moe_backend", "moe_prefill_kernel", "fused_kernels", "packed_projections"}
     assert all(not kernel_fields & set(v) for v in cpu.values())
     cpu_last = bench.row_plan("cpu", kernel_ok=False)[-1][1]
@@ -112,6 +112,7 @@ def test_row_plan_adds_one_optimisation_per_row_and_ends_all_on():
         fused_kernels=False,
         packed_projections=False,
         pinned_readback=False,
+        early_start=False,
     )
     assert EngineSettings.all_off(**cpu_last).model_dump() == gpu_only_off.model_dump()
 

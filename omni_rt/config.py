@@ -169,6 +169,18 @@ class EngineSettings(_Settings):
         "steps of more rows, for the same tokens. None: a step whenever any reply may decode. Off until "
         "measured",
     )
+    prompt_first_s: float | None = Field(
+        None,
+        gt=0.0,
+        le=10.0,
+        description="a new prompt before text that can wait: when a prompt waits for the Thinker at a decode step, "
+        "the step takes only the replies whose voice runs out of text within this many seconds "
+        "(pipeline/pacing.text_runs_dry_at: real-time playback from the first PCM through every frame made or "
+        "makeable from the text out; a reply with no audio yet always goes), and the others wait for the "
+        "prompt's prefill. Without it, a prompt that arrives during another's prefill or first-audio yield "
+        "waits behind a whole decode step of every reply (at 64 conversations on an H200, 18.5 ms for half "
+        "the replies; docs/performance.md, 2026-12-05 third session). None: off until measured",
+    )
     talker_audio_lead_s: float | None = Field(
         None,
         gt=0.0,

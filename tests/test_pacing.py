@@ -67,6 +67,25 @@ def test_text_is_due_at_the_due_lead_and_may_decode_up_to_its_lead():
             assert text_due(r, 10.5, settings) == may_decode_text(r, 10.5, settings)
 
 
+def test_a_waiting_prompt_goes_before_text_that_is_not_needed_within_prompt_first_s():
+    s = EngineSettings(prompt_first_s=0.15)
+    # frames made or makeable from the text out, played in real time from the first PCM (t = 10)
+    assert pacing.text_runs_dry_at(req(tokens=5, frames=3, audio_s=0.1)) == pytest.approx(10.4)
+    assert pacing.text_runs_dry_at(req(tokens=2, frames=4, audio_s=0.1)) == pytest.approx(10.32)
+    assert pacing.text_runs_dry_at(req(tokens=5, frames=3)) is None
+    assert pacing.decode_before_prompt(req(tokens=1, frames=1), 10.0, s)  # no audio yet: always first
+    assert pacing.decode_before_prompt(req(tokens=5, frames=3, audio_s=0.1), 10.3, s)  # dry in 0.1 s
+    assert not pacing.decode_before_prompt(req(tokens=5, frames=3, audio_s=0.1), 10.2, s)  # in 0.2 s
+    # much audio sent but little text: what counts is the text the voice has left
+    assert pacing.decode_before_prompt(req(tokens=10, frames=10, audio_s=0.8), 10.7, s)
+    fixed = req(tokens=40, frames=12, audio_s=0.96, ignore_eos=True)
+    fixed.holders.discard("talker")  # its audio has ended: its text can always wait
+    assert not pacing.decode_before_prompt(fixed, 11.5, s)
+    off = EngineSettings()  # without the setting every reply goes in the step
+    assert off.prompt_first_s is None
+    assert pacing.decode_before_prompt(req(tokens=40, frames=12, audio_s=0.96), 10.0, off)
+
+
 def test_chunks_go_early_only_when_the_audio_would_run_dry_first():
     s = EngineSettings(early_chunks=True)  # planned 1, 2, 4, 8, 16, 16, ... (after 0, 1, 3, 7, 15 frames)
     slow = 0.06  # a frame every 60 ms

@@ -688,3 +688,30 @@ def test_audio_that_ends_before_a_fixed_length_text_wakes_the_thinker(ignore_eos
     (msg,) = p.thinker_inbox.take(block=False)
     assert type(msg) is (Progress if ignore_eos else Spoken) and msg.req is req
     assert "talker" not in req.holders
+
+
+@pytest.mark.parametrize("first", [None, 0.15])
+def test_a_prompt_that_comes_during_a_prefill_goes_before_text_that_can_wait(first):
+    """`prompt_first_s`: A is replying, its audio far ahead of its playback (the fakes run faster than real
+    time). C's prompt comes, and B's comes while C is prefilled (B is submitted from C's first token). The
+    step after C's prefill takes C (no audio yet: its voice needs the text now) and, with the setting, not
+    A, whose text can wait: B is prefilled right after that step. Without the setting A is in that step."""
+    p = make(EngineSettings(prompt_first_s=first), FakeTimings(thinker_decode=0.01), reply_len=40)
+    a, a_sink = request("a", slot=0)
+    b, b_sink = request("b", slot=1)
+    c, c_sink = request("c", slot=2)
+    submit_at(a, a_sink, TextOut, 12, lambda: p.submit(c))
+    submit_at(c, c_sink, TextOut, 1, lambda: p.submit(b))
+    try:
+        run(p, (a, a_sink))
+        assert b_sink.done.wait(20) and c_sink.done.wait(20), "B and C must finish"
+    finally:
+        p.stop()
+    thinker = [s for s in p.steps if s.stage == "thinker"]
+    c_prefill = next(i for i, s in enumerate(thinker) if s.kind == "prefill" and "c" in s.request_ids)
+    b_prefill = next(i for i, s in enumerate(thinker) if s.kind == "prefill" and "b" in s.request_ids)
+    between = thinker[c_prefill + 1 : b_prefill]
+    assert [s.kind for s in between] == ["decode"], "one step between the two prefills"
+    assert "c" in between[0].request_ids
+    assert ("a" in between[0].request_ids) == (first is None)
+    assert all(sink.of(TextOut) and sink.of(AudioOut) for sink in (a_sink, b_sink, c_sink))

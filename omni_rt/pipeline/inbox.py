@@ -40,6 +40,11 @@ class Inbox:
             self._closed = True
             self._cond.notify_all()
 
+    def holds(self, test) -> bool:
+        """Is something queued for which `test(item)` is true? Nothing is taken out."""
+        with self._cond:
+            return any(test(item) for item in self._items)
+
     def take(self, block: bool, timeout: float | None = None) -> list[Any]:
         """Everything queued, oldest first. With `block`, sleep until something arrives, or for at most
         `timeout` seconds (then possibly nothing).

@@ -20,6 +20,11 @@ stage threads share the cores (and one interpreter lock), they keep the playback
   which follow them token for token, carry the few replies freed since the last; with it they carry most
   (a load simulation, `scripts/sim_load.py`: 64 conversations, Thinker steps 737 -> 550, Talker steps
   663 -> 503, 2026-12-05; not measured on a GPU yet).
+- Prompts first (`decode_before_prompt`; off unless `prompt_first_s`): when a new prompt waits for the
+  Thinker at a decode step, the step takes only the replies whose voice runs out of text soon
+  (`text_runs_dry_at`), and the prompt's prefill comes before the rest: a prompt that arrives during
+  another's prefill, or during the yield to its first audio, then waits behind a step of the replies that
+  need text now, not behind a step of every reply (at 64 conversations on an H200 that step was 18.5 ms).
 - Deadlines (`audio_urgency`): one Code2Wav chunk at a time goes to the response whose audio runs dry
   first, a response with no audio yet before all of them; between chunks the frames that came meanwhile are
   read, so a new conversation's first chunk waits for one chunk, not for every other conversation's.
@@ -112,6 +117,28 @@ def frames_run_dry_at(req: Request) -> float | None:
     if req.t_first_pcm is None:
         return None
     return req.t_first_pcm + req.frames * FRAME_SAMPLES / PCM_RATE
+
+
+def text_runs_dry_at(req: Request) -> float | None:
+    """When (pipeline clock) real-time playback from `req`'s first PCM will need a frame that waits for text
+    the Thinker has not made: through every frame made, and one frame for each text token the Talker has not
+    spoken yet (Talker step k reads token k, `prompt_layout.talker_text_id`). None before its first PCM."""
+    if req.t_first_pcm is None:
+        return None
+    return req.t_first_pcm + max(req.frames, len(req.tokens)) * FRAME_SAMPLES / PCM_RATE
+
+
+def decode_before_prompt(req: Request, now: float, s: EngineSettings) -> bool:
+    """Must `req`'s next token be decoded before a prompt that waits for the Thinker is prefilled
+    (`prompt_first_s`)? When its text runs dry within `prompt_first_s`, or it has no audio yet (its first
+    frames read its text as it comes); a reply of fixed length whose audio has ended never must. Without
+    the setting, always (a step takes every reply that may decode)."""
+    if s.prompt_first_s is None:
+        return True
+    if _spoken_fixed_length(req):
+        return False
+    dry = text_runs_dry_at(req)
+    return dry is None or dry - now < s.prompt_first_s
 
 
 def frames_ahead_s(req: Request, now: float) -> float | None:

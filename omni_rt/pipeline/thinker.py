@@ -22,11 +22,15 @@ from omni_rt.pipeline.handoff import (
     TextToken,
 )
 from omni_rt.pipeline.inbox import InboxClosed
-from omni_rt.pipeline.pacing import may_decode_text, text_due
+from omni_rt.pipeline.pacing import decode_before_prompt, may_decode_text, text_due
 from omni_rt.pipeline.request import Request, TextOut
 
 if TYPE_CHECKING:
     from omni_rt.pipeline.scheduler import Pipeline
+
+
+def _new_prompt(msg: Handoff) -> bool:
+    return isinstance(msg, Admit) and not msg.req.stopped
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,8 @@ class ThinkerLoop:
         batch = self._decode_batch(active)
         if batch:
             self._yield_to_talker(batch)
+            batch = self._before_prompts(batch)
+        if batch:
             done = self._step("decode", batch, lambda: self.p.thinker.decode(batch))
             if done:
                 for req, token in zip(batch, done[0], strict=True):
@@ -218,6 +224,18 @@ class ThinkerLoop:
             batch = [r for r in live if may_decode_text(r, now, self.p.settings)]
             self.p._text_waiting.difference_update(batch)
         return batch
+
+    def _before_prompts(self, batch: list[Request]) -> list[Request]:
+        """Prompts first (`prompt_first_s`): when a new prompt waits in the inbox (it came during this
+        iteration's prefill or yield), this step takes only the replies whose text is needed before that
+        prompt's prefill (`pacing.decode_before_prompt`); the others go in the step after the prefill,
+        which the next iteration runs first."""
+        s = self.p.settings
+        if s.prompt_first_s is None or not self.p.thinker_inbox.holds(_new_prompt):
+            return batch
+        now = self.p.clock()
+        with self.p._lock:
+            return [r for r in batch if decode_before_prompt(r, now, s)]
 
     def _accept_token(self, req: Request, token: int, out: list[Handoff]) -> None:
         first = not req.tokens

@@ -25,6 +25,14 @@ from omni_rt.kernels._common import next_pow2, precise, require_triton
 MAX_VOCAB = 4096  # one row in one program's registers
 # bf16 logits without a penalty: thresholds searched over 16-bit keys (16 halvings, not 32) where exact
 SHORT_KEYS = True
+# The per-id hash in uint32 arithmetic (wrapping multiplies, logical shifts) instead of int64 masked to 32
+# bits: the same bits, fewer instructions (an int64 multiply is several). Off until timed on a GPU
+# (scripts/gpu_code_frame.py's sampler variants); the interpreter tests check the bits either way.
+HASH32 = False
+# Warps of the one program per row; None: 4 up to 2048 ids, 8 above. Each threshold halving is one
+# reduction over the row, and with one warp a reduction needs no shared memory or barrier; swept by
+# scripts/gpu_code_frame.py, not yet measured.
+SAMPLE_WARPS: int | None = None
 # Not a programmatic dependent launch: in the code-predictor frame at batch 1 it was no faster (2.05 ms
 # sampled with it, 2.01 without, H200).
 
@@ -51,6 +59,15 @@ if triton is not None:
         h = (h * _c(0x85EBCA6B)) & m32
         h = h ^ (h >> 13)
         h = (h * _c(0xC2B2AE35)) & m32
+        return h ^ (h >> 16)
+
+    @triton.jit
+    def _mix32_u32(h):
+        # _mix32 in uint32: a wrapping multiply keeps the low 32 bits that the int64 one masks to
+        h = h ^ (h >> 16)
+        h = h * tl.full((), 0x85EBCA6B, tl.uint32)
+        h = h ^ (h >> 13)
+        h = h * tl.full((), 0xC2B2AE35, tl.uint32)
         return h ^ (h >> 16)
 
     @triton.jit
@@ -110,6 +127,7 @@ if triton is not None:
         BLOCK_V: tl.constexpr,
         PRECISE: tl.constexpr,
         KEY16: tl.constexpr,  # bf16 logits, no penalty: search 16-bit keys where exact (SHORT_KEYS)
+        U32: tl.constexpr,  # the per-id hash in uint32 (HASH32)
     ):
         row = tl.program_id(0).to(tl.int64)
         slot = tl.load(slots_ptr + row)
@@ -167,8 +185,13 @@ if triton is not None:
         h = _mix32(h ^ ((_c(0x632BE5AB) * (STAGE + 1)) & m32))
         h = _mix32(h ^ (step_key & m32))
         h = _mix32(h ^ ((step_key >> 32) & m32))
-        u = _mix32(h ^ ((v.to(tl.int64) * _c(0x9E3779B9)) & m32))
-        u = _mix32(u ^ _c(0x85EBCA77))
+        if U32:
+            hu = h.to(tl.uint32)
+            u = _mix32_u32(hu ^ (v.to(tl.uint32) * tl.full((), 0x9E3779B9, tl.uint32)))
+            u = _mix32_u32(u ^ tl.full((), 0x85EBCA77, tl.uint32))
+        else:
+            u = _mix32(h ^ ((v.to(tl.int64) * _c(0x9E3779B9)) & m32))
+            u = _mix32(u ^ _c(0x85EBCA77))
         uf = ((u >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
         score = w - log_f32(-log_f32(uf, PRECISE), PRECISE)
         score = tl.where(vm, score, float("-inf"))
@@ -211,6 +234,7 @@ def fused_choose(
         vocab, logits.stride(0), key_offset,
         STAGE=sampler.stage, HAS_SEEN=seen is not None, HAS_SUPP=supp is not None,
         BLOCK_V=block, PRECISE=precise(),
-        KEY16=SHORT_KEYS and logits.dtype == torch.bfloat16 and seen is None, num_warps=4 if block <= 2048 else 8,
+        KEY16=SHORT_KEYS and logits.dtype == torch.bfloat16 and seen is None, U32=HASH32,
+        num_warps=SAMPLE_WARPS or (4 if block <= 2048 else 8),
     )  # fmt: skip
     return out

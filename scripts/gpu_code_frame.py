@@ -210,22 +210,24 @@ def main(argv=None) -> int:
         if not args.quick:
             sweep(8, "dot", [({}, d, 4) for d in d8])
             sweep(8, "few-rows", [(g, {}, 16) for g in few])
-        # the sampler's variants (kernels/sample.py): 16-bit keys or 32
+        # the sampler's variants (kernels/sample.py): 16-bit keys or 32, the hash in uint32, its warps
         inputs = (torch.randn(1, width, device=dev).to(dtype), torch.randn(1, width, device=dev).to(dtype),
                   torch.arange(1, device=dev), torch.arange(1, device=dev))  # fmt: skip
         res["sampler_variants"] = []
-        saved = sample_kernel.SHORT_KEYS
-        for short in (True, False):
-            sample_kernel.SHORT_KEYS = short
+        knobs = ("SHORT_KEYS", "HASH32", "SAMPLE_WARPS")
+        saved = {k: getattr(sample_kernel, k) for k in knobs}
+        variants = [{}, {"SHORT_KEYS": False}, {"HASH32": True}, {"SAMPLE_WARPS": 1}, {"SAMPLE_WARPS": 2},
+                    {"SAMPLE_WARPS": 8}, {"HASH32": True, "SAMPLE_WARPS": 1}, {"HASH32": True, "SAMPLE_WARPS": 2}]  # fmt: skip
+        for variant in variants:
+            for k in knobs:
+                setattr(sample_kernel, k, variant.get(k, saved[k]))
             replay, out = graph_of(frame_fn("sampled"), inputs, dev)
             ms = time_ms(replay, dev, args.reps)
             replay()
-            res["sampler_variants"].append(dict(short_keys=short, ms=ms, codes=out.tolist()))
-            print(
-                f"sampler short keys {short}: sampled frame batch 1 {ms:.3f} ms",
-                flush=True,
-            )
-        sample_kernel.SHORT_KEYS = saved
+            res["sampler_variants"].append(dict(variant=variant, ms=ms, codes=out.tolist()))
+            print(f"sampler {variant or 'as served'}: sampled frame batch 1 {ms:.3f} ms", flush=True)
+        for k in knobs:
+            setattr(sample_kernel, k, saved[k])
         res["checks"]["sampler variants draw the same codes"] = all(
             r["codes"] == res["sampler_variants"][0]["codes"] for r in res["sampler_variants"]
         )

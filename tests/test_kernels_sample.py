@@ -40,8 +40,12 @@ def pair(vocab: int, suppress, history: bool):
 
 
 # small vocabularies: Triton's interpreter sorts a 2048-wide row in minutes (the kernel takes up to 4096)
+@pytest.mark.parametrize("hash32", [False, True])  # the per-id hash in int64 or uint32: the same bits
 @pytest.mark.parametrize("vocab, suppress, history", [(200, [190, 191, 199], True), (100, None, False)])
-def test_fused_sampler_makes_the_plain_draws(vocab, suppress, history):
+def test_fused_sampler_makes_the_plain_draws(vocab, suppress, history, hash32, monkeypatch):
+    from omni_rt.kernels import sample as sample_kernel
+
+    monkeypatch.setattr(sample_kernel, "HASH32", hash32)
     plain, fused = pair(vocab, suppress, history)
     assert fused._fused is not None and plain._fused is None
     n = len(SETTINGS)

@@ -367,3 +367,39 @@ def test_seeds_are_validated_and_fresh_when_missing():
     for bad in (-1, 2**63):
         with pytest.raises(ValueError):
             Sampling(seed=bad)
+
+
+def test_assigning_a_slot_writes_by_fills_never_by_host_scalar_copies():
+    """`StageSampler.assign` runs on a stage's thread right after it has launched work (the Talker: a
+    prompt prefix). On a GPU, `row[slot] = 0.9` and `row[slot, ids] = True` copy a host scalar, and
+    such a copy is a blocking one that waits for the stage's whole stream. So assign must write by
+    fills only: no copy from a 0-dim (host scalar) tensor, no index_put_ (which copies its scalar)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[tuple[str, list]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append((str(func), list(args)))
+            return func(*args, **(kwargs or {}))
+
+    sampler = S.StageSampler("talker", 4, 64, suppress=[60, 61])
+    plain = S.StageSampler("talker", 4, 64, suppress=[60, 61])
+    settings = StageSampling(temperature=0.7, top_k=9, top_p=0.8, repetition_penalty=1.3)
+    history, extra = torch.tensor([3, 5]), [62]
+    with Ops() as ops:
+        sampler.assign(1, settings, 7, history_ids=history, suppress_extra=extra)
+    scalar_copies = [
+        name for name, args in ops.calls
+        if (name.startswith("aten.copy_") and args[1].dim() == 0) or name.startswith("aten.index_put")
+    ]  # fmt: skip
+    assert not scalar_copies and any(name.startswith("aten.fill_") for name, _ in ops.calls)
+    # what it wrote: the settings, the seed, the history and the suppression (compared with plain writes)
+    plain.temperature[1], plain.top_k[1], plain.top_p[1] = 0.7, 9, 0.8
+    plain.repetition_penalty[1], plain.do_sample[1], plain.seed[1] = 1.3, True, 7
+    plain.seen[1, history] = True
+    plain.suppress[1, extra] = True
+    for name in ("temperature", "top_k", "top_p", "repetition_penalty", "do_sample", "seed", "seen", "suppress"):
+        assert torch.equal(getattr(sampler, name), getattr(plain, name)), name

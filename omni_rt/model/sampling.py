@@ -461,21 +461,26 @@ class StageSampler:
         history_ids: torch.Tensor | None = None,
         suppress_extra: Sequence[int] = (),
     ) -> None:
-        """Slot `slot` starts a response: settings `s`, `seed`, history = `history_ids` [T] (or none)."""
-        self.temperature[slot] = s.temperature
-        self.top_k[slot] = s.top_k
-        self.top_p[slot] = s.top_p
-        self.repetition_penalty[slot] = s.repetition_penalty
-        self.do_sample[slot] = s.do_sample
-        self.seed[slot] = check_seed(seed)
+        """Slot `slot` starts a response: settings `s`, `seed`, history = `history_ids` [T] (or none).
+
+        Every write is a fill: `row[slot] = 0.9` or `row[slot, ids] = True` on a CUDA tensor copies a host
+        scalar, a blocking copy that waits for everything queued on the stage's stream (the Talker assigns
+        right after launching a prompt prefix, which its thread then waited for, ~10 ms on an H200, while
+        every other conversation's frames waited behind it)."""
+        self.temperature[slot].fill_(s.temperature)
+        self.top_k[slot].fill_(s.top_k)
+        self.top_p[slot].fill_(s.top_p)
+        self.repetition_penalty[slot].fill_(s.repetition_penalty)
+        self.do_sample[slot].fill_(s.do_sample)
+        self.seed[slot].fill_(check_seed(seed))
         if self.seen is not None:
-            self.seen[slot] = False
+            self.seen[slot].fill_(False)
             if history_ids is not None and history_ids.numel():
-                self.seen[slot, history_ids.to(self.device)] = True
+                self.seen[slot].index_fill_(0, history_ids.to(self.device), True)
         if self.suppress is not None:
-            self.suppress[slot] = self._base_suppress
+            self.suppress[slot].copy_(self._base_suppress)
             if suppress_extra:
-                self.suppress[slot, to_device(list(suppress_extra), self.device)] = True  # no host sync
+                self.suppress[slot].index_fill_(0, to_device(list(suppress_extra), self.device), True)
 
     def rows(self, slots: torch.Tensor) -> RowSettings:
         return RowSettings(

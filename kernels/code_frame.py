@@ -314,6 +314,10 @@ if triton is not None:
 SMALL_M = 4
 GEMV_BLOCKS = {"BM": 4, "BN": 4, "BK": 2048, "num_warps": 4}
 DOT_BLOCKS = {"BM": 16, "BN": 32, "BK": 256, "num_warps": 4}
+# GEMV_BLOCKS' entries overridden for one linear of the step ("qkv", "o_proj", "gate_up", "down",
+# "head"): their shapes differ (N 1024 to 6144, K 1024 to 3072), and the batch-1 sweep above tried one
+# shape for all five. Empty until scripts/gpu_code_frame.py's per-linear sweep has run on a GPU.
+GEMV_KIND_BLOCKS: dict[str, dict[str, int]] = {}
 # Programmatic dependent launches (`_triton.pdl_runs`) on the few-rows path only: on the tl.dot path
 # they cost time (batch 8 went 3.09 -> 3.38 ms with them on an H200).
 
@@ -360,15 +364,16 @@ class CodeFrame:
         self.pdl = programmatic_launch and pdl_runs(head.device)
         self.launch = {"launch_pdl": True} if self.pdl else {}
 
-    def _linear(self, x, w, m, *, norm=None, idx=None, gather_x=False, residual=None, gather_r=False,
+    def _linear(self, kind, x, w, m, *, norm=None, idx=None, gather_x=False, residual=None, gather_r=False,
                 swiglu=False, stride_x=None):  # fmt: skip
         k = w.shape[1]
         n = w.shape[0] // 2 if swiglu else w.shape[0]
         y = torch.empty(m, n, dtype=w.dtype, device=w.device)
         small = m <= SMALL_M
         if small:
-            bm = min(next_pow2(m), GEMV_BLOCKS["BM"])  # more rows: more programs, the weights from L2
-            bn, bk, warps = GEMV_BLOCKS["BN"], GEMV_BLOCKS["BK"], GEMV_BLOCKS["num_warps"]
+            blocks = GEMV_BLOCKS | GEMV_KIND_BLOCKS.get(kind, {})
+            bm = min(next_pow2(m), blocks["BM"])  # more rows: more programs, the weights from L2
+            bn, bk, warps = blocks["BN"], blocks["BK"], blocks["num_warps"]
         else:
             bm, bn, bk, warps = (DOT_BLOCKS[key] for key in ("BM", "BN", "BK", "num_warps"))
         bk = min(bk, next_pow2(k))
@@ -418,14 +423,14 @@ class CodeFrame:
             h = x
             for layer, (ln1, qkv_w, q_w, k_w, o_w, ln2, gate_up, down) in enumerate(self.layers):
                 gather = idx is not None and layer == 0
-                qkv = self._linear(h, qkv_w, m, norm=ln1, idx=idx, gather_x=gather)
+                qkv = self._linear("qkv", h, qkv_w, m, norm=ln1, idx=idx, gather_x=gather)
                 attn = self._attention(qkv, q_w, k_w, cache, layer, b, t, p0)
-                mid = self._linear(attn, o_w, m, idx=idx, residual=h, gather_r=gather)
-                act = self._linear(mid, gate_up, m, norm=ln2, swiglu=True)
-                h = self._linear(act, down, m, residual=mid)
+                mid = self._linear("o_proj", attn, o_w, m, idx=idx, residual=h, gather_r=gather)
+                act = self._linear("gate_up", mid, gate_up, m, norm=ln2, swiglu=True)
+                h = self._linear("down", act, down, m, residual=mid)
             # the last position of each row: rows b * t + t - 1, every t-th row from row t - 1
             logits = self._linear(
-                h[t - 1 :], self.heads[i], b, norm=self.final_norm, stride_x=t * h.stride(0)
+                "head", h[t - 1 :], self.heads[i], b, norm=self.final_norm, stride_x=t * h.stride(0)
             )
             code = sample(logits)  # [B]
             codes.append(code)

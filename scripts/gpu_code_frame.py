@@ -210,6 +210,34 @@ def main(argv=None) -> int:
         if not args.quick:
             sweep(8, "dot", [({}, d, 4) for d in d8])
             sweep(8, "few-rows", [(g, {}, 16) for g in few])
+        # per linear (GEMV_KIND_BLOCKS): each of the five in other shapes alone, then each one's best together
+        inputs = (torch.randn(1, width, device=dev).to(dtype), torch.randn(1, width, device=dev).to(dtype),
+                  torch.arange(1, device=dev), torch.arange(1, device=dev))  # fmt: skip
+        replay, _ = graph_of(frame_fn("greedy"), inputs, dev)
+        base = time_ms(replay, dev, args.reps)
+        res["kind_sweep"] = dict(base_ms=base, rows=[])
+        tried = [dict(BN=8, num_warps=8), dict(BN=8, num_warps=4), dict(BN=2, num_warps=2), dict(BN=4, num_warps=2),
+                 dict(BN=16, num_warps=8)]  # fmt: skip
+        best: dict[str, tuple[float, dict]] = {}
+        for kind in ("qkv", "o_proj", "gate_up", "down", "head"):
+            for blocks in tried[:3] if args.quick else tried:
+                code_frame.GEMV_KIND_BLOCKS.clear()
+                code_frame.GEMV_KIND_BLOCKS[kind] = blocks
+                replay, _ = graph_of(frame_fn("greedy"), inputs, dev)
+                ms = time_ms(replay, dev, args.reps)
+                res["kind_sweep"]["rows"].append(dict(kind=kind, blocks=blocks, ms=ms))
+                print(f"per-linear sweep {kind} {blocks}: {ms:.3f} ms (as served {base:.3f})", flush=True)
+                if ms < best.get(kind, (base,))[0]:
+                    best[kind] = (ms, blocks)
+        code_frame.GEMV_KIND_BLOCKS.clear()
+        code_frame.GEMV_KIND_BLOCKS.update({kind: blocks for kind, (_, blocks) in best.items()})
+        for mode in ("greedy", "sampled"):
+            replay, _ = graph_of(frame_fn(mode), inputs, dev)
+            ms = time_ms(replay, dev, args.reps)
+            res["kind_sweep"][f"best_together_{mode}_ms"] = ms
+            print(f"per-linear best together {dict(code_frame.GEMV_KIND_BLOCKS)}: {mode} {ms:.3f} ms", flush=True)
+        res["kind_sweep"]["best"] = dict(code_frame.GEMV_KIND_BLOCKS)
+        code_frame.GEMV_KIND_BLOCKS.clear()
         # the sampler's variants (kernels/sample.py): 16-bit keys or 32, the hash in uint32, its warps
         inputs = (torch.randn(1, width, device=dev).to(dtype), torch.randn(1, width, device=dev).to(dtype),
                   torch.arange(1, device=dev), torch.arange(1, device=dev))  # fmt: skip
@@ -236,16 +264,16 @@ def main(argv=None) -> int:
         cf = cp.frame_fn
         x = torch.randn(1, width, device=dev).to(dtype)
         ln1, qkv_w, q_w, k_w, o_w, ln2, gate_up, down = cf.layers[0]
-        qkv = cf._linear(x, qkv_w, 1, norm=ln1)
+        qkv = cf._linear("qkv", x, qkv_w, 1, norm=ln1)
         attn = cf._attention(qkv, q_w, k_w, cp.cache, 0, 1, 1, 8)
-        act = cf._linear(x, gate_up, 1, norm=ln2, swiglu=True)
+        act = cf._linear("gate_up", x, gate_up, 1, norm=ln2, swiglu=True)
         kinds = {
-            "norm + qkv GEMV (4096x1024)": lambda: cf._linear(x, qkv_w, 1, norm=ln1),
+            "norm + qkv GEMV (4096x1024)": lambda: cf._linear("qkv", x, qkv_w, 1, norm=ln1),
             "attention (position 8)": lambda: cf._attention(qkv, q_w, k_w, cp.cache, 0, 1, 1, 8),
-            "o_proj + residual (1024x2048)": lambda: cf._linear(attn, o_w, 1, residual=x),
-            "norm + gate_up + SwiGLU (6144x1024)": lambda: cf._linear(x, gate_up, 1, norm=ln2, swiglu=True),
-            "down + residual (1024x3072)": lambda: cf._linear(act, down, 1, residual=x),
-            "norm + head (2048x1024)": lambda: cf._linear(x, cf.heads[0], 1, norm=cf.final_norm),
+            "o_proj + residual (1024x2048)": lambda: cf._linear("o_proj", attn, o_w, 1, residual=x),
+            "norm + gate_up + SwiGLU (6144x1024)": lambda: cf._linear("gate_up", x, gate_up, 1, norm=ln2, swiglu=True),
+            "down + residual (1024x3072)": lambda: cf._linear("down", act, down, 1, residual=x),
+            "norm + head (2048x1024)": lambda: cf._linear("head", x, cf.heads[0], 1, norm=cf.final_norm),
             "greedy argmax": lambda: greedy(qkv[:, :2048]),
             "sampler, code-predictor defaults": lambda: sampler(qkv[:, :vocab], slot0, slot0),
         }

@@ -187,10 +187,12 @@ class Code2WavRunner:
             req, pcm, codes = self._queued.pop(r.slot, (None, None, None))
             if req is not r:
                 continue
-            if self._streams[r.slot].frames[0] == 1 and codes.tolist() == f[0]:
-                heads[r] = to_host(pcm.float(), self.pinned).numpy()
-            else:  # not this chunk's frame 0 (cannot happen: the Talker's frame 0 is what it decoded)
-                self._reset(r.slot)
+            if self._streams[r.slot].frames[0] == 1:
+                pcm = to_host(pcm.float(), self.pinned)  # waits for frame 0's decode; its codes are there too
+                if to_host(codes, self.pinned).tolist() == f[0]:
+                    heads[r] = pcm.numpy()
+                    continue
+            self._reset(r.slot)  # not this chunk's frame 0 (cannot happen: the Talker's frame 0 is what it decoded)
         return heads
 
     @stage_call

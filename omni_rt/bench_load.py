@@ -435,8 +435,9 @@ def format_load_table(rows: list[dict[str, Any]]) -> str:
         f"{'lateness p50/p95/max ms':>26} {'late':>7} {'audio s/s':>9} {'yield->audio':>12} {'full gc (max)':>14}"
     )
     variants = any(r.get("variant", "served") != "served" for r in rows)
+    width = max([len("variant")] + [len(r.get("variant", "served")) for r in rows])  # names in full
     if variants:
-        head = f"{'variant':>14} " + head
+        head = f"{'variant':>{width}} " + head
     lines = [head, "-" * len(head)]
     for r in rows:
 
@@ -446,7 +447,7 @@ def format_load_table(rows: list[dict[str, Any]]) -> str:
         y = r.get("thinker_yield") or {}
         frac = y.get("fraction_first_audio")
         lines.append(
-            (f"{r.get('variant', 'served')[:14]:>14} " if variants else "")
+            (f"{r.get('variant', 'served'):>{width}} " if variants else "")
             + f"{r['conversations']:>5} {r['turns']:>6} {r['sampling']:>9} {r['replies']:>7} "
             f"{three(r['ttfa_ms']):>22} {three(r['lateness_ms']):>26} "
             f"{str(r['late_replies']) + '/' + str(r['replies']):>7} {r['audio_s_per_s'] or 0:>9.2f} "

@@ -464,9 +464,10 @@ class StageSampler:
         """Slot `slot` starts a response: settings `s`, `seed`, history = `history_ids` [T] (or none).
 
         Every write is a fill: `row[slot] = 0.9` or `row[slot, ids] = True` on a CUDA tensor copies a host
-        scalar, a blocking copy that waits for everything queued on the stage's stream (the Talker assigns
-        right after launching a prompt prefix, which its thread then waited for, ~10 ms on an H200, while
-        every other conversation's frames waited behind it)."""
+        scalar, a blocking copy that waits for everything queued on the stage's stream. The Talker assigns
+        right after launching a prompt prefix, so its thread would wait for the prefix to run, with no other
+        conversation's frame launched meanwhile (the likely cause of the prefix call's ~10 ms of host time
+        on an H200; docs/performance.md, 2026-12-05 third session)."""
         self.temperature[slot].fill_(s.temperature)
         self.top_k[slot].fill_(s.top_k)
         self.top_p[slot].fill_(s.top_p)

@@ -35,6 +35,7 @@ import torch
 from omni_rt.audio.features import SAMPLE_RATE, audio_token_count, log_mel
 from omni_rt.errors import InvalidRequestError
 from omni_rt.model.config import TokenIds
+from omni_rt.model.device_ids import to_device
 
 __all__ = [
     "SpeechInput",
@@ -299,7 +300,7 @@ def build_speech_input(
     else:
         feats = torch.cat([f.to(enc_w.device, enc_w.dtype) for f in features], dim=1)
         audio = encoder(feats, torch.tensor(lens))
-    prompt = torch.tensor(p, device=w.device)  # [T]
+    prompt = to_device(p, w.device)  # [T], no host sync (device_ids)
     x = scatter_audio(thinker.embed(prompt), prompt, audio.to(w.device), ids)  # [T, H]
     return _speech_input(prompt, x, ids, rope)
 
@@ -365,7 +366,7 @@ def thinker_input(
         counts = [int(audio_token_count(f.shape[1], encoder.cfg.n_window)) for f in feats]
         return build_speech_input(thinker, encoder, place_audio(p, counts, ids), feats, ids)
     audio_spans(p, ids)  # the layout of any audio segments is checked either way
-    prompt = torch.tensor(p, device=w.device)  # [T]
+    prompt = to_device(p, w.device)  # [T], no host sync (device_ids)
     if inputs_embeds is not None:
         e = inputs_embeds[0] if inputs_embeds.dim() == 3 and inputs_embeds.shape[0] == 1 else inputs_embeds
         if tuple(e.shape) != (len(p), w.shape[1]):

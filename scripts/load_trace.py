@@ -1,5 +1,6 @@
 """What a load level's timeline says (`omni-rt bench --load N --load-trace`): each stage's calls, and for
-where each reply's time to its first audio went (`first_audio_path`), and for every late reply whether its audio was late because the frame was not made in time (the Talker) or because
+where each reply's time to its first audio went (`first_audio_path`; what the Thinker was doing when
+it was sent, `waits_at_send`), and for every late reply whether its audio was late because the frame was not made in time (the Talker) or because
 it was made in time and decoded late (Code2Wav).
 
     python scripts/load_trace.py docs/img/bench-2026-12-03-b4ecec0-h200.json.gz --level 64
@@ -113,6 +114,34 @@ def first_audio_path(level: dict) -> dict[str, dict[str, float]]:
     }
 
 
+def waits_at_send(level: dict) -> dict:
+    """What the Thinker was doing when each reply was sent (a decode step, another prompt's prefill, or
+    neither: between calls, e.g. the yield to a first audio), and the decode steps that then ran whole
+    before its prefill (a prompt that comes during a prefill or a yield waits behind the next decode step
+    of every reply). -> {"at send": counts by state, "behind a whole decode": replies, and those steps'
+    p50 ms and rows}."""
+    steps, responses = level["trace"]["steps"], level["trace"]["responses"]
+    thinker = sorted((s for s in steps if s[0] == "thinker" and s[1] in ("decode", "prefill")), key=lambda s: s[2])
+    prefill: dict[int, list] = {}
+    for s in thinker:
+        if s[1] == "prefill":
+            for i in s[4]:
+                prefill.setdefault(i, s)
+    states, whole = collections.Counter(), []
+    for i, r in enumerate(responses):
+        if i not in prefill:
+            continue
+        sent, p0 = r["t_sent_s"], prefill[i][2]
+        at = [s[1] for s in thinker if s[2] <= sent < s[3] and i not in s[4]]
+        states[at[0] if at else "between"] += 1
+        whole += [s for s in thinker if s[1] == "decode" and sent <= s[2] and s[3] <= p0 and i not in s[4]][:1]
+    ms, rows = [(s[3] - s[2]) * 1e3 for s in whole], [len(s[4]) for s in whole]
+    return {
+        "at send": dict(states), "behind a whole decode": len(whole),
+        "its p50 ms": statistics.median(ms) if ms else None, "its p50 rows": statistics.median(rows) if rows else None,
+    }  # fmt: skip
+
+
 def analyse(level: dict) -> dict:
     steps, responses = level["trace"]["steps"], level["trace"]["responses"]
     span = max(s[3] for s in steps) - min(s[2] for s in steps)
@@ -171,6 +200,10 @@ def main(argv=None) -> int:
         path = first_audio_path(lv)
         print("  to first audio, ms p50 / mean / p90: " + ", ".join(
             f"{k} {v['p50']:.1f}/{v['mean']:.1f}/{v['p90']:.1f}" for k, v in path.items()))  # fmt: skip
+        w = waits_at_send(lv)
+        print(f"  the Thinker when a reply was sent: {w['at send']}; then behind a whole decode step: "
+              f"{w['behind a whole decode']} replies (the step p50 {w['its p50 ms'] or 0:.1f} ms, "
+              f"{w['its p50 rows'] or 0:.0f} rows)")  # fmt: skip
         if a["late_details"]:
             med = lambda k, ds=a["late_details"]: statistics.median(d[k] for d in ds if d[k] is not None)  # noqa: E731
             print(f"  first late delta at chunk (1: a reply's second): {a['late_at_chunk']}")

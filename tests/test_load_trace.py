@@ -80,3 +80,28 @@ def test_first_audio_path_splits_a_replys_wait_by_what_the_thinker_ran():
     assert list(path) == list(lt.PATH)
     for k, ms in expect.items():
         assert abs(path[k]["p50"] - ms) < 1e-6 and path[k]["p50"] == path[k]["p90"], k
+
+
+def test_waits_at_send_say_what_the_thinker_ran_and_the_whole_decode_steps_after():
+    # reply 0 is sent during reply 2's prefill, reply 1 during a decode step, replies 2 and 3 between calls;
+    # reply 2 then waits behind a whole decode step of 2 rows, replies 0 and 3 behind one of 3 rows
+    level = {
+        "trace": {
+            "responses": [
+                {"t_sent_s": 0.105, "arrivals": []},
+                {"t_sent_s": 0.095, "arrivals": []},
+                {"t_sent_s": 0.080, "arrivals": []},
+                {"t_sent_s": 0.121, "arrivals": []},
+            ],
+            "steps": [
+                ["thinker", "decode", 0.090, 0.100, [5, 6]],
+                ["thinker", "prefill", 0.100, 0.118, [2, 1]],
+                ["thinker", "decode", 0.122, 0.140, [5, 6, 2]],
+                ["thinker", "prefill", 0.141, 0.160, [0, 3]],
+            ],
+        }
+    }
+    w = lt.waits_at_send(level)
+    assert w["at send"] == {"prefill": 1, "decode": 1, "between": 2}
+    assert w["behind a whole decode"] == 3  # not reply 1: its step was under way when it was sent
+    assert abs(w["its p50 ms"] - 18) < 1e-6 and w["its p50 rows"] == 3

@@ -53,12 +53,16 @@ PCM_RATE = 24_000  # Code2Wav's output (AudioOut.pcm, Request.samples)
 FRAME_SAMPLES = PCM_RATE * 80 // 1000  # one codec frame (12.5 Hz) of PCM
 
 
+def _played_through(req: Request, samples: float) -> float | None:
+    """When (pipeline clock) playback in real time from `req`'s first PCM will have played `samples`;
+    None before its first PCM."""
+    return None if req.t_first_pcm is None else req.t_first_pcm + samples / PCM_RATE
+
+
 def audio_runs_dry_at(req: Request) -> float | None:
     """When (pipeline clock) playback in real time from `req`'s first PCM will have used all the audio
     sent: its audio deadline. None before its first PCM."""
-    if req.t_first_pcm is None:
-        return None
-    return req.t_first_pcm + req.samples / PCM_RATE
+    return _played_through(req, req.samples)
 
 
 def audio_ahead_s(req: Request, now: float) -> float | None:
@@ -114,18 +118,14 @@ def _spoken_fixed_length(req: Request) -> bool:
 def frames_run_dry_at(req: Request) -> float | None:
     """When (pipeline clock) playback in real time from `req`'s first PCM will have used all the audio of
     its frames (made by the Talker, decoded or not); None before its first PCM."""
-    if req.t_first_pcm is None:
-        return None
-    return req.t_first_pcm + req.frames * FRAME_SAMPLES / PCM_RATE
+    return _played_through(req, req.frames * FRAME_SAMPLES)
 
 
 def text_runs_dry_at(req: Request) -> float | None:
     """When (pipeline clock) real-time playback from `req`'s first PCM will need a frame that waits for text
     the Thinker has not made: through every frame made, and one frame for each text token the Talker has not
     spoken yet (Talker step k reads token k, `prompt_layout.talker_text_id`). None before its first PCM."""
-    if req.t_first_pcm is None:
-        return None
-    return req.t_first_pcm + max(req.frames, len(req.tokens)) * FRAME_SAMPLES / PCM_RATE
+    return _played_through(req, max(req.frames, len(req.tokens)) * FRAME_SAMPLES)
 
 
 def decode_before_prompt(req: Request, now: float, s: EngineSettings) -> bool:

@@ -80,24 +80,34 @@ PATH = ("wait", "behind decode", "behind prefills", "prefill", "to talker", "las
         "first chunk", "to client")  # fmt: skip
 
 
+def _thinker_calls(steps: list) -> list:
+    """The Thinker's decode steps and prefills, in the order it ran them (one thread: as recorded)."""
+    return [s for s in steps if s[0] == "thinker" and s[1] in ("decode", "prefill")]
+
+
+def _first_calls(steps: list) -> dict[int, dict[tuple[str, str], list]]:
+    """Response index -> its first call of each (stage, kind): the step record."""
+    first: dict[int, dict[tuple[str, str], list]] = collections.defaultdict(dict)
+    for s in steps:
+        for i in s[4]:
+            first[i].setdefault((s[0], s[1]), s)
+    return first
+
+
 def first_audio_path(level: dict) -> dict[str, dict[str, float]]:
     """Where each reply's time to first audio went, p50 / mean / p90 ms over the level's replies: from
     sent to its prefill's start ("wait"; of it, Thinker decode steps and other prompts' prefills that ran
     meanwhile), the prefill, to its Talker start, the last prompt position and frame 0, to its first
     Code2Wav call, that call, and to the client's first audio."""
     steps, responses = level["trace"]["steps"], level["trace"]["responses"]
-    thinker = [s for s in steps if s[0] == "thinker" and s[1] in ("decode", "prefill")]
-    first: dict[int, dict[tuple[str, str], tuple[float, float]]] = collections.defaultdict(dict)
-    for stage, kind, t0, t1, ids in steps:
-        for i in ids:
-            first[i].setdefault((stage, kind), (t0, t1))
+    thinker, first = _thinker_calls(steps), _first_calls(steps)
     rows = collections.defaultdict(list)
     for i, r in enumerate(responses):
         f = first.get(i, {})
         keys = (("thinker", "prefill"), ("talker", "last"), ("talker", "predict"), ("code2wav", "chunk"))
         if not r["arrivals"] or any(k not in f for k in keys):
             continue
-        (p0, p1), (l0, _), (_, f1), (c0, c1) = (f[k] for k in keys)
+        (p0, p1), (l0, _), (_, f1), (c0, c1) = (f[k][2:4] for k in keys)
         sent = r["t_sent_s"]
         overlap = collections.Counter()
         for _, kind, t0, t1, ids in thinker:
@@ -121,17 +131,13 @@ def waits_at_send(level: dict) -> dict:
     of every reply). -> {"at send": counts by state, "behind a whole decode": replies, and those steps'
     p50 ms and rows}."""
     steps, responses = level["trace"]["steps"], level["trace"]["responses"]
-    thinker = sorted((s for s in steps if s[0] == "thinker" and s[1] in ("decode", "prefill")), key=lambda s: s[2])
-    prefill: dict[int, list] = {}
-    for s in thinker:
-        if s[1] == "prefill":
-            for i in s[4]:
-                prefill.setdefault(i, s)
+    thinker, first = _thinker_calls(steps), _first_calls(steps)
     states, whole = collections.Counter(), []
     for i, r in enumerate(responses):
-        if i not in prefill:
+        prefill = first.get(i, {}).get(("thinker", "prefill"))
+        if prefill is None:
             continue
-        sent, p0 = r["t_sent_s"], prefill[i][2]
+        sent, p0 = r["t_sent_s"], prefill[2]
         at = [s[1] for s in thinker if s[2] <= sent < s[3] and i not in s[4]]
         states[at[0] if at else "between"] += 1
         whole += [s for s in thinker if s[1] == "decode" and sent <= s[2] and s[3] <= p0 and i not in s[4]][:1]

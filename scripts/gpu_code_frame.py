@@ -241,9 +241,8 @@ def main(argv=None) -> int:
             print(f"per-linear best together {dict(code_frame.GEMV_KIND_BLOCKS)}: {mode} {ms:.3f} ms", flush=True)
         res["kind_sweep"]["best"] = dict(code_frame.GEMV_KIND_BLOCKS)
         code_frame.GEMV_KIND_BLOCKS.clear()
-        # the sampler's variants (kernels/sample.py): 16-bit keys or 32, the hash in uint32, its warps
-        inputs = (torch.randn(1, width, device=dev).to(dtype), torch.randn(1, width, device=dev).to(dtype),
-                  torch.arange(1, device=dev), torch.arange(1, device=dev))  # fmt: skip
+        # the sampler's variants (kernels/sample.py): 16-bit keys or 32, the hash in uint32, its warps; on the
+        # per-linear sweep's batch-1 inputs
         res["sampler_variants"] = []
         knobs = ("SHORT_KEYS", "HASH32", "SAMPLE_WARPS")
         saved = {k: getattr(sample_kernel, k) for k in knobs}

@@ -81,9 +81,13 @@ async def main() -> None:
         silence = np.zeros(int(0.7 * RATE), np.float32)
         # the user speaks, listens to the reply for a while, then talks over it
         mic = np.concatenate([silence, voiced(0.8, 0), silence, silence, voiced(0.6, 1), silence])
-        for i in range(0, mic.size, FRAME):  # paced like a real microphone
+        # paced like a real microphone, by the clock: a push that took long does not slow the audio that
+        # follows (the speaker plays in real time, so a mic that fell behind would talk over nothing)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        for n, i in enumerate(range(0, mic.size, FRAME)):
             await agent.push_audio(mic[i : i + FRAME])
-            await asyncio.sleep(FRAME / RATE)
+            await asyncio.sleep(max(0.0, start + (n + 1) * FRAME / RATE - loop.time()))
         await agent.wait()
         speaker.cancel()
 

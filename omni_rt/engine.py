@@ -401,6 +401,11 @@ class Engine:
             )
         except ValueError as e:
             raise InvalidRequestError(f"bad session settings: {e}") from None
+        if instructions:  # tokenized at the first turn; text the tokenizer refuses fails here, not every turn
+            try:
+                self.tokenizer.encode(instructions)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"bad session settings: instructions: {e}") from None
         return Session(self._host, self._slots.request(), settings, speaker)
 
     @property

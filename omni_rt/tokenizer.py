@@ -217,6 +217,13 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise InvalidRequestError(f"text must be a str, got {type(text).__name__}")
+        if not text.isascii():
+            try:  # a lone surrogate (JSON allows "\ud800") is a str but no Unicode text: no UTF-8 bytes
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidRequestError(
+                    f"text is not valid Unicode: lone surrogate {text[e.start]!a} at character {e.start}"
+                ) from None
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:

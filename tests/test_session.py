@@ -186,6 +186,8 @@ async def test_bad_requests_fail_cleanly_and_nothing_else_breaks():
             engine.session(voice="nobody")
         with pytest.raises(omni_rt.InvalidRequestError, match="sample rate"):
             engine.session(output_sample_rate=44100)
+        with pytest.raises(omni_rt.InvalidRequestError, match="lone surrogate"):
+            engine.session(instructions="Be \udfff brief.")
         done = (await background)[-1]
         assert done.status == "completed"
         await other.close()
@@ -299,6 +301,8 @@ async def test_bad_argument_types_fail_the_response_not_the_caller():
         assert "text" in _failed(await collect(s, 42))
         assert "text" in _failed(await collect(s, b"hi", audio=clip))
         assert "voice" in _failed(await collect(s, "hi", voice=["ethan"]))
+        # a lone surrogate (JSON's "\ud800" decodes to one) used to escape as the tokenizer's TypeError
+        assert "lone surrogate '\\ud800' at character 1" in _failed(await collect(s, "a\ud800b"))
         ok = await collect(s, "Fine", max_output_tokens=np.int64(3))
         assert ok[-1].status == "completed" and ok[-1].usage.cached_tokens == 0
 

@@ -181,7 +181,6 @@ if triton is not None:
             mj = j < CTX
             tl.store(buf_ptr + row * CTX + j, tl.load(out + keep + j, mask=mj, other=0.0), mask=mj)
 
-
     @triton.jit
     def _conv_to_one(
         w_ptr,  # [C, K] contiguous: the weight of a conv with one output channel
@@ -215,13 +214,18 @@ if triton is not None:
 # ----------------------------------------------------------------------------------------------------
 # Launchers (each equal to a line of the plain model code, named in its docstring)
 # ----------------------------------------------------------------------------------------------------
-def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int):
+def rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
+):
     """`layers.apply_rope` on q [B, T, heads*D] and k [B, T, kv_heads*D] (rows may be strided), in one
     launch; returns them as [B, heads, T, D] and [B, kv_heads, T, D] (views of [B, T, H, D] storage)."""
     require_triton()
     B, T, _ = q.shape
     D = cos.shape[-1]
-    cos, sin = cos.expand(B, T, D).contiguous(), sin.expand(B, T, D).contiguous()  # views: no copy when [B, T, D]
+    cos, sin = (
+        cos.expand(B, T, D).contiguous(),
+        sin.expand(B, T, D).contiguous(),
+    )  # views: no copy when [B, T, D]
     oq = torch.empty(B, T, heads, D, dtype=q.dtype, device=q.device)
     ok = torch.empty(B, T, kv_heads, D, dtype=k.dtype, device=k.device)
     if B * T:
@@ -243,7 +247,9 @@ def scale_add(x: torch.Tensor, scale: torch.Tensor, h: torch.Tensor) -> torch.Te
     return out
 
 
-def start_mask(x: torch.Tensor, pos: torch.Tensor, rate: int, lag: int, y: torch.Tensor | None = None) -> torch.Tensor:
+def start_mask(
+    x: torch.Tensor, pos: torch.Tensor, rate: int, lag: int, y: torch.Tensor | None = None
+) -> torch.Tensor:
     """`(x [+ y]).masked_fill(~state.started(rate, lag, L), 0)` in one launch; x, y [B, C, L]."""
     require_triton()
     B, C, L = x.shape
@@ -258,7 +264,9 @@ def start_mask(x: torch.Tensor, pos: torch.Tensor, rate: int, lag: int, y: torch
     return out
 
 
-def window(buf: torch.Tensor, x: torch.Tensor, valid: torch.Tensor | None = None, rate: int = 1) -> torch.Tensor:
+def window(
+    buf: torch.Tensor, x: torch.Tensor, valid: torch.Tensor | None = None, rate: int = 1
+) -> torch.Tensor:
     """`w = torch.cat([buf, x], -1); state.keep_context(buf, w, rate)` in one launch (`valid`: the state's
     ragged frame counts, or None); buf [B, C, ctx] contiguous."""
     require_triton()

@@ -65,10 +65,13 @@ def stream_pcm(c2w, dev) -> torch.Tensor:
     5th chunk: every step's context and ring updates feed the next, so a wrong update shows in the PCM."""
     torch.manual_seed(1)
     state = c2w.new_state(2)
-    codes = torch.randint(0, c2w.cfg.codebook_size, (2, c2w.cfg.num_quantizers, sum(STREAM_CHUNKS)), device=dev)
+    codes = torch.randint(
+        0, c2w.cfg.codebook_size, (2, c2w.cfg.num_quantizers, sum(STREAM_CHUNKS)), device=dev
+    )
     step = lambda c: c2w.step(c, state)  # noqa: E731
     graphs_by_size = {
-        n: capture(step, (codes[..., :n].clone(),)) if dev.type == "cuda" else step for n in set(STREAM_CHUNKS)
+        n: capture(step, (codes[..., :n].clone(),)) if dev.type == "cuda" else step
+        for n in set(STREAM_CHUNKS)
     }
     state.reset()  # capturing ran steps on it
     out, t = [], 0
@@ -257,12 +260,16 @@ def main(argv=None) -> int:
                 fn, _, _ = graphed_step(c2w, c2w.step, rows, n, dev)
                 ms = time_ms(fn)
                 res["graphed"].append(dict(variant=label, rows=rows, frames=n, ms=ms))
-                print(f"[{label}] graphed rows {rows:2} frames {n:2}: {ms:7.3f} ms  ({ms / (rows * n):.3f} ms/frame)")
+                print(
+                    f"[{label}] graphed rows {rows:2} frames {n:2}: {ms:7.3f} ms  ({ms / (rows * n):.3f} ms/frame)"
+                )
         for rows, n in ((1, 1), (1, 16), (8, 16)):
             p = profile_step(c2w, rows, n, dev)
             p["variant"] = label
             res["profile"].append(p)
-            print(f"[{label}] profile rows {rows} frames {n}: {p['kernels']} kernels, {p['kernel_ms']:.3f} ms")
+            print(
+                f"[{label}] profile rows {rows} frames {n}: {p['kernels']} kernels, {p['kernel_ms']:.3f} ms"
+            )
             for t in p["top"][:8]:
                 print(f"  {t['count']:4} x {t['ms']:7.3f} ms  {t['name']}")
     if args.ragged:
@@ -290,7 +297,9 @@ def main(argv=None) -> int:
                 fn, _, _ = graphed_step(plain, cstep, rows, n, dev)
                 ms = time_ms(fn)
                 res["compiled"].append(dict(rows=rows, frames=n, compile_s=comp_s, ms=ms, max_diff=diff))
-                print(f"compiled rows {rows} frames {n}: compile {comp_s:.1f} s, graphed {ms:.3f} ms, diff {diff:.2e}")
+                print(
+                    f"compiled rows {rows} frames {n}: compile {comp_s:.1f} s, graphed {ms:.3f} ms, diff {diff:.2e}"
+                )
             except Exception as e:  # noqa: BLE001 - report and go on
                 res["compiled"].append(dict(rows=rows, frames=n, error=repr(e)[:300]))
                 print(f"compiled rows {rows} frames {n}: FAILED {e!r}"[:400])
@@ -302,7 +311,9 @@ def main(argv=None) -> int:
             cells = [f"{r['ms']:.2f}" for r in res["graphed"] if r["rows"] == rows and r["variant"] == label]
             print(f"| {label} | {rows} | " + " | ".join(cells) + " |")
     for p in res["profile"]:
-        print(f"| {p['variant']} | kernels at ({p['rows']}, {p['frames']}) | {p['kernels']} | {p['kernel_ms']:.3f} ms |")
+        print(
+            f"| {p['variant']} | kernels at ({p['rows']}, {p['frames']}) | {p['kernels']} | {p['kernel_ms']:.3f} ms |"
+        )
     return 0
 
 

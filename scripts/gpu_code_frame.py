@@ -238,7 +238,10 @@ def main(argv=None) -> int:
             replay, _ = graph_of(frame_fn(mode), inputs, dev)
             ms = time_ms(replay, dev, args.reps)
             res["kind_sweep"][f"best_together_{mode}_ms"] = ms
-            print(f"per-linear best together {dict(code_frame.GEMV_KIND_BLOCKS)}: {mode} {ms:.3f} ms", flush=True)
+            print(
+                f"per-linear best together {dict(code_frame.GEMV_KIND_BLOCKS)}: {mode} {ms:.3f} ms",
+                flush=True,
+            )
         res["kind_sweep"]["best"] = dict(code_frame.GEMV_KIND_BLOCKS)
         code_frame.GEMV_KIND_BLOCKS.clear()
         # the sampler's variants (kernels/sample.py): 16-bit keys or 32, the hash in uint32, its warps; on the
@@ -273,7 +276,9 @@ def main(argv=None) -> int:
             "norm + qkv GEMV (4096x1024)": lambda: cf._linear("qkv", x, qkv_w, 1, norm=ln1),
             "attention (position 8)": lambda: cf._attention(qkv, q_w, k_w, cp.cache, 0, 1, 1, 8),
             "o_proj + residual (1024x2048)": lambda: cf._linear("o_proj", attn, o_w, 1, residual=x),
-            "norm + gate_up + SwiGLU (6144x1024)": lambda: cf._linear("gate_up", x, gate_up, 1, norm=ln2, swiglu=True),
+            "norm + gate_up + SwiGLU (6144x1024)": lambda: cf._linear(
+                "gate_up", x, gate_up, 1, norm=ln2, swiglu=True
+            ),
             "down + residual (1024x3072)": lambda: cf._linear("down", act, down, 1, residual=x),
             "norm + head (2048x1024)": lambda: cf._linear("head", x, cf.heads[0], 1, norm=cf.final_norm),
             "greedy argmax": lambda: greedy(qkv[:, :2048]),

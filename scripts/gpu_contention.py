@@ -122,7 +122,11 @@ def green_stream(num_sms: int, dev: torch.device):
     from torch.cuda import green_contexts as gc
 
     cls = gc.GreenContext
-    ctx = cls.create(num_sms=num_sms, device_id=dev.index or 0) if hasattr(cls, "create") else cls(num_sms=num_sms)
+    ctx = (
+        cls.create(num_sms=num_sms, device_id=dev.index or 0)
+        if hasattr(cls, "create")
+        else cls(num_sms=num_sms)
+    )
     if hasattr(ctx, "Stream"):
         return ctx.Stream(), ctx
     ctx.set_context()  # older shape: streams made while it is current belong to it
@@ -154,7 +158,11 @@ def main(argv=None) -> int:
         from omni_rt.kernels import fused
 
         fused.install_all(c2w, enabled={"snake", "rmsnorm", "code2wav"})
-    res: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "rows": []}
+    res: dict = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "rows": [],
+    }
     if cuda:
         res["priority_range"] = list(torch.cuda.Stream.priority_range())
         print(f"{res['device']}, torch {torch.__version__}, stream priorities {res['priority_range']}")

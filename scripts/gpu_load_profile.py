@@ -74,7 +74,9 @@ def main(argv=None) -> int:
     async def warm_up(*a, **kw):
         await original(*a, **kw)
         if not tasks:  # the first level's conversations start now
-            tasks.append(asyncio.ensure_future(profile_window(args.after, args.window, not args.device_cpu, res)))
+            tasks.append(
+                asyncio.ensure_future(profile_window(args.after, args.window, not args.device_cpu, res))
+            )
 
     bench_load.warm_up = warm_up
     rc = bench.main(rest + ["--json", str(out / "bench.json"), "--load-png", ""])

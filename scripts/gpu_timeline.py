@@ -26,7 +26,13 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-LAUNCHES = ("cudaGraphLaunch", "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+LAUNCHES = (
+    "cudaGraphLaunch",
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+)
 
 
 def _load(path: Path) -> list[dict]:
@@ -142,7 +148,9 @@ def timeline(events: list[dict], threads: dict[int, str], sequence: int = 0) -> 
 
 def print_timeline(res: dict) -> None:
     if res.get("launches"):
-        print(f"{'thread':18} {'call':16} {'host':>8} {'gpu start':>9} {'gpu end':>8} {'kernels':>7} {'busy':>7}")
+        print(
+            f"{'thread':18} {'call':16} {'host':>8} {'gpu start':>9} {'gpu end':>8} {'kernels':>7} {'busy':>7}"
+        )
         for r in res["launches"]:
             print(
                 f"{r['thread']:18} {r['call']:16} {r['host_ms']:8.3f} {r['gpu_start_ms']:9.3f} "
@@ -150,7 +158,9 @@ def print_timeline(res: dict) -> None:
             )
     if "window_ms" in res:
         at_once = ", ".join(f"{n}: {v:.2f}" for n, v in res["streams_at_once"].items())
-        print(f"window {res['window_ms']:.1f} ms, GPU running a kernel {res['gpu_busy']:.2f}; streams at once {at_once}")
+        print(
+            f"window {res['window_ms']:.1f} ms, GPU running a kernel {res['gpu_busy']:.2f}; streams at once {at_once}"
+        )
     print(f"{'thread':22} {'what':18} {'n':>5} {'p50':>8} {'p90':>8} {'max':>8}")
     for name, t in res["threads"].items():
         for k, p in t["launches"].items():

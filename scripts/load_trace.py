@@ -140,7 +140,9 @@ def waits_at_send(level: dict) -> dict:
         sent, p0 = r["t_sent_s"], prefill[2]
         at = [s[1] for s in thinker if s[2] <= sent < s[3] and i not in s[4]]
         states[at[0] if at else "between"] += 1
-        whole += [s for s in thinker if s[1] == "decode" and sent <= s[2] and s[3] <= p0 and i not in s[4]][:1]
+        whole += [s for s in thinker if s[1] == "decode" and sent <= s[2] and s[3] <= p0 and i not in s[4]][
+            :1
+        ]
     ms, rows = [(s[3] - s[2]) * 1e3 for s in whole], [len(s[4]) for s in whole]
     return {
         "at send": dict(states), "behind a whole decode": len(whole),

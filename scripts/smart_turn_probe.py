@@ -97,7 +97,11 @@ def main(argv=None) -> int:
         m = semantic.SmartTurn.__new__(semantic.SmartTurn)
         m._session = session(kind)
         models[kind] = m
-    sets = [("given", args.sentences)] if args.sentences else [("mid-phrase", MID_PHRASE), ("finished", FINISHED)]
+    sets = (
+        [("given", args.sentences)]
+        if args.sentences
+        else [("mid-phrase", MID_PHRASE), ("finished", FINISHED)]
+    )
     for label, texts in sets:
         for text in texts:
             cells = "  ".join(f"{k}: {answers(text, m)}" for k, m in models.items())

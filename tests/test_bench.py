@@ -82,7 +82,14 @@ def test_summarise_medians_min_max_and_median_request():
     assert row["median_request"]["ttfa_ms"] == 20.0
     # every request, in the order it ran: an outlier can be told from the rest
     assert [r["ttfa_ms"] for r in row["per_request"]] == [30.0, 10.0, 20.0]
-    assert set(row["per_request"][0]) == {"prompt_len", "ttft_ms", "ttfa_ms", "rtf", "status", "thinker_yield"}
+    assert set(row["per_request"][0]) == {
+        "prompt_len",
+        "ttft_ms",
+        "ttfa_ms",
+        "rtf",
+        "status",
+        "thinker_yield",
+    }
     table = bench.format_table([row, {"row": "reference", "skipped": "no transformers"}])
     assert "20.0 (10.0-30.0)" in table and "skipped: no transformers" in table
 

@@ -117,7 +117,9 @@ def _model(dtype):
     with torch.no_grad():
         for name, p in model.named_parameters():
             std = 0.02 if "embedding" not in name else 1.0
-            p.copy_(torch.randn(p.shape, generator=g) * std + (1.0 if "norm" in name and p.dim() == 1 else 0.0))
+            p.copy_(
+                torch.randn(p.shape, generator=g) * std + (1.0 if "norm" in name and p.dim() == 1 else 0.0)
+            )
     return model.to(dtype)
 
 
@@ -138,7 +140,9 @@ def _stream(model, codes, sizes, fresh_at):
 def test_installed_step_keeps_the_streamed_pcm_and_state(dtype):
     model = _model(dtype)
     cfg = model.cfg
-    codes = torch.randint(0, cfg.codebook_size, (2, cfg.num_quantizers, 12), generator=torch.Generator().manual_seed(5))
+    codes = torch.randint(
+        0, cfg.codebook_size, (2, cfg.num_quantizers, 12), generator=torch.Generator().manual_seed(5)
+    )
     sizes, fresh_at = [1, 2, 4, 3, 1, 2], 4
     ref, ref_state = _stream(model, codes, sizes, fresh_at)
     n = cs.install_code2wav(model)
@@ -150,7 +154,9 @@ def test_installed_step_keeps_the_streamed_pcm_and_state(dtype):
         removed = fused.uninstall_all(model)
     blocks = len(cfg.upsample_rates)
     looking_back = sum(
-        1 for m in model.modules() if isinstance(m, code2wav.CausalConv1d | code2wav.CausalTransConv1d) and m.context
+        1
+        for m in model.modules()
+        if isinstance(m, code2wav.CausalConv1d | code2wav.CausalTransConv1d) and m.context
     )
     assert n == removed == 3 * cfg.num_hidden_layers + blocks + looking_back
     assert not any("forward" in m.__dict__ or "step" in m.__dict__ for m in model.modules())
@@ -175,7 +181,9 @@ def test_installed_step_of_ragged_chunks_is_the_plain_one(dtype):
     # row's context where the plain `keep_context` does, and the ring, positions and PCM agree
     model = _model(dtype)
     cfg = model.cfg
-    codes = torch.randint(0, cfg.codebook_size, (3, cfg.num_quantizers, 7), generator=torch.Generator().manual_seed(6))
+    codes = torch.randint(
+        0, cfg.codebook_size, (3, cfg.num_quantizers, 7), generator=torch.Generator().manual_seed(6)
+    )
 
     def run():
         state = model.new_state(3)

@@ -471,7 +471,9 @@ def test_apply_kernels_installs_what_settings_ask_and_removes_the_rest(tiny_mode
         assert installed() == (True, True)
         c2w_hooks = lambda: [m for m in tiny_model.code2wav.modules() if "step" in m.__dict__]  # noqa: E731
         assert c2w_hooks()  # the fused Code2Wav step, by default
-        apply_kernels(tiny_model, EngineSettings(moe_backend="triton", fused_kernels=True, fused_code2wav=False))
+        apply_kernels(
+            tiny_model, EngineSettings(moe_backend="triton", fused_kernels=True, fused_code2wav=False)
+        )
         assert installed() == (True, True) and not c2w_hooks()
         apply_kernels(tiny_model, EngineSettings(moe_backend="triton", fused_kernels=False))
         assert installed() == (True, False)

@@ -45,7 +45,10 @@ def test_analyse_counts_stage_calls_and_the_late_replies():
     ((detail),) = a["late_details"]
     assert a["late_at_chunk"] == {1: 1} and detail["frames"] == 1 and detail["call_rows"] == 1
     due = 1.0 + 1365 / 24000
-    assert abs(detail["late_ms"] - (1.2 - due) * 1e3) < 1e-6 and abs(detail["slack_ms"] - (due - 1.03) * 1e3) < 1e-6
+    assert (
+        abs(detail["late_ms"] - (1.2 - due) * 1e3) < 1e-6
+        and abs(detail["slack_ms"] - (due - 1.03) * 1e3) < 1e-6
+    )
     assert abs(detail["call_ms"] - 170.0) < 1e-6
     assert a["stages"]["code2wav.chunk"]["calls"] == 2 and a["stages"]["code2wav.chunk"]["rows"] == 1.5
     assert abs(a["stages"]["talker.predict"]["busy"] - (0.09 + 0.03) / 0.3) < 1e-9

@@ -401,5 +401,14 @@ def test_assigning_a_slot_writes_by_fills_never_by_host_scalar_copies():
     plain.repetition_penalty[1], plain.do_sample[1], plain.seed[1] = 1.3, True, 7
     plain.seen[1, history] = True
     plain.suppress[1, extra] = True
-    for name in ("temperature", "top_k", "top_p", "repetition_penalty", "do_sample", "seed", "seen", "suppress"):
+    for name in (
+        "temperature",
+        "top_k",
+        "top_p",
+        "repetition_penalty",
+        "do_sample",
+        "seed",
+        "seen",
+        "suppress",
+    ):
         assert torch.equal(getattr(sampler, name), getattr(plain, name)), name

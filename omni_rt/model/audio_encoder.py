@@ -213,7 +213,9 @@ class AudioEncoder(nn.Module):
         x = x + self.positional_embedding[:steps].to(x.dtype)  # positions restart in every window
         valid = [conv_steps(n) for n in lens]
         keep = torch.arange(steps)[None] < torch.tensor(valid)[:, None]  # [C, L']
-        return x.reshape(c * steps, -1)[to_device(keep.flatten().nonzero().squeeze(1), x.device)]  # no host sync
+        return x.reshape(c * steps, -1)[
+            to_device(keep.flatten().nonzero().squeeze(1), x.device)
+        ]  # no host sync
 
     def attend(self, tokens: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """Conv tokens [N, d_model] in attention blocks of `sizes` (consecutive runs) -> [N, output_dim]."""

@@ -192,7 +192,9 @@ class Code2WavRunner:
                 if to_host(codes, self.pinned).tolist() == f[0]:
                     heads[r] = pcm.numpy()
                     continue
-            self._reset(r.slot)  # not this chunk's frame 0 (cannot happen: the Talker's frame 0 is what it decoded)
+            self._reset(
+                r.slot
+            )  # not this chunk's frame 0 (cannot happen: the Talker's frame 0 is what it decoded)
         return heads
 
     @stage_call

@@ -272,3 +272,52 @@ async def test_playout_output_plays_segments_in_turn_and_reports_how_far_an_inte
     out.clear_buffer()  # stopped at once: it reports what had played, not what it held
     assert finished[-1].interrupted and finished[-1].playback_position < 0.1
     assert await asyncio.wait_for(out.wait_for_playout(), WAIT_S) is finished[-1]
+
+
+async def test_a_cancelled_generate_reply_is_dropped_and_keeps_the_turn_for_the_next(engine) -> None:
+    """The framework cancels a generate_reply future whose speech was interrupted before the reply came
+    (as OpenAI's plugin then cancels the response): no reply is made for it, the next reply does not wait
+    behind one nobody will play, and the committed speech is what the next reply answers."""
+    pcm, rate = spoken("Good morning to you")
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        rt = model.session(turn_detection_disabled=True)
+        rec = Recorder(rt)
+        for frame in room_frames(np.concatenate([pcm, silence(0.3, rate)]), rate):
+            rt.push_audio(frame)
+        rt.commit_audio()
+        dropped = rt.generate_reply()
+        dropped.cancel()
+        created = await asyncio.wait_for(rt.generate_reply(), WAIT_S)
+        assert [f async for f in (await message(created)).audio_stream]
+        await rec.wait("metrics_collected")
+        assert len(rec.of("generation_created")) == 1
+        items = rt.chat_ctx.items
+        assert [i.role for i in items] == ["user", "assistant"]  # the speech, answered once
+        assert isinstance(items[0].content[0], llm.AudioContent)
+        await rt.aclose()
+        await model.aclose()
+
+
+async def test_closing_fails_the_replies_still_owed_and_later_ones(engine) -> None:
+    """aclose() with a reply running and another queued behind it: the queued generate_reply future fails
+    with a RealtimeError (as OpenAI's plugin fails its pending ones) instead of never resolving; a
+    generate_reply after the close fails at once."""
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        rt = model.session(turn_detection_disabled=True)
+        running = await asyncio.wait_for(rt.generate_reply(instructions="Say hello."), WAIT_S)
+        queued = rt.generate_reply(instructions="Say goodbye.")
+        await rt.aclose()
+
+        async def drain() -> list:
+            return [f async for f in (await message(running)).audio_stream]
+
+        await asyncio.wait_for(
+            drain(), 10
+        )  # the running reply's streams end: nothing waits on a closed session
+        with pytest.raises(llm.RealtimeError, match="closed"):
+            await asyncio.wait_for(queued, 10)
+        with pytest.raises(llm.RealtimeError, match="closed"):
+            await asyncio.wait_for(rt.generate_reply(), 10)
+        await model.aclose()

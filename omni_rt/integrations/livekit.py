@@ -130,7 +130,7 @@ class RealtimeModel(llm.RealtimeModel):
 class _Generation:
     """One reply as the framework sees it; `interrupted` is set first thing by `interrupt()`."""
 
-    message_id: str
+    message_id: str = field(default_factory=lambda: utils.shortuuid("item_"))
     audio: utils.aio.Chan = field(default_factory=utils.aio.Chan)
     text: utils.aio.Chan = field(default_factory=utils.aio.Chan)
     response_id: str | None = None
@@ -167,6 +167,7 @@ class RealtimeSession(llm.RealtimeSession):
         self._current: _Generation | None = None
         self._generations: dict[str, _Generation] = {}  # the latest replies, by message id (truncate)
         self._tasks: set[asyncio.Task] = set()
+        self._owed: set[asyncio.Future] = set()  # generate_reply futures not resolved yet
         self._closed = False
         self._session: Any = None
         self._opening = asyncio.ensure_future(model._open(self._instructions))
@@ -256,7 +257,7 @@ class RealtimeSession(llm.RealtimeSession):
                 )
             elif isinstance(ev, Turn):
                 self._commit(ev.audio)
-                self._spawn(self._reply(None, user_initiated=False, instructions=None))
+                self._spawn(self._reply(_Generation(), None, user_initiated=False, instructions=None))
 
     def push_video(self, frame: rtc.VideoFrame) -> None:
         if not self._video_refused:
@@ -295,17 +296,30 @@ class RealtimeSession(llm.RealtimeSession):
         if isinstance(tools, list) and tools:
             fut.set_exception(llm.RealtimeError("omni_rt has no tool calling: generate_reply takes no tools"))
             return fut
-        self._spawn(self._reply(fut, user_initiated=True, instructions=instructions or None))
+        if self._closed:
+            fut.set_exception(llm.RealtimeError("generate_reply: the realtime session is closed"))
+            return fut
+        gen = _Generation()
+        self._owed.add(fut)
+        fut.add_done_callback(self._owed.discard)
+        # the framework cancels the future of a reply interrupted before it came (OpenAI's plugin then
+        # cancels the response): it is dropped, and the next reply does not wait behind it
+        fut.add_done_callback(lambda f: self._stop(gen) if f.cancelled() else None)
+        self._spawn(self._reply(gen, fut, user_initiated=True, instructions=instructions or None))
         return fut
 
     def interrupt(self) -> None:
         """Stop the reply now: its streams end at once and carry nothing more; the engine stops it."""
-        gen = self._current
-        if gen is None or gen.done.is_set() or gen.interrupted:
+        if self._current is not None:
+            self._stop(self._current)
+
+    def _stop(self, gen: _Generation) -> None:
+        """Stop one reply, made or not yet made (then it never is)."""
+        if gen.done.is_set() or gen.interrupted:
             return
         gen.interrupted = True
         gen.close()
-        if self._session is not None:
+        if gen is self._current and self._session is not None:
             self._spawn(self._session.cancel())
 
     def truncate(
@@ -344,6 +358,9 @@ class RealtimeSession(llm.RealtimeSession):
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for fut in list(self._owed):  # a reply task cancelled before it ran never resolves its own
+            if not fut.done():
+                fut.set_exception(llm.RealtimeError("generate_reply: the realtime session is closed"))
         with contextlib.suppress(Exception):  # a session that never opened has nothing to close
             session = await self._ready()
             await session.close()
@@ -376,12 +393,13 @@ class RealtimeSession(llm.RealtimeSession):
         return dict(input_ids=self._model.engine.tokenizer.chat_prompt(pending))
 
     async def _reply(
-        self, fut: asyncio.Future | None, *, user_initiated: bool, instructions: str | None
+        self, gen: _Generation, fut: asyncio.Future | None, *, user_initiated: bool, instructions: str | None
     ) -> None:
         try:
             async with self._lock:
+                if gen.interrupted or (fut is not None and fut.cancelled()):
+                    return  # dropped before its turn came: what it would have answered waits for the next
                 session = await self._ready()
-                gen = _Generation(message_id=utils.shortuuid("item_"))
                 self._current = gen
                 try:
                     await self._stream(session, gen, fut, user_initiated, self._prompt(session, instructions))
@@ -405,6 +423,8 @@ class RealtimeSession(llm.RealtimeSession):
                 gen.response_id = ev.response_id
                 if gen.interrupted:  # interrupted before the engine had it
                     await session.cancel()
+                if fut is not None and fut.cancelled():
+                    continue  # dropped by the framework: nobody takes this generation
                 item = llm.ChatMessage(id=gen.message_id, role="assistant", content=[])
                 self._generations[gen.message_id] = gen  # what truncate() needs to know about it
                 while len(self._generations) > KEPT_GENERATIONS:

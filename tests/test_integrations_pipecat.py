@@ -13,6 +13,8 @@ import asyncio
 import numpy as np
 import pytest
 from integrations_support import chunks, silence, spoken, tiny_engine
+from pipecat.adapters.schemas.function_schema import FunctionSchema
+from pipecat.adapters.schemas.tools_schema import ToolsSchema
 from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
 from pipecat.audio.vad.silero import SileroVADAnalyzer
 from pipecat.frames.frames import (
@@ -21,6 +23,11 @@ from pipecat.frames.frames import (
     InputAudioRawFrame,
     InterruptionFrame,
     LLMFullResponseEndFrame,
+    LLMMessagesAppendFrame,
+    LLMMessagesUpdateFrame,
+    LLMRunFrame,
+    LLMSetToolsFrame,
+    LLMUpdateSettingsFrame,
     MetricsFrame,
     StartFrame,
     TTSAudioRawFrame,
@@ -35,6 +42,7 @@ from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams
 from pipecat.processors.audio.vad_processor import VADProcessor
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from pipecat.services.settings import LLMSettings
 from pipecat.turns.user_stop import TurnAnalyzerUserTurnStopStrategy
 from pipecat.turns.user_turn_processor import UserTurnProcessor
 from pipecat.turns.user_turn_strategies import UserTurnStrategies
@@ -283,3 +291,49 @@ async def test_a_pipeline_that_does_not_start_in_time_fails_the_run_and_leaves_n
             await run_pipeline(Pipeline([service, HoldStart()]), [], wait_s=0.5)
         assert tasks_left(before) == []
         assert service.session is None and engine.capacity.sessions == slots
+
+
+def holds(conversation: list[int], ids: list[int]) -> bool:
+    return any(conversation[i : i + len(ids)] == ids for i in range(len(conversation) - len(ids) + 1))
+
+
+async def test_text_messages_run_frames_and_settings_updates(engine) -> None:
+    """pipecat's own frames drive text turns: LLMUpdateSettingsFrame's system_instruction becomes the system
+    turn (nothing was said yet) and its max_tokens the reply limit; LLMMessagesAppendFrame's text joins the
+    next reply, which run_llm (or an LLMRunFrame) starts; what omni_rt cannot do (tools, replacing the
+    context the model has heard) is an ErrorFrame upstream, and the pipeline goes on."""
+    service = OmniRtService(engine, **REPLY)
+    said: list[tuple[str, list[int]]] = []  # each reply's status and the conversation after it
+
+    async def on_done(svc, ev) -> None:
+        said.append((ev.status, list(svc.session.conversation), ev.usage.output_tokens))
+
+    service.add_event_handler("on_response_done", on_done)
+    tap = Tap()
+    weather = FunctionSchema(name="weather", description="The weather", properties={}, required=[])
+    frames = [
+        LLMUpdateSettingsFrame(delta=LLMSettings(system_instruction="You are a pirate.", max_tokens=8)),
+        LLMMessagesAppendFrame(messages=[{"role": "user", "content": "My name is Ada."}]),
+        LLMMessagesAppendFrame(
+            messages=[{"role": "user", "content": [{"type": "text", "text": "Say hi."}]}], run_llm=True
+        ),
+        Await(tap.ended[0], "reply 1's end"),
+        LLMMessagesAppendFrame(messages=[{"role": "system", "content": "Speak slowly."}]),
+        LLMRunFrame(),
+        Await(tap.ended[1], "reply 2's end"),
+        LLMSetToolsFrame(tools=ToolsSchema(standard_tools=[weather])),
+        LLMMessagesUpdateFrame(messages=[{"role": "user", "content": "Forget all that."}]),
+    ]
+    async with engine:
+        down, up = await run_pipeline(Pipeline([service, tap]), frames)
+    tok = engine.tokenizer
+    (s1, c1, n1), (s2, c2, n2) = said
+    assert s1 == s2 == "completed" and 0 < n1 <= 8 and 0 < n2 <= 8
+    first = [("system", "You are a pirate."), ("user", "My name is Ada."), ("user", "Say hi.")]
+    assert c1[: len(tok.chat_prompt(first))] == tok.chat_prompt(first)
+    assert holds(c2[len(c1) :], tok.chat_prompt([("system", "Speak slowly.")]))
+    assert len(replies(down)) == 2 and all(
+        any(isinstance(f, TTSAudioRawFrame) for f in r) for r in replies(down)
+    )
+    errors = [f.error for f in up if isinstance(f, ErrorFrame)]
+    assert len(errors) == 2 and "tool" in errors[0] and "LLMMessagesUpdateFrame" in errors[1], errors

@@ -48,6 +48,7 @@ from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn, TurnSegmenter,
 from omni_rt.config import Sampling
 from omni_rt.errors import OmniRtError
 from omni_rt.integrations._audio import SPEECH_RATE, InputAudio, TurnBuffer
+from omni_rt.integrations._prompt import reply_prompt
 
 __all__ = ["RealtimeModel", "RealtimeSession"]
 
@@ -382,15 +383,9 @@ class RealtimeSession(llm.RealtimeSession):
         """What the next reply answers: the committed speech (one spoken turn), the pending chat items and
         the reply's instructions."""
         pending = self._pending + ([("system", instructions)] if instructions else [])
-        self._pending, self._pending_ids = [], set()
-        if self._committed:
-            audio = np.concatenate(self._committed)
-            self._committed = []
-            text = "\n".join(t for _, t in pending) or None
-            return dict(audio=audio, audio_sample_rate=SPEECH_RATE, text=text)
-        if not session.conversation and session.settings.instructions:
-            pending = [("system", session.settings.instructions), *pending]  # a verbatim prompt has none
-        return dict(input_ids=self._model.engine.tokenizer.chat_prompt(pending))
+        audio = np.concatenate(self._committed) if self._committed else None
+        self._pending, self._pending_ids, self._committed = [], set(), []
+        return reply_prompt(session, self._model.engine.tokenizer, pending, audio)
 
     async def _reply(
         self, gen: _Generation, fut: asyncio.Future | None, *, user_initiated: bool, instructions: str | None

@@ -46,7 +46,7 @@ from pipecat.services.settings import LLMSettings
 from pipecat.turns.user_stop import TurnAnalyzerUserTurnStopStrategy
 from pipecat.turns.user_turn_processor import UserTurnProcessor
 from pipecat.turns.user_turn_strategies import UserTurnStrategies
-from pipecat_support import WAIT_S, Await, run_pipeline, until
+from pipecat_support import WAIT_S, Await, Count, run_pipeline, until
 
 from omni_rt.audio.resample import resample
 from omni_rt.integrations.pipecat import OmniRtService
@@ -337,3 +337,26 @@ async def test_text_messages_run_frames_and_settings_updates(engine) -> None:
     )
     errors = [f.error for f in up if isinstance(f, ErrorFrame)]
     assert len(errors) == 2 and "tool" in errors[0] and "LLMMessagesUpdateFrame" in errors[1], errors
+
+
+async def test_an_interruption_keeps_what_a_dropped_reply_would_have_answered(engine) -> None:
+    """A reply owed behind the one being made is dropped by an interruption, but what it would have answered
+    is not: the messages (and speech) it carried join the next reply."""
+    service = OmniRtService(engine, **REPLY)
+    said: list[list[int]] = []
+    service.add_event_handler("on_response_done", lambda svc, ev: said.append(list(svc.session.conversation)))
+    tap, count = Tap(), Count()
+    frames = [
+        LLMMessagesAppendFrame(messages=[{"role": "user", "content": "Say hi."}], run_llm=True),
+        Await(tap.audio[0], "reply 1's first audio"),
+        LLMMessagesAppendFrame(messages=[{"role": "user", "content": "My name is Ada."}], run_llm=True),
+        Await(count.nth(LLMMessagesAppendFrame, 2), "the second message"),  # owed behind reply 1
+        InterruptionFrame(),
+        LLMRunFrame(),
+        Await(tap.ended[1], "the next reply's end"),
+    ]
+    async with engine:
+        await run_pipeline(Pipeline([service, tap, count]), frames)
+    assert len(said) == 2  # reply 1 (cancelled) and the one after the interruption
+    ada = engine.tokenizer.chat_prompt([("user", "My name is Ada.")])
+    assert not holds(said[0], ada) and holds(said[1], ada)

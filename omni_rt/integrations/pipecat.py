@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 from pipecat.frames.frames import (
     CancelFrame,
     EndFrame,
@@ -88,6 +89,7 @@ class _Reply:
     task: asyncio.Task | None = None  # held here: a task nobody references can be collected mid-run
     response_id: str | None = None
     interrupted: bool = False  # set first thing on an interruption: nothing of it is pushed after
+    ran: bool = False  # sent to the engine (else an interruption dropped it first)
     started: bool = False  # TTSStartedFrame pushed
     done: asyncio.Event = field(default_factory=asyncio.Event)  # set when its task ends, however it ends
 
@@ -131,6 +133,7 @@ class OmniRtService(AIService):
         self._owns_engine = False
         self._replies: list[_Reply] = []  # replies not done yet: the running one, then those waiting
         self._messages: list[tuple[str, str]] = []  # (role, text) the next reply's prompt carries
+        self._unheard: list[np.ndarray] = []  # speech of dropped replies: the next reply answers it first
         # on_response_done(service, ev): each reply's omni_rt `response.done` (status, usage, metrics)
         self._register_event_handler("on_response_done")
 
@@ -293,6 +296,9 @@ class OmniRtService(AIService):
         turn that ends while a reply runs is answered after it."""
         self._replies = [r for r in self._replies if not r.done.is_set()]
         previous = self._replies[-1] if self._replies else None
+        if self._unheard:
+            audio = np.concatenate([*self._unheard, *([] if audio is None else [audio])])
+            self._unheard = []
         reply = _Reply(audio, self._messages)
         self._messages = []
         reply.task = self.create_task(self._run(reply, previous), name="omni_rt_reply")
@@ -312,12 +318,18 @@ class OmniRtService(AIService):
             await self._session.cancel()  # returns once the engine has stopped it (within a codec frame)
         for r in pending:
             await r.done.wait()
+        # what the dropped ones would have answered, the user's speech and messages, is not lost: the
+        # next reply answers it (before anything added since)
+        dropped = [r for r in pending if not r.ran]
+        self._messages[:0] = [m for r in dropped for m in r.messages]
+        self._unheard[:0] = [r.audio for r in dropped if r.audio is not None]
 
     async def _run(self, reply: _Reply, previous: _Reply | None) -> None:
         try:
             if previous is not None:
                 await previous.done.wait()
             if not reply.interrupted and self._session is not None:
+                reply.ran = True
                 await self._stream(reply)
         except Exception as e:  # the reply's end reaches the pipeline as an error, never a silent stop
             await self.push_error(f"omni_rt reply failed: {e}", exception=e)

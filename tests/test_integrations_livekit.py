@@ -4,6 +4,7 @@ it, without a LiveKit server, on the tiny preset, with espeak-ng speech pushed a
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import numpy as np
 import pytest
@@ -321,3 +322,54 @@ async def test_closing_fails_the_replies_still_owed_and_later_ones(engine) -> No
         with pytest.raises(llm.RealtimeError, match="closed"):
             await asyncio.wait_for(rt.generate_reply(), 10)
         await model.aclose()
+
+
+async def test_agent_session_with_manual_turns_and_stereo_input(engine, caplog) -> None:
+    """`QueueAudioInput` hands the session mono frames, as a room's input does (a sound card's stereo
+    capture pushed as is stopped the framework's own VAD task); a framework-driven turn
+    (`commit_user_turn`) is answered, and the framework logs no error."""
+    from livekit.agents import Agent, AgentSession
+
+    from omni_rt.integrations.livekit_io import PlayoutAudioOutput, QueueAudioInput
+
+    pcm, rate = spoken("Good morning to you")
+    caplog.set_level(logging.ERROR, logger="livekit.agents")
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        opened: list = []
+        session_of = model.session
+        model.session = lambda **kw: opened.append(session_of(**kw)) or opened[-1]
+        mic = QueueAudioInput()
+        session = AgentSession(llm=model, turn_handling={"turn_detection": "manual"})
+        session.input.audio, session.output.audio = mic, PlayoutAudioOutput()
+        await session.start(Agent(instructions="You are brief."), record=False)
+        frames = room_frames(np.concatenate([pcm, silence(0.3, rate)]), rate)  # 48 kHz stereo
+        for frame in frames:
+            mic.push(frame)
+        (rt,) = opened
+        pushed_ms = len(frames) * 10
+        await asyncio.wait_for(until(lambda: rt._buffer.duration_ms >= pushed_ms - 10), WAIT_S)
+        session.commit_user_turn()
+        await asyncio.wait_for(until(lambda: session.current_speech is not None), WAIT_S)
+        await asyncio.wait_for(session.current_speech.wait_for_playout(), WAIT_S)
+        assert [i.role for i in rt.chat_ctx.items] == ["user", "assistant"]
+        await session.aclose()
+        await model.aclose()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_queue_input_downmixes_to_mono() -> None:
+    from omni_rt.integrations.livekit_io import QueueAudioInput
+
+    mic = QueueAudioInput()
+    left, right = np.array([100, -200, 300], np.int16), np.array([300, 200, -100], np.int16)
+    mic.push(rtc.AudioFrame(np.stack([left, right], 1).tobytes(), 48000, 2, 3))
+    frame = asyncio.run(mic.__anext__())
+    assert (frame.num_channels, frame.sample_rate, frame.samples_per_channel) == (1, 48000, 3)
+    assert np.frombuffer(frame.data, np.int16).tolist() == [200, 0, 100]
+
+
+async def until(condition) -> None:
+    """Wait (one loop turn at a time) until `condition()` holds; the caller bounds it."""
+    while not condition():
+        await asyncio.sleep(0.01)

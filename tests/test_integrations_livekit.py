@@ -373,3 +373,28 @@ async def until(condition) -> None:
     """Wait (one loop turn at a time) until `condition()` holds; the caller bounds it."""
     while not condition():
         await asyncio.sleep(0.01)
+
+
+AUDIO_START = 151669  # <|audio_start|>: a spoken turn in the model's conversation
+
+
+async def test_a_reply_refused_as_too_long_keeps_the_users_speech_for_the_next(engine) -> None:
+    """generate_reply with instructions too long for the context: a clear error, and the user's committed
+    speech, which the model never heard, is what the next reply answers."""
+    pcm, rate = spoken("Good morning to you")
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        rt = model.session(turn_detection_disabled=True)
+        rec = Recorder(rt)
+        for frame in room_frames(np.concatenate([pcm, silence(0.3, rate)]), rate):
+            rt.push_audio(frame)
+        rt.commit_audio()
+        await asyncio.wait_for(rt.generate_reply(instructions="Be brief. " * 20000), WAIT_S)
+        (error,) = await rec.wait("error")
+        assert "context" in str(error.error) and error.recoverable
+        assert AUDIO_START not in rt.omni_session.conversation
+        created = await asyncio.wait_for(rt.generate_reply(), WAIT_S)
+        assert [f async for f in (await message(created)).audio_stream]
+        assert AUDIO_START in rt.omni_session.conversation
+        await rt.aclose()
+        await model.aclose()

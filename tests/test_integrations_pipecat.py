@@ -360,3 +360,31 @@ async def test_an_interruption_keeps_what_a_dropped_reply_would_have_answered(en
     assert len(said) == 2  # reply 1 (cancelled) and the one after the interruption
     ada = engine.tokenizer.chat_prompt([("user", "My name is Ada.")])
     assert not holds(said[0], ada) and holds(said[1], ada)
+
+
+async def test_a_reply_refused_as_too_long_keeps_the_users_speech_for_the_next(engine) -> None:
+    """A spoken turn whose reply is refused (the text sent with it does not fit the context): an ErrorFrame
+    upstream, and the user's speech, which the model never heard, is what the next reply answers."""
+    hello, rate = spoken("Good morning to you")
+    service = OmniRtService(engine, **REPLY)
+    said: list[tuple[str, list[int]]] = []
+    service.add_event_handler(
+        "on_response_done", lambda svc, ev: said.append((ev.status, list(svc.session.conversation)))
+    )
+    tap, count = Tap(), Count()
+    frames = [
+        LLMMessagesAppendFrame(messages=[{"role": "system", "content": "Be brief. " * 20000}]),
+        Await(count.nth(LLMMessagesAppendFrame, 1), "the long message"),
+        UserStartedSpeakingFrame(),
+        *audio_frames(np.concatenate([hello, silence(0.3, rate)]), rate),
+        UserStoppedSpeakingFrame(),
+        Await(tap.ended[0], "the refused reply's end"),
+        LLMRunFrame(),
+        Await(tap.ended[1], "the next reply's end"),
+    ]
+    async with engine:
+        down, up = await run_pipeline(Pipeline([service, tap, count]), frames)
+    assert [s for s, _ in said] == ["failed", "completed"]
+    assert any(isinstance(f, ErrorFrame) and "context" in f.error for f in up)
+    audio_start = 151669  # <|audio_start|>: a spoken turn in the model's conversation
+    assert audio_start not in said[0][1] and audio_start in said[1][1]

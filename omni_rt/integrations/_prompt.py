@@ -26,3 +26,10 @@ def reply_prompt(
     if not session.conversation and session.settings.instructions:
         messages = [("system", session.settings.instructions), *messages]  # a verbatim prompt has none
     return dict(input_ids=tokenizer.chat_prompt(messages))
+
+
+def users_words(messages: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """What of a refused reply's messages (one the model never heard: too long, ...) waits for the next
+    reply beside the user's speech: the user's words. The instructions or context sent with them are not
+    kept: they may be what made it too long."""
+    return [m for m in messages if m[0] == "user"]

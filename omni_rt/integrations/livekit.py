@@ -48,7 +48,7 @@ from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn, TurnSegmenter,
 from omni_rt.config import Sampling
 from omni_rt.errors import OmniRtError
 from omni_rt.integrations._audio import SPEECH_RATE, InputAudio, TurnBuffer
-from omni_rt.integrations._prompt import reply_prompt
+from omni_rt.integrations._prompt import reply_prompt, users_words
 
 __all__ = ["RealtimeModel", "RealtimeSession"]
 
@@ -379,13 +379,11 @@ class RealtimeSession(llm.RealtimeSession):
             ),
         )
 
-    def _prompt(self, session: Any, instructions: str | None) -> dict[str, Any]:
-        """What the next reply answers: the committed speech (one spoken turn), the pending chat items and
-        the reply's instructions."""
-        pending = self._pending + ([("system", instructions)] if instructions else [])
+    def _take(self) -> tuple[np.ndarray | None, list[tuple[str, str]]]:
+        """What the next reply answers: the committed speech (one spoken turn) and the pending chat items."""
         audio = np.concatenate(self._committed) if self._committed else None
-        self._pending, self._pending_ids, self._committed = [], set(), []
-        return reply_prompt(session, self._model.engine.tokenizer, pending, audio)
+        pending, self._pending, self._pending_ids, self._committed = self._pending, [], set(), []
+        return audio, pending
 
     async def _reply(
         self, gen: _Generation, fut: asyncio.Future | None, *, user_initiated: bool, instructions: str | None
@@ -396,11 +394,20 @@ class RealtimeSession(llm.RealtimeSession):
                     return  # dropped before its turn came: what it would have answered waits for the next
                 session = await self._ready()
                 self._current = gen
+                audio, pending = self._take()
+                prompt = reply_prompt(
+                    session, self._model.engine.tokenizer,
+                    pending + ([("system", instructions)] if instructions else []), audio,
+                )  # fmt: skip
+                heard = len(session.conversation)
                 try:
-                    await self._stream(session, gen, fut, user_initiated, self._prompt(session, instructions))
+                    done = await self._stream(session, gen, fut, user_initiated, prompt)
                 finally:
                     gen.close()
                     gen.done.set()
+                if done is not None and done.status == "failed" and len(session.conversation) == heard:
+                    self._committed[:0] = [] if audio is None else [audio]  # the model heard none of it
+                    self._pending[:0] = users_words(pending)
         except Exception as e:  # the caller's future or an error event: never a reply that silently hangs
             known = isinstance(e, OmniRtError | llm.RealtimeError)
             if fut is not None and not fut.done():
@@ -410,9 +417,10 @@ class RealtimeSession(llm.RealtimeSession):
             if not known:
                 raise
 
-    async def _stream(self, session, gen: _Generation, fut, user_initiated: bool, prompt: dict) -> None:
+    async def _stream(self, session, gen: _Generation, fut, user_initiated: bool, prompt: dict) -> Any:
+        """Run one reply; its response.done (None if it never came)."""
         t_created = time.time()
-        item = None
+        item = done = None
         async for ev in session.respond(**prompt, **self._model._respond_kwargs):
             if ev.type == "response.created":
                 gen.response_id = ev.response_id
@@ -430,6 +438,7 @@ class RealtimeSession(llm.RealtimeSession):
                 if fut is not None and not fut.done():
                     fut.set_result(created)
             elif ev.type == "response.done":
+                done = ev
                 gen.close()
                 if item is not None:
                     item.content = [gen.truncated if gen.truncated is not None else gen.transcript()]
@@ -449,6 +458,7 @@ class RealtimeSession(llm.RealtimeSession):
             elif ev.type == "response.output_audio_transcript.delta":
                 gen.transcript_deltas.append(ev.delta)
                 gen.text.send_nowait(ev.delta)
+        return done
 
     def _metrics(self, done: Any, t_created: float) -> RealtimeModelMetrics:
         m, u = done.metrics, done.usage

@@ -74,7 +74,7 @@ from omni_rt.audio.vad import SpeechStarted, Turn, TurnSegmenter, VadConfig
 from omni_rt.config import OUTPUT_SAMPLE_RATES, Sampling
 from omni_rt.errors import ConfigError
 from omni_rt.integrations._audio import InputAudio, TurnBuffer
-from omni_rt.integrations._prompt import reply_prompt
+from omni_rt.integrations._prompt import reply_prompt, users_words
 
 __all__ = ["OmniRtService"]
 
@@ -341,6 +341,7 @@ class OmniRtService(AIService):
         await self.push_frame(LLMFullResponseStartFrame())
         session = self._session  # the reply's own: a cancel whose interrupt failed closes the service first
         prompt = reply_prompt(session, self.engine.tokenizer, reply.messages, reply.audio)
+        heard = len(session.conversation)
         stream = session.respond(**prompt, **self._respond_kwargs)
         async for ev in stream:
             if ev.type == "response.created":
@@ -348,6 +349,9 @@ class OmniRtService(AIService):
                 if reply.interrupted:  # interrupted while its spoken turn was being encoded
                     await session.cancel()
             elif ev.type == "response.done":
+                if ev.status == "failed" and len(session.conversation) == heard:  # the model heard none of it
+                    self._unheard[:0] = [] if reply.audio is None else [reply.audio]
+                    self._messages[:0] = users_words(reply.messages)
                 await self._finish(reply, ev)
             elif reply.interrupted:
                 continue  # the engine is stopping it: drop what was already on its way

@@ -68,6 +68,14 @@ class Recorder:
         return self.of(name)
 
 
+def say_and_commit(rt: llm.RealtimeSession) -> None:
+    """The user says "Good morning to you" in room audio, and the framework ends the turn."""
+    pcm, rate = spoken("Good morning to you")
+    for frame in room_frames(np.concatenate([pcm, silence(0.3, rate)]), rate):
+        rt.push_audio(frame)
+    rt.commit_audio()
+
+
 async def message(created: llm.GenerationCreatedEvent) -> llm.MessageGeneration:
     async for msg in created.message_stream:
         return msg
@@ -78,14 +86,11 @@ async def test_generate_reply_interrupt_truncate_and_a_second_reply(engine) -> N
     """Framework-driven turns: the user's speech is pushed and committed, generate_reply(instructions) answers
     with audio frames; interrupt() ends the audio stream at once; truncate() shortens the assistant item to
     what was played; a second reply works; metrics carry the time to first audio."""
-    pcm, rate = spoken("Good morning to you")
     async with engine:
         model = RealtimeModel(engine, **REPLY)
         rt = model.session(turn_detection_disabled=True)
         rec = Recorder(rt)
-        for frame in room_frames(np.concatenate([pcm, silence(0.3, rate)]), rate):
-            rt.push_audio(frame)
-        rt.commit_audio()
+        say_and_commit(rt)
         created = await asyncio.wait_for(rt.generate_reply(instructions="Answer briefly."), WAIT_S)
         assert created.user_initiated and created.response_id
         msg = await message(created)
@@ -279,14 +284,11 @@ async def test_a_cancelled_generate_reply_is_dropped_and_keeps_the_turn_for_the_
     """The framework cancels a generate_reply future whose speech was interrupted before the reply came
     (as OpenAI's plugin then cancels the response): no reply is made for it, the next reply does not wait
     behind one nobody will play, and the committed speech is what the next reply answers."""
-    pcm, rate = spoken("Good morning to you")
     async with engine:
         model = RealtimeModel(engine, **REPLY)
         rt = model.session(turn_detection_disabled=True)
         rec = Recorder(rt)
-        for frame in room_frames(np.concatenate([pcm, silence(0.3, rate)]), rate):
-            rt.push_audio(frame)
-        rt.commit_audio()
+        say_and_commit(rt)
         dropped = rt.generate_reply()
         dropped.cancel()
         created = await asyncio.wait_for(rt.generate_reply(), WAIT_S)
@@ -381,14 +383,11 @@ AUDIO_START = 151669  # <|audio_start|>: a spoken turn in the model's conversati
 async def test_a_reply_refused_as_too_long_keeps_the_users_speech_for_the_next(engine) -> None:
     """generate_reply with instructions too long for the context: a clear error, and the user's committed
     speech, which the model never heard, is what the next reply answers."""
-    pcm, rate = spoken("Good morning to you")
     async with engine:
         model = RealtimeModel(engine, **REPLY)
         rt = model.session(turn_detection_disabled=True)
         rec = Recorder(rt)
-        for frame in room_frames(np.concatenate([pcm, silence(0.3, rate)]), rate):
-            rt.push_audio(frame)
-        rt.commit_audio()
+        say_and_commit(rt)
         await asyncio.wait_for(rt.generate_reply(instructions="Be brief. " * 20000), WAIT_S)
         (error,) = await rec.wait("error")
         assert "context" in str(error.error) and error.recoverable

@@ -329,7 +329,8 @@ async def test_closing_fails_the_replies_still_owed_and_later_ones(engine) -> No
 async def test_agent_session_with_manual_turns_and_stereo_input(engine, caplog) -> None:
     """`QueueAudioInput` hands the session mono frames, as a room's input does (a sound card's stereo
     capture pushed as is stopped the framework's own VAD task); a framework-driven turn
-    (`commit_user_turn`) is answered, and the framework logs no error."""
+    (`commit_user_turn`) is answered; the agent's chat context holds the turn, and a message the agent adds
+    to it reaches the model; the framework logs no error."""
     from livekit.agents import Agent, AgentSession
 
     from omni_rt.integrations.livekit_io import PlayoutAudioOutput, QueueAudioInput
@@ -355,6 +356,19 @@ async def test_agent_session_with_manual_turns_and_stereo_input(engine, caplog) 
         await asyncio.wait_for(until(lambda: session.current_speech is not None), WAIT_S)
         await asyncio.wait_for(session.current_speech.wait_for_playout(), WAIT_S)
         assert [i.role for i in rt.chat_ctx.items] == ["user", "assistant"]
+        # the agent's own chat context holds the spoken turn too (announced as a remote item, as OpenAI's
+        # plugin announces the server's), so the agent can add to it: Agent.update_chat_ctx
+        agent = session.current_agent
+        assert [i.id for i in agent.chat_ctx.items if i.type == "message"] == [
+            i.id for i in rt.chat_ctx.items
+        ]
+        ctx = agent.chat_ctx.copy()
+        ctx.add_message(role="user", content="My name is Ada.")
+        await agent.update_chat_ctx(ctx)
+        await asyncio.wait_for(session.generate_reply().wait_for_playout(), WAIT_S)
+        ada = engine.tokenizer.encode("My name is Ada.")
+        conversation = rt.omni_session.conversation
+        assert any(conversation[i : i + len(ada)] == ada for i in range(len(conversation)))
         await session.aclose()
         await model.aclose()
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

@@ -43,6 +43,7 @@ from livekit.agents import llm, utils
 from livekit.agents.metrics import RealtimeModelMetrics
 from livekit.agents.metrics.base import Metadata
 from livekit.agents.types import NOT_GIVEN, NotGivenOr
+from livekit.agents.voice.generation import remove_instructions
 
 from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn, TurnSegmenter, VadConfig
 from omni_rt.config import Sampling
@@ -209,6 +210,10 @@ class RealtimeSession(llm.RealtimeSession):
                 self._pending.append(("system", instructions))
 
     async def update_chat_ctx(self, chat_ctx: llm.ChatContext) -> None:
+        # as OpenAI's plugin: the framework's own bookkeeping items and the agent's instructions (which
+        # update_instructions carries) are not conversation
+        chat_ctx = chat_ctx.copy(exclude_handoff=True, exclude_config_update=True)
+        remove_instructions(chat_ctx)
         async with self._lock:
             new_ids = {item.id for item in chat_ctx.items}
             ours = {item.id for item in self._chat_ctx.items}
@@ -282,7 +287,14 @@ class RealtimeSession(llm.RealtimeSession):
         self._committed.append(audio)
         pcm = (np.clip(audio, -1.0, 1.0) * 32767.0).astype(np.int16)
         frame = rtc.AudioFrame(pcm.tobytes(), SPEECH_RATE, 1, len(pcm))
-        self._chat_ctx.insert(llm.ChatMessage(role="user", content=[llm.AudioContent(frame=[frame])]))
+        self._add_item(llm.ChatMessage(role="user", content=[llm.AudioContent(frame=[frame])]))
+
+    def _add_item(self, item: llm.ChatMessage) -> None:
+        """An item the model made or heard on its own, announced as OpenAI's plugin announces the server's:
+        the framework then keeps it in the agent's chat context, which it hands back to update_chat_ctx."""
+        previous = self._chat_ctx.items[-1].id if self._chat_ctx.items else None
+        self._chat_ctx.insert(item)
+        self.emit("remote_item_added", llm.RemoteItemAddedEvent(previous_item_id=previous, item=item))
 
     # -- replies ---------------------------------------------------------------------------------------
 
@@ -432,7 +444,7 @@ class RealtimeSession(llm.RealtimeSession):
                 self._generations[gen.message_id] = gen  # what truncate() needs to know about it
                 while len(self._generations) > KEPT_GENERATIONS:
                     self._generations.pop(next(iter(self._generations)))
-                self._chat_ctx.insert(item)
+                self._add_item(item)
                 created = _created_event(gen, user_initiated)
                 self.emit("generation_created", created)
                 if fut is not None and not fut.done():

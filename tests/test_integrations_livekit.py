@@ -411,3 +411,41 @@ async def test_a_reply_refused_as_too_long_keeps_the_users_speech_for_the_next(e
         assert AUDIO_START in rt.omni_session.conversation
         await rt.aclose()
         await model.aclose()
+
+
+async def test_an_agent_handoff_gives_the_new_agent_its_own_conversation(engine, caplog) -> None:
+    """`session.update_agent(...)`: omni_rt cannot delete what its model heard, so it says its chat context
+    is not mutable and the framework opens a new session for a new agent with another context (instead of
+    asking the old one to forget, an error in its logs); handing the history on keeps the session."""
+    from livekit.agents import Agent, AgentSession
+
+    from omni_rt.integrations.livekit_io import PlayoutAudioOutput, QueueAudioInput
+
+    caplog.set_level(logging.ERROR, logger="livekit.agents")
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        opened: list = []
+        session_of = model.session
+        model.session = lambda **kw: opened.append(session_of(**kw)) or opened[-1]
+        session = AgentSession(llm=model)
+        session.input.audio, session.output.audio = QueueAudioInput(), PlayoutAudioOutput()
+        await session.start(Agent(instructions="You are a receptionist."), record=False)
+        await asyncio.wait_for(session.generate_reply(instructions="Greet.").wait_for_playout(), WAIT_S)
+
+        billing = Agent(instructions="You are a billing agent.")
+        session.update_agent(billing)
+        # the handoff's own task (wait_for_idle() can return on the old activity, before the swap)
+        await asyncio.wait_for(session._update_activity_atask, WAIT_S)
+        await asyncio.wait_for(session.generate_reply().wait_for_playout(), WAIT_S)
+        receptionist, rt = opened
+        assert receptionist._closed and rt.omni_session.settings.instructions == "You are a billing agent."
+        assert [i.role for i in rt.chat_ctx.items] == ["assistant"]  # its own reply only
+
+        support = Agent(instructions="You are a support agent.", chat_ctx=billing.chat_ctx)
+        session.update_agent(support)
+        await asyncio.wait_for(session._update_activity_atask, WAIT_S)
+        await asyncio.wait_for(session.generate_reply().wait_for_playout(), WAIT_S)
+        assert len(opened) == 2 and [i.role for i in rt.chat_ctx.items] == ["assistant", "assistant"]
+        await session.aclose()
+        await model.aclose()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []

@@ -24,7 +24,10 @@ Each `RealtimeSession` holds one omni_rt `Session` (one cache slot of the engine
   omni_rt's caches cannot be rewound (what the user said is kept either way).
 - `update_instructions`: before the first reply they become the session's system turn; later, a system
   turn ahead of the next reply. `update_chat_ctx`: new text messages join the next reply's prompt;
-  removing what the model already heard is an error (`RealtimeError`).
+  removing what the model already heard is an error (`RealtimeError`). The spoken turns and replies are
+  announced as `remote_item_added`, so the agent's chat context holds them. The chat context is not
+  "mutable" in the framework's sense (nothing heard can be deleted): a handoff to an agent with another
+  context gets a new session.
 - `metrics_collected`: a `RealtimeModelMetrics` per reply; `ttft` is omni_rt's time to first audio.
 Not supported (a `RealtimeError`, or an `error` event for the streaming calls): tools, video input, `say`.
 """
@@ -87,7 +90,10 @@ class RealtimeModel(llm.RealtimeModel):
                 audio_output=True,
                 manual_function_calls=False,
                 can_disable_turn_detection=True,
-                mutable_chat_context=True,
+                # new items can be added, but nothing the model heard can be deleted or edited: told so,
+                # the framework opens a new session for an agent with another context (a handoff) rather
+                # than asking this one to forget
+                mutable_chat_context=False,
                 mutable_instructions=True,
                 mutable_tools=False,
             )

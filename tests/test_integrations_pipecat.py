@@ -21,6 +21,7 @@ from pipecat.frames.frames import (
     ErrorFrame,
     Frame,
     InputAudioRawFrame,
+    InputImageRawFrame,
     InterruptionFrame,
     LLMFullResponseEndFrame,
     LLMMessagesAppendFrame,
@@ -388,3 +389,15 @@ async def test_a_reply_refused_as_too_long_keeps_the_users_speech_for_the_next(e
     assert any(isinstance(f, ErrorFrame) and "context" in f.error for f in up)
     audio_start = 151669  # <|audio_start|>: a spoken turn in the model's conversation
     assert audio_start not in said[0][1] and audio_start in said[1][1]
+
+
+async def test_video_input_is_one_clear_error_and_passes_on(engine) -> None:
+    """omni_rt hears no video: the first image frame is an ErrorFrame upstream (once, not per frame), and
+    the frames go on to the rest of the pipeline."""
+    service = OmniRtService(engine, **REPLY)
+    images = [InputImageRawFrame(image=bytes(12), size=(2, 2), format="RGB") for _ in range(3)]
+    async with engine:
+        down, up = await run_pipeline(service, images)
+    errors = [f.error for f in up if isinstance(f, ErrorFrame)]
+    assert len(errors) == 1 and "video" in errors[0], errors
+    assert sum(isinstance(f, InputImageRawFrame) for f in down) == 3

@@ -12,7 +12,8 @@ framework's turn frames. Text: `LLMMessagesAppendFrame`'s text messages join the
 after the speech when the reply answers a spoken turn), `run_llm` or an `LLMRunFrame` starts that reply;
 `LLMUpdateSettingsFrame`'s `system_instruction` (the system turn, or a system turn ahead of the next reply
 once something was said) and `max_tokens`. `LLMContextFrame`s pass through unread (the conversation lives
-in the omni_rt session); `LLMMessagesUpdateFrame` and `LLMSetToolsFrame` are `ErrorFrame`s upstream. With `turn_detection="pipecat"` (the default) pipecat's VAD and turn analyzer
+in the omni_rt session); `LLMMessagesUpdateFrame`, `LLMSetToolsFrame` and video (the first
+`InputImageRawFrame`) are `ErrorFrame`s upstream. With `turn_detection="pipecat"` (the default) pipecat's VAD and turn analyzer
 drive turns: `UserStartedSpeakingFrame` opens a turn (with the last `preroll_ms` of audio as its lead-in),
 `UserStoppedSpeakingFrame` sends it to the model, `InterruptionFrame` stops the reply. With
 `turn_detection="omni_rt"` the service cuts turns itself with omni_rt's server VAD and broadcasts the
@@ -45,6 +46,7 @@ from pipecat.frames.frames import (
     EndFrame,
     Frame,
     InputAudioRawFrame,
+    InputImageRawFrame,
     InterruptionFrame,
     LLMFullResponseEndFrame,
     LLMFullResponseStartFrame,
@@ -133,6 +135,7 @@ class OmniRtService(AIService):
         self._owns_engine = False
         self._replies: list[_Reply] = []  # replies not done yet: the running one, then those waiting
         self._messages: list[tuple[str, str]] = []  # (role, text) the next reply's prompt carries
+        self._video_refused = False
         self._unheard: list[np.ndarray] = []  # speech of dropped replies: the next reply answers it first
         # on_response_done(service, ev): each reply's omni_rt `response.done` (status, usage, metrics)
         self._register_event_handler("on_response_done")
@@ -235,6 +238,9 @@ class OmniRtService(AIService):
             )
         elif isinstance(frame, LLMSetToolsFrame):
             await self.push_error("omni_rt has no tool calling: LLMSetToolsFrame is ignored")
+        elif isinstance(frame, InputImageRawFrame) and not self._video_refused:
+            self._video_refused = True  # said once: a camera sends many
+            await self.push_error("omni_rt takes no video input: image frames pass through unread")
         await self.push_frame(frame, direction)
 
     async def _append(self, messages: list[Any]) -> bool:

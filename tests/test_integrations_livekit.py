@@ -449,3 +449,29 @@ async def test_an_agent_handoff_gives_the_new_agent_its_own_conversation(engine,
         await session.aclose()
         await model.aclose()
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def test_updates_during_a_reply_do_not_wait_for_it(engine) -> None:
+    """update_instructions and update_chat_ctx while a reply is being made return at once (they waited for
+    the whole reply to be generated) and reach the next reply."""
+    async with engine:
+        model = RealtimeModel(engine, max_output_tokens=400, max_audio_frames=300, ignore_eos=True)
+        rt = model.session(turn_detection_disabled=True)
+        rec = Recorder(rt)
+        await asyncio.wait_for(rt.generate_reply(instructions="Talk."), WAIT_S)
+        await rt.update_instructions("Speak slowly.")
+        ctx = rt.chat_ctx
+        ctx.add_message(role="user", content="My name is Ada.")
+        await rt.update_chat_ctx(ctx)
+        assert rec.of("metrics_collected") == []  # the reply is still being made
+        rt.interrupt()
+        created = await asyncio.wait_for(rt.generate_reply(), WAIT_S)
+        rt.interrupt()
+        await rec.wait("metrics_collected", 2)
+        assert created.response_id
+        tok, conversation = engine.tokenizer, rt.omni_session.conversation
+        for text in ("Speak slowly.", "My name is Ada."):
+            ids = tok.encode(text)
+            assert any(conversation[i : i + len(ids)] == ids for i in range(len(conversation))), text
+        await rt.aclose()
+        await model.aclose()

@@ -202,11 +202,14 @@ class RealtimeSession(llm.RealtimeSession):
         return self._session
 
     async def update_instructions(self, instructions: str) -> None:
+        if instructions == self._instructions:
+            return
+        self._instructions = instructions
+        if self._lock.locked():  # a reply is under way: a system turn ahead of the next, without waiting
+            self._pending.append(("system", instructions))
+            return
         async with self._lock:
             session = await self._ready()
-            if instructions == self._instructions:
-                return
-            self._instructions = instructions
             if not session.conversation:  # nothing said yet: the instructions become the system turn
                 await session.close()
                 self._session = None
@@ -220,30 +223,30 @@ class RealtimeSession(llm.RealtimeSession):
         # update_instructions carries) are not conversation
         chat_ctx = chat_ctx.copy(exclude_handoff=True, exclude_config_update=True)
         remove_instructions(chat_ctx)
-        async with self._lock:
-            new_ids = {item.id for item in chat_ctx.items}
-            ours = {item.id for item in self._chat_ctx.items}
-            heard = [i for i in ours - new_ids if i not in self._pending_ids]
-            if heard:
+        # no await below: a reply under way takes the new items or leaves them for the next, never half
+        new_ids = {item.id for item in chat_ctx.items}
+        ours = {item.id for item in self._chat_ctx.items}
+        heard = [i for i in ours - new_ids if i not in self._pending_ids]
+        if heard:
+            raise llm.RealtimeError(
+                f"omni_rt cannot remove items the model has already heard: {sorted(heard)}"
+            )
+        added: list[tuple[Any, str, str]] = []
+        for item in chat_ctx.items:
+            if item.id in ours:
+                continue
+            role = _ROLES.get(getattr(item, "role", None)) if item.type == "message" else None
+            text = item.text_content if role is not None else None
+            if role is None or not text:
                 raise llm.RealtimeError(
-                    f"omni_rt cannot remove items the model has already heard: {sorted(heard)}"
+                    f"omni_rt takes text messages in the chat context; item {item.id} is a {item.type}"
+                    + (f" ({item.role} without text)" if item.type == "message" else "")
                 )
-            added: list[tuple[Any, str, str]] = []
-            for item in chat_ctx.items:
-                if item.id in ours:
-                    continue
-                role = _ROLES.get(getattr(item, "role", None)) if item.type == "message" else None
-                text = item.text_content if role is not None else None
-                if role is None or not text:
-                    raise llm.RealtimeError(
-                        f"omni_rt takes text messages in the chat context; item {item.id} is a {item.type}"
-                        + (f" ({item.role} without text)" if item.type == "message" else "")
-                    )
-                added.append((item, role, text))
-            for item, role, text in added:
-                self._chat_ctx.insert(item)
-                self._pending.append((role, text))
-                self._pending_ids.add(item.id)
+            added.append((item, role, text))
+        for item, role, text in added:
+            self._chat_ctx.insert(item)
+            self._pending.append((role, text))
+            self._pending_ids.add(item.id)
 
     async def update_tools(self, tools: list[Any]) -> None:
         if tools:

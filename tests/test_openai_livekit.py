@@ -71,9 +71,9 @@ async def test_livekit_reply_interrupt_and_a_reply_after():
     "refused, so the tool's result is never spoken",
 )
 async def test_agent_session_calls_a_function_tool_and_speaks_its_result(caplog):
-    """An `AgentSession` on livekit's OpenAI plugin with a `@function_tool`: the user's text reaches the model,
-    the model's `<tool_call>` runs the tool, its result goes back and the reply to it is spoken; the framework
-    logs no error."""
+    """An `AgentSession` on livekit's OpenAI plugin with a `@function_tool`: the user's text reaches the
+    model, the model's `<tool_call>` runs the tool, its result goes back and the reply to it is spoken; the
+    framework logs no error."""
     calls: list[str] = []
 
     class Forecaster(Agent):

@@ -15,6 +15,9 @@ import numpy as np
 
 from omni_rt.integrations._audio import SPEECH_RATE
 
+# the frameworks' message roles as chat-template roles (OpenAI's "developer" is a system turn)
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
 
 def reply_prompt(
     session: Any, tokenizer: Any, messages: list[tuple[str, str]], audio: np.ndarray | None

@@ -52,13 +52,12 @@ from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn, TurnSegmenter,
 from omni_rt.config import Sampling
 from omni_rt.errors import OmniRtError
 from omni_rt.integrations._audio import SPEECH_RATE, InputAudio, TurnBuffer
-from omni_rt.integrations._prompt import reply_prompt, users_words
+from omni_rt.integrations._prompt import ROLES, reply_prompt, users_words
 
 __all__ = ["RealtimeModel", "RealtimeSession"]
 
 FRAME_MS = 80  # audio of one codec frame; the Talker speaks one text token per frame
 KEPT_GENERATIONS = 64  # replies truncate() can still shorten, newest kept
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 class RealtimeModel(llm.RealtimeModel):
@@ -235,7 +234,7 @@ class RealtimeSession(llm.RealtimeSession):
         for item in chat_ctx.items:
             if item.id in ours:
                 continue
-            role = _ROLES.get(getattr(item, "role", None)) if item.type == "message" else None
+            role = ROLES.get(getattr(item, "role", None)) if item.type == "message" else None
             text = item.text_content if role is not None else None
             if role is None or not text:
                 raise llm.RealtimeError(

@@ -8,12 +8,13 @@
                          UserTurnProcessor(user_turn_strategies=turns), omni, transport.output()])
 
 In: `InputAudioRawFrame` at any rate and channel count (downmixed and resampled to 16 kHz once), and the
-framework's turn frames. Text: `LLMMessagesAppendFrame`'s text messages join the next reply's prompt (as text
-after the speech when the reply answers a spoken turn), `run_llm` or an `LLMRunFrame` starts that reply;
-`LLMUpdateSettingsFrame`'s `system_instruction` (the system turn, or a system turn ahead of the next reply
-once something was said) and `max_tokens`. `LLMContextFrame`s pass through unread (the conversation lives
-in the omni_rt session); `LLMMessagesUpdateFrame`, `LLMSetToolsFrame` and video (the first
-`InputImageRawFrame`) are `ErrorFrame`s upstream. With `turn_detection="pipecat"` (the default) pipecat's VAD and turn analyzer
+framework's turn frames. Text: `LLMMessagesAppendFrame`'s text messages join the next reply's prompt (as
+text after the speech when the reply answers a spoken turn), `run_llm` or an `LLMRunFrame` starts that
+reply; `LLMUpdateSettingsFrame`'s `system_instruction` (the system turn, or a system turn ahead of the next
+reply once something was said) and `max_tokens`. `LLMContextFrame`s pass through unread (the conversation
+lives in the omni_rt session); `LLMMessagesUpdateFrame`, `LLMSetToolsFrame` and video (the first
+`InputImageRawFrame`) are `ErrorFrame`s upstream. With `turn_detection="pipecat"` (the default) pipecat's
+VAD and turn analyzer
 drive turns: `UserStartedSpeakingFrame` opens a turn (with the last `preroll_ms` of audio as its lead-in),
 `UserStoppedSpeakingFrame` sends it to the model, `InterruptionFrame` stops the reply. With
 `turn_detection="omni_rt"` the service cuts turns itself with omni_rt's server VAD and broadcasts the
@@ -76,12 +77,9 @@ from omni_rt.audio.vad import SpeechStarted, Turn, TurnSegmenter, VadConfig
 from omni_rt.config import OUTPUT_SAMPLE_RATES, Sampling
 from omni_rt.errors import ConfigError
 from omni_rt.integrations._audio import InputAudio, TurnBuffer
-from omni_rt.integrations._prompt import reply_prompt, users_words
+from omni_rt.integrations._prompt import ROLES, reply_prompt, users_words
 
 __all__ = ["OmniRtService"]
-
-
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 @dataclass(eq=False)
@@ -248,7 +246,7 @@ class OmniRtService(AIService):
         of them joins (nothing half-applied)."""
         added = []
         for m in messages:
-            role = _ROLES.get(m.get("role")) if isinstance(m, dict) else None
+            role = ROLES.get(m.get("role")) if isinstance(m, dict) else None
             text = standard_message_text(m) if role is not None else ""
             if not text:
                 await self.push_error(

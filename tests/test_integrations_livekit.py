@@ -76,6 +76,14 @@ def say_and_commit(rt: llm.RealtimeSession) -> None:
     rt.commit_audio()
 
 
+def sessions_of(model: RealtimeModel) -> list:
+    """The realtime sessions `model` opens from now on, in order (an AgentSession opens its own)."""
+    opened: list = []
+    session_of = model.session
+    model.session = lambda **kw: opened.append(session_of(**kw)) or opened[-1]
+    return opened
+
+
 async def message(created: llm.GenerationCreatedEvent) -> llm.MessageGeneration:
     async for msg in created.message_stream:
         return msg
@@ -193,9 +201,7 @@ async def test_agent_session_without_a_server(engine) -> None:
 
     async with engine:
         model = RealtimeModel(engine, **REPLY)
-        opened: list = []
-        session_of = model.session
-        model.session = lambda **kw: opened.append(session_of(**kw)) or opened[-1]  # to look inside
+        opened = sessions_of(model)
         heard: list[rtc.AudioFrame] = []
         first = asyncio.Event()
         speaker = PlayoutAudioOutput(on_frame=lambda f: (heard.append(f), first.set()))
@@ -339,9 +345,7 @@ async def test_agent_session_with_manual_turns_and_stereo_input(engine, caplog) 
     caplog.set_level(logging.ERROR, logger="livekit.agents")
     async with engine:
         model = RealtimeModel(engine, **REPLY)
-        opened: list = []
-        session_of = model.session
-        model.session = lambda **kw: opened.append(session_of(**kw)) or opened[-1]
+        opened = sessions_of(model)
         mic = QueueAudioInput()
         session = AgentSession(llm=model, turn_handling={"turn_detection": "manual"})
         session.input.audio, session.output.audio = mic, PlayoutAudioOutput()
@@ -424,9 +428,7 @@ async def test_an_agent_handoff_gives_the_new_agent_its_own_conversation(engine,
     caplog.set_level(logging.ERROR, logger="livekit.agents")
     async with engine:
         model = RealtimeModel(engine, **REPLY)
-        opened: list = []
-        session_of = model.session
-        model.session = lambda **kw: opened.append(session_of(**kw)) or opened[-1]
+        opened = sessions_of(model)
         session = AgentSession(llm=model)
         session.input.audio, session.output.audio = QueueAudioInput(), PlayoutAudioOutput()
         await session.start(Agent(instructions="You are a receptionist."), record=False)

@@ -41,6 +41,8 @@ from pipecat.frames.frames import (
 from pipecat.metrics.metrics import TTFBMetricsData
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams
+from pipecat.processors.aggregators.llm_context import LLMContext
+from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
 from pipecat.processors.audio.vad_processor import VADProcessor
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
 from pipecat.services.settings import LLMSettings
@@ -401,3 +403,31 @@ async def test_video_input_is_one_clear_error_and_passes_on(engine) -> None:
     errors = [f.error for f in up if isinstance(f, ErrorFrame)]
     assert len(errors) == 1 and "video" in errors[0], errors
     assert sum(isinstance(f, InputImageRawFrame) for f in down) == 3
+
+
+async def test_with_a_context_aggregator_the_first_context_starts_the_conversation(engine) -> None:
+    """pipecat's usual pipeline, a context aggregator pair around the service: the aggregator turns the app's
+    LLMRunFrame into an LLMContextFrame, and the first one starts the conversation with its text messages
+    (as pipecat's own realtime services do); later context frames start nothing, so a spoken turn after it
+    is answered once."""
+    hello, rate = spoken("Good morning to you")
+    service = OmniRtService(engine, turn_detection="omni_rt", **REPLY)
+    said: list[tuple[str, list[int]]] = []
+    service.add_event_handler(
+        "on_response_done", lambda svc, ev: said.append((ev.status, list(svc.session.conversation)))
+    )
+    context = LLMContext(messages=[{"role": "system", "content": "Greet the caller."}])
+    pair = LLMContextAggregatorPair(context)
+    tap = Tap()
+    frames = [
+        LLMRunFrame(),
+        Await(tap.ended[0], "the greeting's end"),
+        *audio_frames(np.concatenate([silence(0.3, rate), hello, silence(1.0, rate)]), rate),
+        Await(tap.ended[1], "the answer to the turn"),
+    ]
+    async with engine:
+        await run_pipeline(Pipeline([pair.user(), service, tap, pair.assistant()]), frames)
+    assert [s for s, _ in said] == ["completed", "completed"]
+    greet = engine.tokenizer.chat_prompt([("system", "Greet the caller.")])
+    assert said[0][1][: len(greet)] == greet
+    assert not tap.ended[2].is_set()  # one reply to the turn

@@ -12,11 +12,12 @@ framework's turn frames. Text: `LLMMessagesAppendFrame`'s text messages join the
 text after the speech when the reply answers a spoken turn), `run_llm` or an `LLMRunFrame` starts that
 reply; `LLMUpdateSettingsFrame`'s `system_instruction` (the system turn, or a system turn ahead of the next
 reply once something was said) and `max_tokens`. `LLMContextFrame`s pass through unread (the conversation
-lives in the omni_rt session); `LLMMessagesUpdateFrame`, `LLMSetToolsFrame` and video (the first
-`InputImageRawFrame`) are `ErrorFrame`s upstream. With `turn_detection="pipecat"` (the default) pipecat's
-VAD and turn analyzer
-drive turns: `UserStartedSpeakingFrame` opens a turn (with the last `preroll_ms` of audio as its lead-in),
-`UserStoppedSpeakingFrame` sends it to the model, `InterruptionFrame` stops the reply. With
+lives in the omni_rt session), but the first starts the conversation when nothing was said yet (a context
+aggregator in front turns the app's `LLMRunFrame` into one); `LLMMessagesUpdateFrame`, `LLMSetToolsFrame`
+and video (the first `InputImageRawFrame`) are `ErrorFrame`s upstream. With `turn_detection="pipecat"`
+(the default) pipecat's VAD and turn analyzer drive turns: `UserStartedSpeakingFrame` opens a turn (with
+the last `preroll_ms` of audio as its lead-in), `UserStoppedSpeakingFrame` sends it to the model,
+`InterruptionFrame` stops the reply. With
 `turn_detection="omni_rt"` the service cuts turns itself with omni_rt's server VAD and broadcasts the
 same user-turn frames and the interruption, as pipecat's own realtime services do.
 
@@ -49,6 +50,7 @@ from pipecat.frames.frames import (
     InputAudioRawFrame,
     InputImageRawFrame,
     InterruptionFrame,
+    LLMContextFrame,
     LLMFullResponseEndFrame,
     LLMFullResponseStartFrame,
     LLMMessagesAppendFrame,
@@ -134,6 +136,7 @@ class OmniRtService(AIService):
         self._replies: list[_Reply] = []  # replies not done yet: the running one, then those waiting
         self._messages: list[tuple[str, str]] = []  # (role, text) the next reply's prompt carries
         self._video_refused = False
+        self._context_seen = False  # the first LLMContextFrame may start the conversation; later ones not
         self._unheard: list[np.ndarray] = []  # speech of dropped replies: the next reply answers it first
         # on_response_done(service, ev): each reply's omni_rt `response.done` (status, usage, metrics)
         self._register_event_handler("on_response_done")
@@ -227,6 +230,8 @@ class OmniRtService(AIService):
                 self._respond(None)
         elif isinstance(frame, LLMRunFrame):
             self._respond(None)
+        elif isinstance(frame, LLMContextFrame) and not self._context_seen:
+            await self._first_context(frame)
         elif isinstance(frame, LLMUpdateSettingsFrame) and frame.service in (None, self):
             await self._update_llm_settings(frame)
         elif isinstance(frame, LLMMessagesUpdateFrame):
@@ -240,6 +245,17 @@ class OmniRtService(AIService):
             self._video_refused = True  # said once: a camera sends many
             await self.push_error("omni_rt takes no video input: image frames pass through unread")
         await self.push_frame(frame, direction)
+
+    async def _first_context(self, frame: LLMContextFrame) -> None:
+        """A context aggregator in front turns the app's LLMRunFrame (or an LLMMessagesAppendFrame that asks
+        to run) into LLMContextFrames. As pipecat's own realtime services do, the first one starts the
+        conversation with its messages when nothing was said yet; later ones (the aggregator's record of
+        each turn) start nothing: the conversation lives in the omni_rt session."""
+        self._context_seen = True
+        if self._replies or self._turn.open or self._session is None or self._session.conversation:
+            return  # the conversation started without it (the user spoke first)
+        if await self._append(frame.context.get_messages()):
+            self._respond(None)
 
     async def _append(self, messages: list[Any]) -> bool:
         """Text messages join the next reply's prompt; any other message is an error, and then none

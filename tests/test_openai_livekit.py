@@ -18,10 +18,10 @@ import aiohttp  # noqa: E402
 from livekit.agents import Agent, AgentSession, RunContext, function_tool  # noqa: E402
 from livekit.plugins.openai import realtime  # noqa: E402
 from server_fakes import FRAME, FakeEngine  # noqa: E402
+from test_server_tools import call_script  # noqa: E402  (the Thinker's deltas of one call)
 
 from omni_rt.integrations.livekit_io import PlayoutAudioOutput, QueueAudioInput  # noqa: E402
 from omni_rt.server import Server, ServerSettings  # noqa: E402
-from omni_rt.server.tools import TOOL_CALL, TOOL_CALL_END  # noqa: E402
 
 
 async def audio_of(generation, limit: int | None = None) -> int:
@@ -90,7 +90,7 @@ async def test_agent_session_calls_a_function_tool_and_speaks_its_result(caplog)
     caplog.set_level(logging.WARNING, logger="livekit.agents")
     engine = FakeEngine(step_s=0.02)
     body = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
-    engine.script = [("", [TOOL_CALL]), *[(c, [1000 + i]) for i, c in enumerate(body)], ("", [TOOL_CALL_END])]
+    engine.script = call_script(body)
     heard: list = []
     answered = asyncio.Event()
     async with Server(engine, ServerSettings(port=0, token="tk")) as server, aiohttp.ClientSession() as http:

@@ -4,6 +4,7 @@ it, without a LiveKit server, on the tiny preset, with espeak-ng speech pushed a
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import numpy as np
 import pytest
@@ -67,6 +68,22 @@ class Recorder:
         return self.of(name)
 
 
+def say_and_commit(rt: llm.RealtimeSession) -> None:
+    """The user says "Good morning to you" in room audio, and the framework ends the turn."""
+    pcm, rate = spoken("Good morning to you")
+    for frame in room_frames(np.concatenate([pcm, silence(0.3, rate)]), rate):
+        rt.push_audio(frame)
+    rt.commit_audio()
+
+
+def sessions_of(model: RealtimeModel) -> list:
+    """The realtime sessions `model` opens from now on, in order (an AgentSession opens its own)."""
+    opened: list = []
+    session_of = model.session
+    model.session = lambda **kw: opened.append(session_of(**kw)) or opened[-1]
+    return opened
+
+
 async def message(created: llm.GenerationCreatedEvent) -> llm.MessageGeneration:
     async for msg in created.message_stream:
         return msg
@@ -77,14 +94,11 @@ async def test_generate_reply_interrupt_truncate_and_a_second_reply(engine) -> N
     """Framework-driven turns: the user's speech is pushed and committed, generate_reply(instructions) answers
     with audio frames; interrupt() ends the audio stream at once; truncate() shortens the assistant item to
     what was played; a second reply works; metrics carry the time to first audio."""
-    pcm, rate = spoken("Good morning to you")
     async with engine:
         model = RealtimeModel(engine, **REPLY)
         rt = model.session(turn_detection_disabled=True)
         rec = Recorder(rt)
-        for frame in room_frames(np.concatenate([pcm, silence(0.3, rate)]), rate):
-            rt.push_audio(frame)
-        rt.commit_audio()
+        say_and_commit(rt)
         created = await asyncio.wait_for(rt.generate_reply(instructions="Answer briefly."), WAIT_S)
         assert created.user_initiated and created.response_id
         msg = await message(created)
@@ -187,9 +201,7 @@ async def test_agent_session_without_a_server(engine) -> None:
 
     async with engine:
         model = RealtimeModel(engine, **REPLY)
-        opened: list = []
-        session_of = model.session
-        model.session = lambda **kw: opened.append(session_of(**kw)) or opened[-1]  # to look inside
+        opened = sessions_of(model)
         heard: list[rtc.AudioFrame] = []
         first = asyncio.Event()
         speaker = PlayoutAudioOutput(on_frame=lambda f: (heard.append(f), first.set()))
@@ -272,3 +284,196 @@ async def test_playout_output_plays_segments_in_turn_and_reports_how_far_an_inte
     out.clear_buffer()  # stopped at once: it reports what had played, not what it held
     assert finished[-1].interrupted and finished[-1].playback_position < 0.1
     assert await asyncio.wait_for(out.wait_for_playout(), WAIT_S) is finished[-1]
+
+
+async def test_a_cancelled_generate_reply_is_dropped_and_keeps_the_turn_for_the_next(engine) -> None:
+    """The framework cancels a generate_reply future whose speech was interrupted before the reply came
+    (as OpenAI's plugin then cancels the response): no reply is made for it, the next reply does not wait
+    behind one nobody will play, and the committed speech is what the next reply answers."""
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        rt = model.session(turn_detection_disabled=True)
+        rec = Recorder(rt)
+        say_and_commit(rt)
+        dropped = rt.generate_reply()
+        dropped.cancel()
+        created = await asyncio.wait_for(rt.generate_reply(), WAIT_S)
+        assert [f async for f in (await message(created)).audio_stream]
+        await rec.wait("metrics_collected")
+        assert len(rec.of("generation_created")) == 1
+        items = rt.chat_ctx.items
+        assert [i.role for i in items] == ["user", "assistant"]  # the speech, answered once
+        assert isinstance(items[0].content[0], llm.AudioContent)
+        await rt.aclose()
+        await model.aclose()
+
+
+async def test_closing_fails_the_replies_still_owed_and_later_ones(engine) -> None:
+    """aclose() with a reply running and another queued behind it: the queued generate_reply future fails
+    with a RealtimeError (as OpenAI's plugin fails its pending ones) instead of never resolving; a
+    generate_reply after the close fails at once."""
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        rt = model.session(turn_detection_disabled=True)
+        running = await asyncio.wait_for(rt.generate_reply(instructions="Say hello."), WAIT_S)
+        queued = rt.generate_reply(instructions="Say goodbye.")
+        await rt.aclose()
+
+        async def drain() -> list:
+            return [f async for f in (await message(running)).audio_stream]
+
+        await asyncio.wait_for(
+            drain(), 10
+        )  # the running reply's streams end: nothing waits on a closed session
+        with pytest.raises(llm.RealtimeError, match="closed"):
+            await asyncio.wait_for(queued, 10)
+        with pytest.raises(llm.RealtimeError, match="closed"):
+            await asyncio.wait_for(rt.generate_reply(), 10)
+        await model.aclose()
+
+
+async def test_agent_session_with_manual_turns_and_stereo_input(engine, caplog) -> None:
+    """`QueueAudioInput` hands the session mono frames, as a room's input does (a sound card's stereo
+    capture pushed as is stopped the framework's own VAD task); a framework-driven turn
+    (`commit_user_turn`) is answered; the agent's chat context holds the turn, and a message the agent adds
+    to it reaches the model; the framework logs no error."""
+    from livekit.agents import Agent, AgentSession
+
+    from omni_rt.integrations.livekit_io import PlayoutAudioOutput, QueueAudioInput
+
+    pcm, rate = spoken("Good morning to you")
+    caplog.set_level(logging.ERROR, logger="livekit.agents")
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        opened = sessions_of(model)
+        mic = QueueAudioInput()
+        session = AgentSession(llm=model, turn_handling={"turn_detection": "manual"})
+        session.input.audio, session.output.audio = mic, PlayoutAudioOutput()
+        await session.start(Agent(instructions="You are brief."), record=False)
+        frames = room_frames(np.concatenate([pcm, silence(0.3, rate)]), rate)  # 48 kHz stereo
+        for frame in frames:
+            mic.push(frame)
+        (rt,) = opened
+        pushed_ms = len(frames) * 10
+        await asyncio.wait_for(until(lambda: rt._buffer.duration_ms >= pushed_ms - 10), WAIT_S)
+        session.commit_user_turn()
+        await asyncio.wait_for(until(lambda: session.current_speech is not None), WAIT_S)
+        await asyncio.wait_for(session.current_speech.wait_for_playout(), WAIT_S)
+        assert [i.role for i in rt.chat_ctx.items] == ["user", "assistant"]
+        # the agent's own chat context holds the spoken turn too (announced as a remote item, as OpenAI's
+        # plugin announces the server's), so the agent can add to it: Agent.update_chat_ctx
+        agent = session.current_agent
+        assert [i.id for i in agent.chat_ctx.items if i.type == "message"] == [
+            i.id for i in rt.chat_ctx.items
+        ]
+        ctx = agent.chat_ctx.copy()
+        ctx.add_message(role="user", content="My name is Ada.")
+        await agent.update_chat_ctx(ctx)
+        await asyncio.wait_for(session.generate_reply().wait_for_playout(), WAIT_S)
+        ada = engine.tokenizer.encode("My name is Ada.")
+        conversation = rt.omni_session.conversation
+        assert any(conversation[i : i + len(ada)] == ada for i in range(len(conversation)))
+        await session.aclose()
+        await model.aclose()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_queue_input_downmixes_to_mono() -> None:
+    from omni_rt.integrations.livekit_io import QueueAudioInput
+
+    mic = QueueAudioInput()
+    left, right = np.array([100, -200, 300], np.int16), np.array([300, 200, -100], np.int16)
+    mic.push(rtc.AudioFrame(np.stack([left, right], 1).tobytes(), 48000, 2, 3))
+    frame = asyncio.run(mic.__anext__())
+    assert (frame.num_channels, frame.sample_rate, frame.samples_per_channel) == (1, 48000, 3)
+    assert np.frombuffer(frame.data, np.int16).tolist() == [200, 0, 100]
+
+
+async def until(condition) -> None:
+    """Wait (one loop turn at a time) until `condition()` holds; the caller bounds it."""
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+AUDIO_START = 151669  # <|audio_start|>: a spoken turn in the model's conversation
+
+
+async def test_a_reply_refused_as_too_long_keeps_the_users_speech_for_the_next(engine) -> None:
+    """generate_reply with instructions too long for the context: a clear error, and the user's committed
+    speech, which the model never heard, is what the next reply answers."""
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        rt = model.session(turn_detection_disabled=True)
+        rec = Recorder(rt)
+        say_and_commit(rt)
+        await asyncio.wait_for(rt.generate_reply(instructions="Be brief. " * 20000), WAIT_S)
+        (error,) = await rec.wait("error")
+        assert "context" in str(error.error) and error.recoverable
+        assert AUDIO_START not in rt.omni_session.conversation
+        created = await asyncio.wait_for(rt.generate_reply(), WAIT_S)
+        assert [f async for f in (await message(created)).audio_stream]
+        assert AUDIO_START in rt.omni_session.conversation
+        await rt.aclose()
+        await model.aclose()
+
+
+async def test_an_agent_handoff_gives_the_new_agent_its_own_conversation(engine, caplog) -> None:
+    """`session.update_agent(...)`: omni_rt cannot delete what its model heard, so it says its chat context
+    is not mutable and the framework opens a new session for a new agent with another context (instead of
+    asking the old one to forget, an error in its logs); handing the history on keeps the session."""
+    from livekit.agents import Agent, AgentSession
+
+    from omni_rt.integrations.livekit_io import PlayoutAudioOutput, QueueAudioInput
+
+    caplog.set_level(logging.ERROR, logger="livekit.agents")
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        opened = sessions_of(model)
+        session = AgentSession(llm=model)
+        session.input.audio, session.output.audio = QueueAudioInput(), PlayoutAudioOutput()
+        await session.start(Agent(instructions="You are a receptionist."), record=False)
+        await asyncio.wait_for(session.generate_reply(instructions="Greet.").wait_for_playout(), WAIT_S)
+
+        billing = Agent(instructions="You are a billing agent.")
+        session.update_agent(billing)
+        # the handoff's own task (wait_for_idle() can return on the old activity, before the swap)
+        await asyncio.wait_for(session._update_activity_atask, WAIT_S)
+        await asyncio.wait_for(session.generate_reply().wait_for_playout(), WAIT_S)
+        receptionist, rt = opened
+        assert receptionist._closed and rt.omni_session.settings.instructions == "You are a billing agent."
+        assert [i.role for i in rt.chat_ctx.items] == ["assistant"]  # its own reply only
+
+        support = Agent(instructions="You are a support agent.", chat_ctx=billing.chat_ctx)
+        session.update_agent(support)
+        await asyncio.wait_for(session._update_activity_atask, WAIT_S)
+        await asyncio.wait_for(session.generate_reply().wait_for_playout(), WAIT_S)
+        assert len(opened) == 2 and [i.role for i in rt.chat_ctx.items] == ["assistant", "assistant"]
+        await session.aclose()
+        await model.aclose()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def test_updates_during_a_reply_do_not_wait_for_it(engine) -> None:
+    """update_instructions and update_chat_ctx while a reply is being made return at once (they waited for
+    the whole reply to be generated) and reach the next reply."""
+    async with engine:
+        model = RealtimeModel(engine, max_output_tokens=400, max_audio_frames=300, ignore_eos=True)
+        rt = model.session(turn_detection_disabled=True)
+        rec = Recorder(rt)
+        await asyncio.wait_for(rt.generate_reply(instructions="Talk."), WAIT_S)
+        await rt.update_instructions("Speak slowly.")
+        ctx = rt.chat_ctx
+        ctx.add_message(role="user", content="My name is Ada.")
+        await rt.update_chat_ctx(ctx)
+        assert rec.of("metrics_collected") == []  # the reply is still being made
+        rt.interrupt()
+        created = await asyncio.wait_for(rt.generate_reply(), WAIT_S)
+        rt.interrupt()
+        await rec.wait("metrics_collected", 2)
+        assert created.response_id
+        tok, conversation = engine.tokenizer, rt.omni_session.conversation
+        for text in ("Speak slowly.", "My name is Ada."):
+            ids = tok.encode(text)
+            assert any(conversation[i : i + len(ids)] == ids for i in range(len(conversation))), text
+        await rt.aclose()
+        await model.aclose()

@@ -13,14 +13,22 @@ import asyncio
 import numpy as np
 import pytest
 from integrations_support import chunks, silence, spoken, tiny_engine
+from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
+from pipecat.adapters.llm.schemas.tools_schema import ToolsSchema
 from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
 from pipecat.audio.vad.silero import SileroVADAnalyzer
 from pipecat.frames.frames import (
     ErrorFrame,
     Frame,
     InputAudioRawFrame,
+    InputImageRawFrame,
     InterruptionFrame,
     LLMFullResponseEndFrame,
+    LLMMessagesAppendFrame,
+    LLMMessagesUpdateFrame,
+    LLMRunFrame,
+    LLMSetToolsFrame,
+    LLMUpdateSettingsFrame,
     MetricsFrame,
     StartFrame,
     TTSAudioRawFrame,
@@ -33,12 +41,15 @@ from pipecat.frames.frames import (
 from pipecat.metrics.metrics import TTFBMetricsData
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.pipeline.worker import PipelineParams
+from pipecat.processors.aggregators.llm_context import LLMContext
+from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
 from pipecat.processors.audio.vad_processor import VADProcessor
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
+from pipecat.services.settings import LLMSettings
 from pipecat.turns.user_stop import TurnAnalyzerUserTurnStopStrategy
 from pipecat.turns.user_turn_processor import UserTurnProcessor
 from pipecat.turns.user_turn_strategies import UserTurnStrategies
-from pipecat_support import WAIT_S, Await, run_pipeline, until
+from pipecat_support import WAIT_S, Await, Count, run_pipeline, until
 
 from omni_rt.audio.resample import resample
 from omni_rt.integrations.pipecat import OmniRtService
@@ -283,3 +294,140 @@ async def test_a_pipeline_that_does_not_start_in_time_fails_the_run_and_leaves_n
             await run_pipeline(Pipeline([service, HoldStart()]), [], wait_s=0.5)
         assert tasks_left(before) == []
         assert service.session is None and engine.capacity.sessions == slots
+
+
+def holds(conversation: list[int], ids: list[int]) -> bool:
+    return any(conversation[i : i + len(ids)] == ids for i in range(len(conversation) - len(ids) + 1))
+
+
+async def test_text_messages_run_frames_and_settings_updates(engine) -> None:
+    """pipecat's own frames drive text turns: LLMUpdateSettingsFrame's system_instruction becomes the system
+    turn (nothing was said yet) and its max_tokens the reply limit; LLMMessagesAppendFrame's text joins the
+    next reply, which run_llm (or an LLMRunFrame) starts; what omni_rt cannot do (tools, replacing the
+    context the model has heard) is an ErrorFrame upstream, and the pipeline goes on."""
+    service = OmniRtService(engine, **REPLY)
+    said: list[tuple[str, list[int]]] = []  # each reply's status and the conversation after it
+
+    async def on_done(svc, ev) -> None:
+        said.append((ev.status, list(svc.session.conversation), ev.usage.output_tokens))
+
+    service.add_event_handler("on_response_done", on_done)
+    tap = Tap()
+    weather = FunctionSchema(name="weather", description="The weather", properties={}, required=[])
+    frames = [
+        LLMUpdateSettingsFrame(delta=LLMSettings(system_instruction="You are a pirate.", max_tokens=8)),
+        LLMMessagesAppendFrame(messages=[{"role": "user", "content": "My name is Ada."}]),
+        LLMMessagesAppendFrame(
+            messages=[{"role": "user", "content": [{"type": "text", "text": "Say hi."}]}], run_llm=True
+        ),
+        Await(tap.ended[0], "reply 1's end"),
+        LLMMessagesAppendFrame(messages=[{"role": "system", "content": "Speak slowly."}]),
+        LLMRunFrame(),
+        Await(tap.ended[1], "reply 2's end"),
+        LLMSetToolsFrame(tools=ToolsSchema(standard_tools=[weather])),
+        LLMMessagesUpdateFrame(messages=[{"role": "user", "content": "Forget all that."}]),
+    ]
+    async with engine:
+        down, up = await run_pipeline(Pipeline([service, tap]), frames)
+    tok = engine.tokenizer
+    (s1, c1, n1), (s2, c2, n2) = said
+    assert s1 == s2 == "completed" and 0 < n1 <= 8 and 0 < n2 <= 8
+    first = [("system", "You are a pirate."), ("user", "My name is Ada."), ("user", "Say hi.")]
+    assert c1[: len(tok.chat_prompt(first))] == tok.chat_prompt(first)
+    assert holds(c2[len(c1) :], tok.chat_prompt([("system", "Speak slowly.")]))
+    assert len(replies(down)) == 2 and all(
+        any(isinstance(f, TTSAudioRawFrame) for f in r) for r in replies(down)
+    )
+    errors = [f.error for f in up if isinstance(f, ErrorFrame)]
+    assert len(errors) == 2 and "tool" in errors[0] and "LLMMessagesUpdateFrame" in errors[1], errors
+
+
+async def test_an_interruption_keeps_what_a_dropped_reply_would_have_answered(engine) -> None:
+    """A reply owed behind the one being made is dropped by an interruption, but what it would have answered
+    is not: the messages (and speech) it carried join the next reply."""
+    service = OmniRtService(engine, **REPLY)
+    said: list[list[int]] = []
+    service.add_event_handler("on_response_done", lambda svc, ev: said.append(list(svc.session.conversation)))
+    tap, count = Tap(), Count()
+    frames = [
+        LLMMessagesAppendFrame(messages=[{"role": "user", "content": "Say hi."}], run_llm=True),
+        Await(tap.audio[0], "reply 1's first audio"),
+        LLMMessagesAppendFrame(messages=[{"role": "user", "content": "My name is Ada."}], run_llm=True),
+        Await(count.nth(LLMMessagesAppendFrame, 2), "the second message"),  # owed behind reply 1
+        InterruptionFrame(),
+        LLMRunFrame(),
+        Await(tap.ended[1], "the next reply's end"),
+    ]
+    async with engine:
+        await run_pipeline(Pipeline([service, tap, count]), frames)
+    assert len(said) == 2  # reply 1 (cancelled) and the one after the interruption
+    ada = engine.tokenizer.chat_prompt([("user", "My name is Ada.")])
+    assert not holds(said[0], ada) and holds(said[1], ada)
+
+
+async def test_a_reply_refused_as_too_long_keeps_the_users_speech_for_the_next(engine) -> None:
+    """A spoken turn whose reply is refused (the text sent with it does not fit the context): an ErrorFrame
+    upstream, and the user's speech, which the model never heard, is what the next reply answers."""
+    hello, rate = spoken("Good morning to you")
+    service = OmniRtService(engine, **REPLY)
+    said: list[tuple[str, list[int]]] = []
+    service.add_event_handler(
+        "on_response_done", lambda svc, ev: said.append((ev.status, list(svc.session.conversation)))
+    )
+    tap, count = Tap(), Count()
+    frames = [
+        LLMMessagesAppendFrame(messages=[{"role": "system", "content": "Be brief. " * 20000}]),
+        Await(count.nth(LLMMessagesAppendFrame, 1), "the long message"),
+        UserStartedSpeakingFrame(),
+        *audio_frames(np.concatenate([hello, silence(0.3, rate)]), rate),
+        UserStoppedSpeakingFrame(),
+        Await(tap.ended[0], "the refused reply's end"),
+        LLMRunFrame(),
+        Await(tap.ended[1], "the next reply's end"),
+    ]
+    async with engine:
+        down, up = await run_pipeline(Pipeline([service, tap, count]), frames)
+    assert [s for s, _ in said] == ["failed", "completed"]
+    assert any(isinstance(f, ErrorFrame) and "context" in f.error for f in up)
+    audio_start = 151669  # <|audio_start|>: a spoken turn in the model's conversation
+    assert audio_start not in said[0][1] and audio_start in said[1][1]
+
+
+async def test_video_input_is_one_clear_error_and_passes_on(engine) -> None:
+    """omni_rt hears no video: the first image frame is an ErrorFrame upstream (once, not per frame), and
+    the frames go on to the rest of the pipeline."""
+    service = OmniRtService(engine, **REPLY)
+    images = [InputImageRawFrame(image=bytes(12), size=(2, 2), format="RGB") for _ in range(3)]
+    async with engine:
+        down, up = await run_pipeline(service, images)
+    errors = [f.error for f in up if isinstance(f, ErrorFrame)]
+    assert len(errors) == 1 and "video" in errors[0], errors
+    assert sum(isinstance(f, InputImageRawFrame) for f in down) == 3
+
+
+async def test_with_a_context_aggregator_the_first_context_starts_the_conversation(engine) -> None:
+    """pipecat's usual pipeline, a context aggregator pair around the service: the aggregator turns the app's
+    LLMRunFrame into an LLMContextFrame, and the first one starts the conversation with its text messages
+    (as pipecat's own realtime services do); later context frames start nothing, so a spoken turn after it
+    is answered once."""
+    hello, rate = spoken("Good morning to you")
+    service = OmniRtService(engine, turn_detection="omni_rt", **REPLY)
+    said: list[tuple[str, list[int]]] = []
+    service.add_event_handler(
+        "on_response_done", lambda svc, ev: said.append((ev.status, list(svc.session.conversation)))
+    )
+    context = LLMContext(messages=[{"role": "system", "content": "Greet the caller."}])
+    pair = LLMContextAggregatorPair(context)
+    tap = Tap()
+    frames = [
+        LLMRunFrame(),
+        Await(tap.ended[0], "the greeting's end"),
+        *audio_frames(np.concatenate([silence(0.3, rate), hello, silence(1.0, rate)]), rate),
+        Await(tap.ended[1], "the answer to the turn"),
+    ]
+    async with engine:
+        await run_pipeline(Pipeline([pair.user(), service, tap, pair.assistant()]), frames)
+    assert [s for s, _ in said] == ["completed", "completed"]
+    greet = engine.tokenizer.chat_prompt([("system", "Greet the caller.")])
+    assert said[0][1][: len(greet)] == greet
+    assert not tap.ended[2].is_set()  # one reply to the turn

@@ -7,15 +7,20 @@ defaults (voice `marin`, `semantic_vad`) are accepted; `generate_reply()` resolv
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 
 import pytest
 
 pytest.importorskip("livekit.plugins.openai")
 
 import aiohttp  # noqa: E402
+from livekit.agents import Agent, AgentSession, RunContext, function_tool  # noqa: E402
 from livekit.plugins.openai import realtime  # noqa: E402
 from server_fakes import FRAME, FakeEngine  # noqa: E402
+from test_server_tools import call_script  # noqa: E402  (the Thinker's deltas of one call)
 
+from omni_rt.integrations.livekit_io import PlayoutAudioOutput, QueueAudioInput  # noqa: E402
 from omni_rt.server import Server, ServerSettings  # noqa: E402
 
 
@@ -56,3 +61,58 @@ async def test_livekit_reply_interrupt_and_a_reply_after():
             await session.aclose()
     assert errors == []
     assert engine.sessions[-1].voice == "chelsie"  # livekit's default voice, marin, by the table
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="server (omni_rt/server, not this test's code): livekit's plugin adds the first chat item with "
+    "previous_item_id='root', refused on an empty conversation, so the user's words never reach the model; "
+    "and after the tool runs it asks for the reply with response.tools (the session's tools again), "
+    "refused, so the tool's result is never spoken",
+)
+async def test_agent_session_calls_a_function_tool_and_speaks_its_result(caplog):
+    """An `AgentSession` on livekit's OpenAI plugin with a `@function_tool`: the user's text reaches the
+    model, the model's `<tool_call>` runs the tool, its result goes back and the reply to it is spoken; the
+    framework logs no error."""
+    calls: list[str] = []
+
+    class Forecaster(Agent):
+        def __init__(self) -> None:
+            super().__init__(instructions="Help.")
+
+        @function_tool
+        async def get_weather(self, ctx: RunContext, city: str) -> str:
+            """The weather in a city."""
+            calls.append(city)
+            engine.script, engine.reply = None, "It is sunny."  # the model's answer to the result
+            return "sunny"
+
+    caplog.set_level(logging.WARNING, logger="livekit.agents")
+    engine = FakeEngine(step_s=0.02)
+    body = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    engine.script = call_script(body)
+    heard: list = []
+    answered = asyncio.Event()
+    async with Server(engine, ServerSettings(port=0, token="tk")) as server, aiohttp.ClientSession() as http:
+        model = realtime.RealtimeModel(
+            base_url=f"http://127.0.0.1:{server.port}/v1", api_key="tk", http_session=http
+        )
+        session = AgentSession(llm=model)
+        session.input.audio = QueueAudioInput()
+        session.output.audio = PlayoutAudioOutput(on_frame=lambda f: (heard.append(f), answered.set()))
+        await session.start(Forecaster(), record=False)
+        try:
+            await session.generate_reply(user_input="Weather in Paris?")
+            with contextlib.suppress(TimeoutError):  # checked below, after what leads to it
+                await asyncio.wait_for(answered.wait(), 10)  # the reply after the tool's result
+        finally:
+            await session.aclose()
+    assert "Weather in Paris?" in str(engine.requests[0])
+    assert calls == ["Paris"]
+    assert engine.requests[-1] == "<tool_response>\nsunny\n</tool_response>"
+    assert answered.is_set()
+    assert [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and "pause" not in r.getMessage()
+    ] == []

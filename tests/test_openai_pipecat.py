@@ -12,6 +12,8 @@ import pytest
 
 pytest.importorskip("pipecat")
 
+from pipecat.adapters.llm.schemas.function_schema import FunctionSchema  # noqa: E402
+from pipecat.adapters.llm.schemas.tools_schema import ToolsSchema  # noqa: E402
 from pipecat.frames.frames import (  # noqa: E402
     ErrorFrame,
     InputAudioRawFrame,
@@ -21,9 +23,11 @@ from pipecat.frames.frames import (  # noqa: E402
 )
 from pipecat.pipeline.pipeline import Pipeline  # noqa: E402
 from pipecat.processors.aggregators.llm_context import LLMContext  # noqa: E402
+from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair  # noqa: E402
 from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService  # noqa: E402
 from pipecat_support import Await, Count, run_pipeline  # noqa: E402
 from server_fakes import FRAME, FakeEngine, speech_like  # noqa: E402
+from test_server_tools import call_script  # noqa: E402  (the Thinker's deltas of one call)
 
 from omni_rt.server import Server, ServerSettings  # noqa: E402
 
@@ -82,3 +86,38 @@ async def test_a_step_that_never_comes_fails_the_run_and_leaves_no_task():
         assert count.nth(LLMFullResponseEndFrame, 1).is_set()  # the first reply came and ended
         assert [t for t in asyncio.all_tasks() if t not in before and not t.done()] == []
     assert engine.requests == ["Hello."]
+
+
+async def test_a_registered_function_is_called_and_its_result_answered():
+    """pipecat's function calling on the server: the context's tools reach the model's system turn, its
+    `<tool_call>` runs the function registered with `register_function`, the result goes back as a tool
+    response, and the reply to it is spoken."""
+    body = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    engine = FakeEngine(step_s=0.02)
+    engine.script = call_script(body)
+    calls: list[dict] = []
+
+    async def get_weather(params) -> None:
+        calls.append(dict(params.arguments))
+        engine.script, engine.reply = None, "It is sunny."  # the model's answer to the result
+        await params.result_callback({"sky": "clear"})
+
+    weather = FunctionSchema(
+        name="get_weather", description="The weather in a city.",
+        properties={"city": {"type": "string"}}, required=["city"],
+    )  # fmt: skip
+    async with Server(engine, ServerSettings(port=0, token="tk")) as server:
+        llm = OpenAIRealtimeLLMService(api_key="tk", base_url=f"ws://127.0.0.1:{server.port}/v1/realtime")
+        llm.register_function("get_weather", get_weather)
+        context = LLMContext(
+            messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=ToolsSchema(standard_tools=[weather]),
+        )
+        pair = LLMContextAggregatorPair(context)
+        count = Count()
+        frames = [LLMContextFrame(context), Await(count.nth(TTSAudioRawFrame, 1), "the answer's audio")]
+        down, up = await run_pipeline(Pipeline([pair.user(), llm, count, pair.assistant()]), frames)
+    assert [f for f in [*down, *up] if isinstance(f, ErrorFrame)] == []
+    assert calls == [{"city": "Paris"}]
+    assert '"name": "get_weather"' in engine.instructions[-1]  # the tools, in the system turn
+    assert engine.requests == ["Weather in Paris?", '<tool_response>\n{"sky": "clear"}\n</tool_response>']

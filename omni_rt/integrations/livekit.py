@@ -24,7 +24,10 @@ Each `RealtimeSession` holds one omni_rt `Session` (one cache slot of the engine
   omni_rt's caches cannot be rewound (what the user said is kept either way).
 - `update_instructions`: before the first reply they become the session's system turn; later, a system
   turn ahead of the next reply. `update_chat_ctx`: new text messages join the next reply's prompt;
-  removing what the model already heard is an error (`RealtimeError`).
+  removing what the model already heard is an error (`RealtimeError`). The spoken turns and replies are
+  announced as `remote_item_added`, so the agent's chat context holds them. The chat context is not
+  "mutable" in the framework's sense (nothing heard can be deleted): a handoff to an agent with another
+  context gets a new session.
 - `metrics_collected`: a `RealtimeModelMetrics` per reply; `ttft` is omni_rt's time to first audio.
 Not supported (a `RealtimeError`, or an `error` event for the streaming calls): tools, video input, `say`.
 """
@@ -43,17 +46,18 @@ from livekit.agents import llm, utils
 from livekit.agents.metrics import RealtimeModelMetrics
 from livekit.agents.metrics.base import Metadata
 from livekit.agents.types import NOT_GIVEN, NotGivenOr
+from livekit.agents.voice.generation import remove_instructions
 
 from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn, TurnSegmenter, VadConfig
 from omni_rt.config import Sampling
 from omni_rt.errors import OmniRtError
 from omni_rt.integrations._audio import SPEECH_RATE, InputAudio, TurnBuffer
+from omni_rt.integrations._prompt import ROLES, reply_prompt, users_words
 
 __all__ = ["RealtimeModel", "RealtimeSession"]
 
 FRAME_MS = 80  # audio of one codec frame; the Talker speaks one text token per frame
 KEPT_GENERATIONS = 64  # replies truncate() can still shorten, newest kept
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 class RealtimeModel(llm.RealtimeModel):
@@ -85,7 +89,10 @@ class RealtimeModel(llm.RealtimeModel):
                 audio_output=True,
                 manual_function_calls=False,
                 can_disable_turn_detection=True,
-                mutable_chat_context=True,
+                # new items can be added, but nothing the model heard can be deleted or edited: told so,
+                # the framework opens a new session for an agent with another context (a handoff) rather
+                # than asking this one to forget
+                mutable_chat_context=False,
                 mutable_instructions=True,
                 mutable_tools=False,
             )
@@ -130,7 +137,7 @@ class RealtimeModel(llm.RealtimeModel):
 class _Generation:
     """One reply as the framework sees it; `interrupted` is set first thing by `interrupt()`."""
 
-    message_id: str
+    message_id: str = field(default_factory=lambda: utils.shortuuid("item_"))
     audio: utils.aio.Chan = field(default_factory=utils.aio.Chan)
     text: utils.aio.Chan = field(default_factory=utils.aio.Chan)
     response_id: str | None = None
@@ -167,6 +174,7 @@ class RealtimeSession(llm.RealtimeSession):
         self._current: _Generation | None = None
         self._generations: dict[str, _Generation] = {}  # the latest replies, by message id (truncate)
         self._tasks: set[asyncio.Task] = set()
+        self._owed: set[asyncio.Future] = set()  # generate_reply futures not resolved yet
         self._closed = False
         self._session: Any = None
         self._opening = asyncio.ensure_future(model._open(self._instructions))
@@ -193,11 +201,14 @@ class RealtimeSession(llm.RealtimeSession):
         return self._session
 
     async def update_instructions(self, instructions: str) -> None:
+        if instructions == self._instructions:
+            return
+        self._instructions = instructions
+        if self._lock.locked():  # a reply is under way: a system turn ahead of the next, without waiting
+            self._pending.append(("system", instructions))
+            return
         async with self._lock:
             session = await self._ready()
-            if instructions == self._instructions:
-                return
-            self._instructions = instructions
             if not session.conversation:  # nothing said yet: the instructions become the system turn
                 await session.close()
                 self._session = None
@@ -207,30 +218,34 @@ class RealtimeSession(llm.RealtimeSession):
                 self._pending.append(("system", instructions))
 
     async def update_chat_ctx(self, chat_ctx: llm.ChatContext) -> None:
-        async with self._lock:
-            new_ids = {item.id for item in chat_ctx.items}
-            ours = {item.id for item in self._chat_ctx.items}
-            heard = [i for i in ours - new_ids if i not in self._pending_ids]
-            if heard:
+        # as OpenAI's plugin: the framework's own bookkeeping items and the agent's instructions (which
+        # update_instructions carries) are not conversation
+        chat_ctx = chat_ctx.copy(exclude_handoff=True, exclude_config_update=True)
+        remove_instructions(chat_ctx)
+        # no await below: a reply under way takes the new items or leaves them for the next, never half
+        new_ids = {item.id for item in chat_ctx.items}
+        ours = {item.id for item in self._chat_ctx.items}
+        heard = [i for i in ours - new_ids if i not in self._pending_ids]
+        if heard:
+            raise llm.RealtimeError(
+                f"omni_rt cannot remove items the model has already heard: {sorted(heard)}"
+            )
+        added: list[tuple[Any, str, str]] = []
+        for item in chat_ctx.items:
+            if item.id in ours:
+                continue
+            role = ROLES.get(getattr(item, "role", None)) if item.type == "message" else None
+            text = item.text_content if role is not None else None
+            if role is None or not text:
                 raise llm.RealtimeError(
-                    f"omni_rt cannot remove items the model has already heard: {sorted(heard)}"
+                    f"omni_rt takes text messages in the chat context; item {item.id} is a {item.type}"
+                    + (f" ({item.role} without text)" if item.type == "message" else "")
                 )
-            added: list[tuple[Any, str, str]] = []
-            for item in chat_ctx.items:
-                if item.id in ours:
-                    continue
-                role = _ROLES.get(getattr(item, "role", None)) if item.type == "message" else None
-                text = item.text_content if role is not None else None
-                if role is None or not text:
-                    raise llm.RealtimeError(
-                        f"omni_rt takes text messages in the chat context; item {item.id} is a {item.type}"
-                        + (f" ({item.role} without text)" if item.type == "message" else "")
-                    )
-                added.append((item, role, text))
-            for item, role, text in added:
-                self._chat_ctx.insert(item)
-                self._pending.append((role, text))
-                self._pending_ids.add(item.id)
+            added.append((item, role, text))
+        for item, role, text in added:
+            self._chat_ctx.insert(item)
+            self._pending.append((role, text))
+            self._pending_ids.add(item.id)
 
     async def update_tools(self, tools: list[Any]) -> None:
         if tools:
@@ -256,7 +271,7 @@ class RealtimeSession(llm.RealtimeSession):
                 )
             elif isinstance(ev, Turn):
                 self._commit(ev.audio)
-                self._spawn(self._reply(None, user_initiated=False, instructions=None))
+                self._spawn(self._reply(_Generation(), None, user_initiated=False, instructions=None))
 
     def push_video(self, frame: rtc.VideoFrame) -> None:
         if not self._video_refused:
@@ -280,7 +295,14 @@ class RealtimeSession(llm.RealtimeSession):
         self._committed.append(audio)
         pcm = (np.clip(audio, -1.0, 1.0) * 32767.0).astype(np.int16)
         frame = rtc.AudioFrame(pcm.tobytes(), SPEECH_RATE, 1, len(pcm))
-        self._chat_ctx.insert(llm.ChatMessage(role="user", content=[llm.AudioContent(frame=[frame])]))
+        self._add_item(llm.ChatMessage(role="user", content=[llm.AudioContent(frame=[frame])]))
+
+    def _add_item(self, item: llm.ChatMessage) -> None:
+        """An item the model made or heard on its own, announced as OpenAI's plugin announces the server's:
+        the framework then keeps it in the agent's chat context, which it hands back to update_chat_ctx."""
+        previous = self._chat_ctx.items[-1].id if self._chat_ctx.items else None
+        self._chat_ctx.insert(item)
+        self.emit("remote_item_added", llm.RemoteItemAddedEvent(previous_item_id=previous, item=item))
 
     # -- replies ---------------------------------------------------------------------------------------
 
@@ -295,17 +317,30 @@ class RealtimeSession(llm.RealtimeSession):
         if isinstance(tools, list) and tools:
             fut.set_exception(llm.RealtimeError("omni_rt has no tool calling: generate_reply takes no tools"))
             return fut
-        self._spawn(self._reply(fut, user_initiated=True, instructions=instructions or None))
+        if self._closed:
+            fut.set_exception(llm.RealtimeError("generate_reply: the realtime session is closed"))
+            return fut
+        gen = _Generation()
+        self._owed.add(fut)
+        fut.add_done_callback(self._owed.discard)
+        # the framework cancels the future of a reply interrupted before it came (OpenAI's plugin then
+        # cancels the response): it is dropped, and the next reply does not wait behind it
+        fut.add_done_callback(lambda f: self._stop(gen) if f.cancelled() else None)
+        self._spawn(self._reply(gen, fut, user_initiated=True, instructions=instructions or None))
         return fut
 
     def interrupt(self) -> None:
         """Stop the reply now: its streams end at once and carry nothing more; the engine stops it."""
-        gen = self._current
-        if gen is None or gen.done.is_set() or gen.interrupted:
+        if self._current is not None:
+            self._stop(self._current)
+
+    def _stop(self, gen: _Generation) -> None:
+        """Stop one reply, made or not yet made (then it never is)."""
+        if gen.done.is_set() or gen.interrupted:
             return
         gen.interrupted = True
         gen.close()
-        if self._session is not None:
+        if gen is self._current and self._session is not None:
             self._spawn(self._session.cancel())
 
     def truncate(
@@ -344,6 +379,9 @@ class RealtimeSession(llm.RealtimeSession):
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for fut in list(self._owed):  # a reply task cancelled before it ran never resolves its own
+            if not fut.done():
+                fut.set_exception(llm.RealtimeError("generate_reply: the realtime session is closed"))
         with contextlib.suppress(Exception):  # a session that never opened has nothing to close
             session = await self._ready()
             await session.close()
@@ -361,33 +399,35 @@ class RealtimeSession(llm.RealtimeSession):
             ),
         )
 
-    def _prompt(self, session: Any, instructions: str | None) -> dict[str, Any]:
-        """What the next reply answers: the committed speech (one spoken turn), the pending chat items and
-        the reply's instructions."""
-        pending = self._pending + ([("system", instructions)] if instructions else [])
-        self._pending, self._pending_ids = [], set()
-        if self._committed:
-            audio = np.concatenate(self._committed)
-            self._committed = []
-            text = "\n".join(t for _, t in pending) or None
-            return dict(audio=audio, audio_sample_rate=SPEECH_RATE, text=text)
-        if not session.conversation and session.settings.instructions:
-            pending = [("system", session.settings.instructions), *pending]  # a verbatim prompt has none
-        return dict(input_ids=self._model.engine.tokenizer.chat_prompt(pending))
+    def _take(self) -> tuple[np.ndarray | None, list[tuple[str, str]]]:
+        """What the next reply answers: the committed speech (one spoken turn) and the pending chat items."""
+        audio = np.concatenate(self._committed) if self._committed else None
+        pending, self._pending, self._pending_ids, self._committed = self._pending, [], set(), []
+        return audio, pending
 
     async def _reply(
-        self, fut: asyncio.Future | None, *, user_initiated: bool, instructions: str | None
+        self, gen: _Generation, fut: asyncio.Future | None, *, user_initiated: bool, instructions: str | None
     ) -> None:
         try:
             async with self._lock:
+                if gen.interrupted or (fut is not None and fut.cancelled()):
+                    return  # dropped before its turn came: what it would have answered waits for the next
                 session = await self._ready()
-                gen = _Generation(message_id=utils.shortuuid("item_"))
                 self._current = gen
+                audio, pending = self._take()
+                prompt = reply_prompt(
+                    session, self._model.engine.tokenizer,
+                    pending + ([("system", instructions)] if instructions else []), audio,
+                )  # fmt: skip
+                heard = len(session.conversation)
                 try:
-                    await self._stream(session, gen, fut, user_initiated, self._prompt(session, instructions))
+                    done = await self._stream(session, gen, fut, user_initiated, prompt)
                 finally:
                     gen.close()
                     gen.done.set()
+                if done is not None and done.status == "failed" and len(session.conversation) == heard:
+                    self._committed[:0] = [] if audio is None else [audio]  # the model heard none of it
+                    self._pending[:0] = users_words(pending)
         except Exception as e:  # the caller's future or an error event: never a reply that silently hangs
             known = isinstance(e, OmniRtError | llm.RealtimeError)
             if fut is not None and not fut.done():
@@ -397,24 +437,28 @@ class RealtimeSession(llm.RealtimeSession):
             if not known:
                 raise
 
-    async def _stream(self, session, gen: _Generation, fut, user_initiated: bool, prompt: dict) -> None:
+    async def _stream(self, session, gen: _Generation, fut, user_initiated: bool, prompt: dict) -> Any:
+        """Run one reply; its response.done (None if it never came)."""
         t_created = time.time()
-        item = None
+        item = done = None
         async for ev in session.respond(**prompt, **self._model._respond_kwargs):
             if ev.type == "response.created":
                 gen.response_id = ev.response_id
                 if gen.interrupted:  # interrupted before the engine had it
                     await session.cancel()
+                if fut is not None and fut.cancelled():
+                    continue  # dropped by the framework: nobody takes this generation
                 item = llm.ChatMessage(id=gen.message_id, role="assistant", content=[])
                 self._generations[gen.message_id] = gen  # what truncate() needs to know about it
                 while len(self._generations) > KEPT_GENERATIONS:
                     self._generations.pop(next(iter(self._generations)))
-                self._chat_ctx.insert(item)
+                self._add_item(item)
                 created = _created_event(gen, user_initiated)
                 self.emit("generation_created", created)
                 if fut is not None and not fut.done():
                     fut.set_result(created)
             elif ev.type == "response.done":
+                done = ev
                 gen.close()
                 if item is not None:
                     item.content = [gen.truncated if gen.truncated is not None else gen.transcript()]
@@ -434,6 +478,7 @@ class RealtimeSession(llm.RealtimeSession):
             elif ev.type == "response.output_audio_transcript.delta":
                 gen.transcript_deltas.append(ev.delta)
                 gen.text.send_nowait(ev.delta)
+        return done
 
     def _metrics(self, done: Any, t_created: float) -> RealtimeModelMetrics:
         m, u = done.metrics, done.usage

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 from livekit import rtc
 from livekit.agents.voice import io
 
@@ -25,8 +26,9 @@ __all__ = ["QueueAudioInput", "PlayoutAudioOutput"]
 
 
 class QueueAudioInput(io.AudioInput):
-    """Frames pushed from anywhere on the loop, read by the session. Bounded: when the session falls
-    behind by `max_frames`, the oldest frames go (live audio is worth more than old audio)."""
+    """Frames pushed from anywhere on the loop, read by the session as mono frames (a room's input is
+    mono, and the framework's own VAD takes nothing else: a stereo capture is downmixed). Bounded: when the
+    session falls behind by `max_frames`, the oldest frames go (live audio is worth more than old audio)."""
 
     def __init__(self, *, max_frames: int = 500, label: str = "omni_rt.QueueAudioInput") -> None:
         super().__init__(label=label)
@@ -34,6 +36,10 @@ class QueueAudioInput(io.AudioInput):
         self.dropped = 0
 
     def push(self, frame: rtc.AudioFrame) -> None:
+        if frame.num_channels > 1:
+            pcm = np.frombuffer(frame.data, np.int16).reshape(-1, frame.num_channels)
+            mono = pcm.mean(axis=1).round().astype(np.int16)
+            frame = rtc.AudioFrame(mono.tobytes(), frame.sample_rate, 1, len(mono))
         if self._queue.full():
             self._queue.get_nowait()
             self.dropped += 1

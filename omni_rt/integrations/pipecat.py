@@ -8,9 +8,16 @@
                          UserTurnProcessor(user_turn_strategies=turns), omni, transport.output()])
 
 In: `InputAudioRawFrame` at any rate and channel count (downmixed and resampled to 16 kHz once), and the
-framework's turn frames. With `turn_detection="pipecat"` (the default) pipecat's VAD and turn analyzer
-drive turns: `UserStartedSpeakingFrame` opens a turn (with the last `preroll_ms` of audio as its lead-in),
-`UserStoppedSpeakingFrame` sends it to the model, `InterruptionFrame` stops the reply. With
+framework's turn frames. Text: `LLMMessagesAppendFrame`'s text messages join the next reply's prompt (as
+text after the speech when the reply answers a spoken turn), `run_llm` or an `LLMRunFrame` starts that
+reply; `LLMUpdateSettingsFrame`'s `system_instruction` (the system turn, or a system turn ahead of the next
+reply once something was said) and `max_tokens`. `LLMContextFrame`s pass through unread (the conversation
+lives in the omni_rt session), but the first starts the conversation when nothing was said yet (a context
+aggregator in front turns the app's `LLMRunFrame` into one); `LLMMessagesUpdateFrame`, `LLMSetToolsFrame`
+and video (the first `InputImageRawFrame`) are `ErrorFrame`s upstream. With `turn_detection="pipecat"`
+(the default) pipecat's VAD and turn analyzer drive turns: `UserStartedSpeakingFrame` opens a turn (with
+the last `preroll_ms` of audio as its lead-in), `UserStoppedSpeakingFrame` sends it to the model,
+`InterruptionFrame` stops the reply. With
 `turn_detection="omni_rt"` the service cuts turns itself with omni_rt's server VAD and broadcasts the
 same user-turn frames and the interruption, as pipecat's own realtime services do.
 
@@ -35,16 +42,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 from pipecat.frames.frames import (
     CancelFrame,
     EndFrame,
     Frame,
     InputAudioRawFrame,
+    InputImageRawFrame,
     InterruptionFrame,
+    LLMContextFrame,
     LLMFullResponseEndFrame,
     LLMFullResponseStartFrame,
+    LLMMessagesAppendFrame,
+    LLMMessagesUpdateFrame,
+    LLMRunFrame,
     LLMServiceMetadataFrame,
+    LLMSetToolsFrame,
     LLMTextFrame,
+    LLMUpdateSettingsFrame,
     TTSAudioRawFrame,
     TTSStartedFrame,
     TTSStoppedFrame,
@@ -53,26 +68,30 @@ from pipecat.frames.frames import (
     UserStoppedSpeakingFrame,
 )
 from pipecat.metrics.metrics import LLMTokenUsage
+from pipecat.processors.aggregators.llm_context import standard_message_text
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessorSetup
 from pipecat.services.ai_service import AIService
-from pipecat.services.settings import ServiceSettings
+from pipecat.services.settings import ServiceSettings, is_given
 from pipecat.turns.user_turn_strategies import ExternalUserTurnStrategies
 from pipecat.utils.text.base_text_aggregator import TextType
 
 from omni_rt.audio.vad import SpeechStarted, Turn, TurnSegmenter, VadConfig
 from omni_rt.config import OUTPUT_SAMPLE_RATES, Sampling
 from omni_rt.errors import ConfigError
-from omni_rt.integrations._audio import SPEECH_RATE, InputAudio, TurnBuffer
+from omni_rt.integrations._audio import InputAudio, TurnBuffer
+from omni_rt.integrations._prompt import ROLES, reply_prompt, users_words
 
 __all__ = ["OmniRtService"]
 
 
 @dataclass(eq=False)
 class _Reply:
-    audio: Any
+    audio: Any  # the spoken turn it answers (16 kHz mono), or None
+    messages: list[tuple[str, str]]  # (role, text) added since the last reply, after the speech
     task: asyncio.Task | None = None  # held here: a task nobody references can be collected mid-run
     response_id: str | None = None
     interrupted: bool = False  # set first thing on an interruption: nothing of it is pushed after
+    ran: bool = False  # sent to the engine (else an interruption dropped it first)
     started: bool = False  # TTSStartedFrame pushed
     done: asyncio.Event = field(default_factory=asyncio.Event)  # set when its task ends, however it ends
 
@@ -115,6 +134,10 @@ class OmniRtService(AIService):
         self._session: Any = None
         self._owns_engine = False
         self._replies: list[_Reply] = []  # replies not done yet: the running one, then those waiting
+        self._messages: list[tuple[str, str]] = []  # (role, text) the next reply's prompt carries
+        self._video_refused = False
+        self._context_seen = False  # the first LLMContextFrame may start the conversation; later ones not
+        self._unheard: list[np.ndarray] = []  # speech of dropped replies: the next reply answers it first
         # on_response_done(service, ev): each reply's omni_rt `response.done` (status, usage, metrics)
         self._register_event_handler("on_response_done")
 
@@ -202,7 +225,74 @@ class OmniRtService(AIService):
             audio = self._turn.take()
             if audio is not None:
                 self._respond(audio)
+        elif isinstance(frame, LLMMessagesAppendFrame):
+            if await self._append(frame.messages) and frame.run_llm:
+                self._respond(None)
+        elif isinstance(frame, LLMRunFrame):
+            self._respond(None)
+        elif isinstance(frame, LLMContextFrame) and not self._context_seen:
+            await self._first_context(frame)
+        elif isinstance(frame, LLMUpdateSettingsFrame) and frame.service in (None, self):
+            await self._update_llm_settings(frame)
+        elif isinstance(frame, LLMMessagesUpdateFrame):
+            await self.push_error(
+                "omni_rt cannot replace the conversation the model has heard (its caches cannot be "
+                "rewound): LLMMessagesUpdateFrame is ignored; add messages with LLMMessagesAppendFrame"
+            )
+        elif isinstance(frame, LLMSetToolsFrame):
+            await self.push_error("omni_rt has no tool calling: LLMSetToolsFrame is ignored")
+        elif isinstance(frame, InputImageRawFrame) and not self._video_refused:
+            self._video_refused = True  # said once: a camera sends many
+            await self.push_error("omni_rt takes no video input: image frames pass through unread")
         await self.push_frame(frame, direction)
+
+    async def _first_context(self, frame: LLMContextFrame) -> None:
+        """A context aggregator in front turns the app's LLMRunFrame (or an LLMMessagesAppendFrame that asks
+        to run) into LLMContextFrames. As pipecat's own realtime services do, the first one starts the
+        conversation with its messages when nothing was said yet; later ones (the aggregator's record of
+        each turn) start nothing: the conversation lives in the omni_rt session."""
+        self._context_seen = True
+        if self._replies or self._turn.open or self._session is None or self._session.conversation:
+            return  # the conversation started without it (the user spoke first)
+        if await self._append(frame.context.get_messages()):
+            self._respond(None)
+
+    async def _append(self, messages: list[Any]) -> bool:
+        """Text messages join the next reply's prompt; any other message is an error, and then none
+        of them joins (nothing half-applied)."""
+        added = []
+        for m in messages:
+            role = ROLES.get(m.get("role")) if isinstance(m, dict) else None
+            text = standard_message_text(m) if role is not None else ""
+            if not text:
+                await self.push_error(
+                    f"omni_rt takes text messages (system, user or assistant): {str(m)[:120]!r} is not one; "
+                    "the LLMMessagesAppendFrame is ignored"
+                )
+                return False
+            added.append((role, text))
+        self._messages += added
+        return True
+
+    async def _update_llm_settings(self, frame: LLMUpdateSettingsFrame) -> None:
+        """system_instruction: the session's system turn before anything is said, later a system turn
+        ahead of the next reply; max_tokens: each reply's text limit. Others change nothing (a warning)."""
+        delta = frame.delta
+        given = (
+            {} if delta is None else {k: v for k, v in vars(delta).items() if is_given(v) and k != "extra"}
+        )
+        given |= frame.settings or {}  # pipecat's deprecated dict form
+        if "max_tokens" in given:
+            self._respond_kwargs["max_output_tokens"] = given.pop("max_tokens")
+        if "system_instruction" in given:
+            text = given.pop("system_instruction")
+            if self._session is not None and not self._session.conversation and not self._replies:
+                self._session_kwargs["instructions"] = text
+                await self._session.close()
+                self._session = self.engine.session(output_sample_rate=self._out_rate, **self._session_kwargs)
+            elif text:
+                self._messages.append(("system", text))
+        self._warn_unhandled_updated_settings(given)
 
     async def _on_audio(self, frame: InputAudioRawFrame) -> None:
         pcm = self._input.push(frame.audio, frame.sample_rate, frame.num_channels)
@@ -222,10 +312,15 @@ class OmniRtService(AIService):
     # -- replies ---------------------------------------------------------------------------------------
 
     def _respond(self, audio: Any) -> None:
-        """Answer a turn. One reply at a time: a turn that ends while a reply runs is answered after it."""
+        """Answer a turn (spoken, or None: the messages added since the last reply). One reply at a time: a
+        turn that ends while a reply runs is answered after it."""
         self._replies = [r for r in self._replies if not r.done.is_set()]
         previous = self._replies[-1] if self._replies else None
-        reply = _Reply(audio)
+        if self._unheard:
+            audio = np.concatenate([*self._unheard, *([] if audio is None else [audio])])
+            self._unheard = []
+        reply = _Reply(audio, self._messages)
+        self._messages = []
         reply.task = self.create_task(self._run(reply, previous), name="omni_rt_reply")
         # a task cancelled before it ran never runs its body: the callback is what always runs
         reply.task.add_done_callback(lambda _task: reply.done.set())
@@ -243,12 +338,18 @@ class OmniRtService(AIService):
             await self._session.cancel()  # returns once the engine has stopped it (within a codec frame)
         for r in pending:
             await r.done.wait()
+        # what the dropped ones would have answered, the user's speech and messages, is not lost: the
+        # next reply answers it (before anything added since)
+        dropped = [r for r in pending if not r.ran]
+        self._messages[:0] = [m for r in dropped for m in r.messages]
+        self._unheard[:0] = [r.audio for r in dropped if r.audio is not None]
 
     async def _run(self, reply: _Reply, previous: _Reply | None) -> None:
         try:
             if previous is not None:
                 await previous.done.wait()
             if not reply.interrupted and self._session is not None:
+                reply.ran = True
                 await self._stream(reply)
         except Exception as e:  # the reply's end reaches the pipeline as an error, never a silent stop
             await self.push_error(f"omni_rt reply failed: {e}", exception=e)
@@ -259,13 +360,18 @@ class OmniRtService(AIService):
         await self.start_processing_metrics(start_time=t0)
         await self.push_frame(LLMFullResponseStartFrame())
         session = self._session  # the reply's own: a cancel whose interrupt failed closes the service first
-        stream = session.respond(audio=reply.audio, audio_sample_rate=SPEECH_RATE, **self._respond_kwargs)
+        prompt = reply_prompt(session, self.engine.tokenizer, reply.messages, reply.audio)
+        heard = len(session.conversation)
+        stream = session.respond(**prompt, **self._respond_kwargs)
         async for ev in stream:
             if ev.type == "response.created":
                 reply.response_id = ev.response_id
                 if reply.interrupted:  # interrupted while its spoken turn was being encoded
                     await session.cancel()
             elif ev.type == "response.done":
+                if ev.status == "failed" and len(session.conversation) == heard:  # the model heard none of it
+                    self._unheard[:0] = [] if reply.audio is None else [reply.audio]
+                    self._messages[:0] = users_words(reply.messages)
                 await self._finish(reply, ev)
             elif reply.interrupted:
                 continue  # the engine is stopping it: drop what was already on its way

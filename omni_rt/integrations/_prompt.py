@@ -1,0 +1,38 @@
+"""What a reply answers, shared by the framework adapters: the user's spoken turn (if any) and the text
+messages the app added since the last reply, as `Session.respond`'s prompt arguments.
+
+omni_rt's spoken turns take text beside the audio in the same user turn, not a system turn: with speech,
+the messages become text after it. Without speech they are chat-formatted turns (system, user or
+assistant) ending with the assistant's header; the session's first turn then carries its instructions,
+as `Session.respond(text=...)` would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from omni_rt.integrations._audio import SPEECH_RATE
+
+# the frameworks' message roles as chat-template roles (OpenAI's "developer" is a system turn)
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def reply_prompt(
+    session: Any, tokenizer: Any, messages: list[tuple[str, str]], audio: np.ndarray | None
+) -> dict[str, Any]:
+    """`Session.respond` keyword arguments answering `audio` (16 kHz mono, or None) and `messages`."""
+    if audio is not None:
+        text = "\n".join(t for _, t in messages) or None
+        return dict(audio=audio, audio_sample_rate=SPEECH_RATE, text=text)
+    if not session.conversation and session.settings.instructions:
+        messages = [("system", session.settings.instructions), *messages]  # a verbatim prompt has none
+    return dict(input_ids=tokenizer.chat_prompt(messages))
+
+
+def users_words(messages: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """What of a refused reply's messages (one the model never heard: too long, ...) waits for the next
+    reply beside the user's speech: the user's words. The instructions or context sent with them are not
+    kept: they may be what made it too long."""
+    return [m for m in messages if m[0] == "user"]

@@ -92,3 +92,18 @@ async def test_call_and_key_mistakes_get_clear_http_errors():
             assert (await http.post(f"{base}/client_secrets", json=short, headers=auth)).status_code == 400
             # Nothing of it held a session slot: a call still fits the one slot.
             assert not server.peers and engine.open_sessions == 0
+
+
+async def test_a_key_with_a_session_the_server_would_refuse_is_not_minted():
+    """A session that only applying it shows bad (a transcription that is not an object) is HTTP 400
+    when the key is asked for, as a bad voice is; it was minted with HTTP 500 and a traceback."""
+    async with Server(FakeEngine(step_s=0.0), ServerSettings(port=0, token="tk")) as server:
+        base = f"{server_url(server)}/v1/realtime"
+        auth = {"Authorization": "Bearer tk"}
+        bad = {"session": {"type": "realtime", "audio": {"input": {"transcription": 5}}}}
+        async with httpx.AsyncClient() as http:
+            r = await http.post(f"{base}/client_secrets", json=bad, headers=auth)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert (error["code"], error["param"]) == ("invalid_value", "session.audio.input.transcription")
+            assert not server.rest.keys

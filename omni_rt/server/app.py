@@ -36,7 +36,7 @@ from omni_rt.config import EngineSettings, setting_overrides
 from omni_rt.model.config import PRESETS, preset
 from omni_rt.server import protocol
 from omni_rt.server.http import BodyConnection
-from omni_rt.server.peer import Peer, PeerSettings, model_voice
+from omni_rt.server.peer import Peer, PeerSettings
 from omni_rt.server.protocol import ProtocolError
 from omni_rt.server.rest import RealtimeHttp
 from omni_rt.server.transport import CLOSE_TIMEOUT_S
@@ -168,14 +168,12 @@ class Server:
         task.add_done_callback(self._handlers.discard)
 
     def session_preview(self, fields: protocol.SessionFields | None) -> dict[str, Any]:
-        """The session object that a session opened with this configuration starts with."""
+        """The session object that a session opened with this configuration starts with;
+        `ProtocolError` for one that a session would refuse (checked as `Peer.configure` applies it)."""
         peer = Peer(self.engine, None, self.settings.peer)
         if fields is not None:
             peer.configure(fields)
         return peer.session_object()
-
-    def model_voice(self, name: str) -> str:
-        return model_voice(self.engine, name)
 
     @property
     def port(self) -> int:

@@ -465,3 +465,18 @@ async def test_openai_defaults_that_clients_send_are_accepted(served):
     assert updated["audio"]["output"]["voice"] == "chelsie"  # by the voice table
     detection = updated["audio"]["input"]["turn_detection"]
     assert (detection["type"], detection["eagerness"]) == ("semantic_vad", "auto")  # served as asked
+
+
+async def test_a_per_response_voice_is_the_voice_the_reply_is_spoken_in(served):
+    """`response.audio.output.voice` was echoed in `response.created` but the reply was spoken in the
+    session's voice; the next reply without one is the session's again."""
+    engine, _, ws = served
+    await recv(ws)
+    await ws.send(json.dumps(user_message("hi")))
+    await ws.send(json.dumps({"type": "response.create", "response": {"audio": {"output": {"voice": "alloy"}}}}))
+    events = await until(ws, "response.done")
+    created = next(e for e in events if e["type"] == "response.created")
+    assert created["response"]["audio"]["output"]["voice"] == "chelsie"  # alloy, by the voice table
+    await ws.send(json.dumps({"type": "response.create"}))
+    await until(ws, "response.done")
+    assert engine.voices == ["chelsie", "ethan"]

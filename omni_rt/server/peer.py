@@ -477,6 +477,8 @@ class Peer:
             prompt = self._prompt(messages)
         self.replies.respond_when_idle = False
         limits = self._limits(self._max_tokens(fields.max_output_tokens), text, audio, prompt)
+        if fields.voice is not None:  # this reply's own voice (already a model voice, see above)
+            limits["voice"] = fields.voice
         held = self.speculator.take(self.session, (text, audio, limits))  # or it is dropped
         response = Response(
             item_id=wire.new_id("item"),

@@ -40,6 +40,10 @@ def test_parses_the_ga_client_events():
     )
     assert isinstance(ev, protocol.SessionUpdate)
     assert ev.event_id == "c1" and ev.session.audio.output.voice == "chelsie"
+    pcm = {"type": "audio/pcm", "rate": 24000}
+    beta = {"output_audio_format": "pcm16", "input_audio_format": "pcm16"}
+    for session in ({"type": "realtime", "audio": {"input": {"format": pcm}, "output": {"format": pcm}}}, beta):
+        assert parse_client_event(json.dumps({"type": "session.update", "session": session}))
     item = parse_client_event(json.dumps(user_message("hello")))
     assert protocol.message_text(item.item) == "hello"
     assert isinstance(parse_client_event('{"type": "response.create"}'), protocol.ResponseCreate)
@@ -144,6 +148,20 @@ def test_malformed_append_audio_is_an_invalid_value(audio, message):
         ),
         (
             '{"type": "session.update", "session": {"audio": {"input": {"format": {"rate": 16000}}}}}',
+            "invalid_value",
+            False,
+        ),
+        # Formats and session kinds omni_rt does not serve are refused, not served as something else.
+        (
+            '{"type": "session.update", "session": {"audio": {"output": {"format": {"type": "audio/pcmu"}}}}}',
+            "invalid_value",
+            False,
+        ),
+        ('{"type": "session.update", "session": {"output_audio_format": "g711_ulaw"}}', "invalid_value", False),
+        ('{"type": "session.update", "session": {"input_audio_format": "g711_alaw"}}', "invalid_value", False),
+        ('{"type": "session.update", "session": {"type": "transcription"}}', "invalid_value", False),
+        (
+            '{"type": "response.create", "response": {"audio": {"output": {"format": {"type": "audio/pcma"}}}}}',
             "invalid_value",
             False,
         ),

@@ -86,11 +86,6 @@ class _Event(BaseModel):
     event_id: str | None = None
 
 
-class AudioOutputConfig(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    voice: str | None = Field(default=None, min_length=1, max_length=64)
-
-
 class TurnDetectionFields(BaseModel):
     """`turn_detection`: `server_vad` or `semantic_vad` (omni_rt.audio.semantic). Missing fields: defaults."""
 
@@ -112,6 +107,13 @@ class AudioFormat(BaseModel):
     rate: Literal[24000] = INPUT_SAMPLE_RATE
 
 
+class AudioOutputConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    # Checked as the input's is: a client that asked for G.711 must not get PCM16 it would misread.
+    format: AudioFormat | None = None
+    voice: str | None = Field(default=None, min_length=1, max_length=64)
+
+
 class AudioInputConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
     format: AudioFormat | None = None
@@ -129,6 +131,8 @@ class SessionFields(BaseModel):
     """The parts of a session object a client may set. Unset fields keep their value."""
 
     model_config = ConfigDict(extra="allow")
+    # A transcription session (OpenAI's other kind) is not served: refused rather than answered.
+    type: Literal["realtime"] | None = None
     instructions: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
     output_modalities: list[Literal["audio", "text"]] | None = Field(default=None, min_length=1)
     audio: AudioConfig | None = None
@@ -139,6 +143,8 @@ class SessionFields(BaseModel):
     voice: str | None = Field(default=None, min_length=1, max_length=64)
     modalities: list[Literal["audio", "text"]] | None = Field(default=None, min_length=1)
     turn_detection: TurnDetectionFields | None = None
+    input_audio_format: Literal["pcm16"] | None = None
+    output_audio_format: Literal["pcm16"] | None = None
 
 
 class SessionUpdate(_Event):
@@ -328,6 +334,7 @@ def parse_client_event(raw: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> 
         raise ProtocolError(
             "invalid_value", f"{data['type']}: {param}: {first['msg']}", param=param, event_id=event_id
         ) from None
+
 
 
 def message_text(item: Item) -> str:

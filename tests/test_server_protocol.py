@@ -184,6 +184,24 @@ def test_bad_client_events_raise_protocol_errors(raw, code, fatal):
     assert err.value.fatal is fatal
 
 
+@pytest.mark.parametrize(
+    ("event", "param"),
+    [
+        ({"type": "session.update", "session": {"max_output_tokens": 0}}, "session.max_output_tokens"),
+        ({"type": "session.update", "session": {"tool_choice": {"type": "mcp"}}}, "session.tool_choice"),
+        ({"type": "session.update", "session": {"tool_choice": "any"}}, "session.tool_choice"),
+        ({"type": "response.create", "response": {"max_output_tokens": "lots"}}, "response.max_output_tokens"),
+        ({"type": "session.update", "session": {"tools": [{"type": "function"}]}}, "session.tools.0.name"),
+        ({"type": "input_audio_buffer.append"}, "audio"),
+    ],
+)
+def test_the_param_of_an_error_names_the_clients_field(event, param):
+    """`param` once carried pydantic's names for union members (`session.max_output_tokens.constrained-int`)."""
+    with pytest.raises(ProtocolError) as err:
+        parse_client_event(json.dumps(event))
+    assert err.value.param == param
+
+
 def test_size_limit_counts_bytes():
     text = json.dumps(user_message("é" * 600))  # 1,200 bytes of text in 600 characters
     with pytest.raises(ProtocolError, match="exceeds") as err:

@@ -330,11 +330,26 @@ def parse_client_event(raw: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> 
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"])
+        param = field_path(data, first)
         raise ProtocolError(
             "invalid_value", f"{data['type']}: {param}: {first['msg']}", param=param, event_id=event_id
         ) from None
 
+
+def field_path(data: Any, error: Any) -> str:
+    """The field a pydantic error is about, as the client wrote it (`session.max_output_tokens`):
+    the error's `loc` also names the union member that was tried (`constrained-int`,
+    `literal['auto','none','required']`), which is no field of the client's."""
+    path, node, loc = [], data, error["loc"]
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and part in node or (
+            isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        ):
+            path.append(str(part))
+            node = node[part]
+        elif i == len(loc) - 1 and error["type"] == "missing":
+            path.append(str(part))  # a required field the client left out
+    return ".".join(path)
 
 
 def message_text(item: Item) -> str:

@@ -149,8 +149,12 @@ class RealtimeHttp:
             request = _SecretRequest.model_validate_json(body or b"{}")
         except ValidationError as exc:
             first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            return _error(HTTPStatus.BAD_REQUEST, f"{where}: {first['msg']}", "invalid_value")
+            try:
+                where = protocol.field_path(json.loads(body or b"{}"), first)
+            except (ValueError, RecursionError):  # not JSON at all: no field to name
+                where = None
+            message = f"{where}: {first['msg']}" if where else first["msg"]
+            return _error(HTTPStatus.BAD_REQUEST, message, "invalid_value", param=where)
         try:
             session = self.server.session_preview(request.session)
         except ProtocolError as exc:

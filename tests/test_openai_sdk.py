@@ -267,3 +267,14 @@ async def test_keys_that_are_expired_or_unknown_are_refused(served):
     )
     async with live.realtime.connect(model="tiny") as conn:
         assert (await recv(conn))["type"] == "session.created"
+
+
+async def test_a_socket_for_what_the_server_does_not_serve_is_refused_at_the_handshake(served):
+    """`connect(call_id=...)` (joining a WebRTC call) and `intent=transcription` once opened an
+    unrelated realtime session, which the client took for the call or a transcription session."""
+    server, client = served
+    for kwargs in ({"call_id": "rtc_123"}, {"model": "tiny", "extra_query": {"intent": "transcription"}}):
+        with pytest.raises(Exception, match="400"):
+            async with client.realtime.connect(**kwargs) as conn:
+                await conn.recv()
+    assert not server.peers

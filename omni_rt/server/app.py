@@ -245,10 +245,19 @@ class Server:
         if origin is not None and not self._origin_allowed(origin, host):
             log.warning("refused /ws from origin %s (Host %s)", origin, host)
             return connection.respond(HTTPStatus.FORBIDDEN, "Origin not allowed.\n")
-        given = bearer if bearer is not None else parse_qs(query).get("token", [""])[0]
+        asked = parse_qs(query)
+        given = bearer if bearer is not None else asked.get("token", [""])[0]
         allowed, secret = self.rest.authorize(given, keys=True)
         if not allowed:
             return connection.respond(HTTPStatus.UNAUTHORIZED, "A valid token is required.\n")
+        # What the SDK's connect() can also ask for and a socket here cannot be: rather a clear refusal
+        # than a fresh realtime session that the client takes for the call or the transcriber it wanted.
+        if "call_id" in asked:
+            return connection.respond(
+                HTTPStatus.BAD_REQUEST, "Joining a call (call_id) is not supported: use its data channel.\n"
+            )
+        if "transcription" in asked.get("intent", []):
+            return connection.respond(HTTPStatus.BAD_REQUEST, "Transcription sessions are not served.\n")
         # The key's session configuration, for the peer that this connection becomes.
         connection.client_secret = secret  # type: ignore[attr-defined]
         return None  # websockets answers a plain GET here with 426 Upgrade Required

@@ -63,7 +63,12 @@ def check_reply(events: list[dict], *, audio: bool) -> dict:
     types = [e["type"] for e in events]
     start = types.index("response.created")
     rid = events[start]["response"]["id"]
-    reply = [e for e in events[start:] if e.get("response_id", rid) == rid or "item" in e]
+    # The input's transcription runs beside the reply (OpenAI's does too): its events are not the reply's.
+    reply = [
+        e
+        for e in events[start:]
+        if (e.get("response_id", rid) == rid or "item" in e) and "input_audio_transcription" not in e["type"]
+    ]
     kinds = [e["type"] for e in reply]
     delta = "response.output_audio_transcript.delta" if audio else "response.output_text.delta"
     opened = ["response.output_item.added", "conversation.item.added", "response.content_part.added"]
@@ -168,6 +173,34 @@ async def test_a_spoken_turn_with_server_vad(served):
         assert types.index("input_audio_buffer.speech_started") < types.index("input_audio_buffer.committed")
         assert types.index("input_audio_buffer.committed") < types.index("response.created")
         check_reply(events, audio=True)
+
+
+async def test_a_committed_turn_with_input_transcription(served):
+    """Manual turns (turn_detection null) and input transcription, as SDK users switch them on: the
+    `.completed` event once lacked its required `usage`, which the SDK's model rejects."""
+    server, client = served
+    async with client.realtime.connect(model="tiny") as conn:
+        await recv(conn)
+        audio_input = {"turn_detection": None, "transcription": {"model": "gpt-4o-transcribe"}}
+        await conn.session.update(session={"type": "realtime", "audio": {"input": audio_input}})
+        updated = (await recv(conn))["session"]["audio"]["input"]
+        assert updated["turn_detection"] is None and updated["transcription"] == audio_input["transcription"]
+        pcm = (np.clip(speech_like(0.6, 24000), -1, 1) * 32767).astype("<i2").tobytes()
+        await conn.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
+        await conn.input_audio_buffer.commit()
+        committed = await until(conn, "conversation.item.done")
+        item_id = committed[0]["item_id"]
+        assert [e["type"] for e in committed] == [
+            "input_audio_buffer.committed", "conversation.item.added", "conversation.item.done",
+        ]  # fmt: skip
+        await conn.response.create()
+        events = await until(conn, "response.done")
+        check_reply(events, audio=True)
+        if not any(e["type"].endswith("transcription.completed") for e in events):
+            events += await until(conn, "conversation.item.input_audio_transcription.completed")
+        completed = next(e for e in events if e["type"].endswith("transcription.completed"))
+        assert completed["item_id"] == item_id
+        assert completed["usage"] == {"type": "duration", "seconds": pytest.approx(0.6, abs=0.01)}
 
 
 # -- ephemeral keys and WebRTC calls, the OpenAI way --------------------------------------------------------

@@ -516,3 +516,21 @@ async def test_a_per_response_voice_is_the_voice_the_reply_is_spoken_in(served):
     await ws.send(json.dumps({"type": "response.create"}))
     await until(ws, "response.done")
     assert engine.voices == ["chelsie", "ethan"]
+
+
+async def test_content_the_model_cannot_take_is_refused_not_dropped(served):
+    """A user message of text and audio (or an image) once became its text alone, the rest dropped
+    without a word; such parts are now refused, with nothing added to the conversation."""
+    engine, _, ws = served
+    await recv(ws)
+    audio = base64.b64encode(np.zeros(2400, "<i2").tobytes()).decode()
+    for part in ({"type": "input_audio", "audio": audio}, {"type": "input_image", "image_url": "data:,"}):
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}, part]}
+        await ws.send(json.dumps({"type": "conversation.item.create", "event_id": "c1", "item": item}))
+        error = (await recv(ws))["error"]
+        assert (error["code"], error["param"], error["event_id"]) == (
+            "unsupported_value", "item.content.1.type", "c1",
+        )  # fmt: skip
+    await ws.send(json.dumps(user_message("only this")))
+    added = await recv(ws)
+    assert added["type"] == "conversation.item.added" and added["previous_item_id"] is None

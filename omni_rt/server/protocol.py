@@ -352,9 +352,22 @@ def field_path(data: Any, error: Any) -> str:
     return ".".join(path)
 
 
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
 def message_text(item: Item) -> str:
-    """The text of a message item (its `input_text` / `output_text` / `text` parts, in order)."""
-    texts = [p.text for p in item.content if p.type in ("input_text", "output_text", "text") and p.text]
+    """The text of a message item (its `input_text` / `output_text` / `text` parts, in order). Other
+    parts (`input_audio`, `input_image`, `output_audio`) are refused: dropping them would leave the model
+    a different message than the client sent. Speech comes through the input audio buffer."""
+    for i, part in enumerate(item.content):
+        if part.type not in _TEXT_PARTS:
+            raise ProtocolError(
+                "unsupported_value",
+                f"content parts of type {part.type[:64]!r} are not supported in conversation.item.create: "
+                "send text parts, and speech with input_audio_buffer.append and .commit",
+                param=f"item.content.{i}.type",
+            )
+    texts = [p.text for p in item.content if p.text]
     if not texts:
         raise ProtocolError(
             "invalid_value",

@@ -90,6 +90,10 @@ async def test_call_and_key_mistakes_get_clear_http_errors():
             )
             short = {"expires_after": {"anchor": "created_at", "seconds": 1}}
             assert (await http.post(f"{base}/client_secrets", json=short, headers=auth)).status_code == 400
+            # Only created_at is an anchor (OpenAI's one); another was taken for it.
+            other = {"expires_after": {"anchor": "first_use", "seconds": 60}}
+            r = await http.post(f"{base}/client_secrets", json=other, headers=auth)
+            assert (r.status_code, r.json()["error"]["param"]) == (400, "expires_after.anchor")
             # Nothing of it held a session slot: a call still fits the one slot.
             assert not server.peers and engine.open_sessions == 0
 

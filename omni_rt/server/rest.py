@@ -22,7 +22,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -44,7 +44,7 @@ MAX_KEYS = 1024  # live keys; past this the oldest give way (a token holder mint
 
 class _ExpiresAfter(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    anchor: str = "created_at"
+    anchor: Literal["created_at"] = "created_at"
     seconds: int = Field(default=DEFAULT_TTL_S, ge=10, le=MAX_TTL_S)
 
 

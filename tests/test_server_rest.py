@@ -111,5 +111,7 @@ async def test_a_key_with_a_session_the_server_would_refuse_is_not_minted():
             error = r.json()["error"]
             assert (error["code"], error["param"]) == ("invalid_value", "session.audio.input.transcription")
             assert not server.rest.keys
-            r = await http.post(f"{base}/client_secrets", json={"session": {"max_output_tokens": 0}}, headers=auth)
+            r = await http.post(
+                f"{base}/client_secrets", json={"session": {"max_output_tokens": 0}}, headers=auth
+            )
             assert (r.status_code, r.json()["error"]["param"]) == (400, "session.max_output_tokens")

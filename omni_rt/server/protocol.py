@@ -342,8 +342,10 @@ def field_path(data: Any, error: Any) -> str:
     `literal['auto','none','required']`), which is no field of the client's."""
     path, node, loc = [], data, error["loc"]
     for i, part in enumerate(loc):
-        if isinstance(node, dict) and part in node or (
-            isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        if (
+            isinstance(node, dict)
+            and part in node
+            or (isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node))
         ):
             path.append(str(part))
             node = node[part]

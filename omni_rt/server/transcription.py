@@ -146,6 +146,10 @@ class InputTranscriber:
             usage = {"type": "duration", "seconds": round(len(audio) / 16000, 3)}
             self._send(
                 wire._event(
-                    f"{PREFIX}.completed", item_id=item_id, content_index=0, transcript=transcript, usage=usage
+                    f"{PREFIX}.completed",
+                    item_id=item_id,
+                    content_index=0,
+                    transcript=transcript,
+                    usage=usage,
                 )
             )

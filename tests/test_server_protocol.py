@@ -42,7 +42,10 @@ def test_parses_the_ga_client_events():
     assert ev.event_id == "c1" and ev.session.audio.output.voice == "chelsie"
     pcm = {"type": "audio/pcm", "rate": 24000}
     beta = {"output_audio_format": "pcm16", "input_audio_format": "pcm16"}
-    for session in ({"type": "realtime", "audio": {"input": {"format": pcm}, "output": {"format": pcm}}}, beta):
+    for session in (
+        {"type": "realtime", "audio": {"input": {"format": pcm}, "output": {"format": pcm}}},
+        beta,
+    ):
         assert parse_client_event(json.dumps({"type": "session.update", "session": session}))
     item = parse_client_event(json.dumps(user_message("hello")))
     assert protocol.message_text(item.item) == "hello"
@@ -157,8 +160,16 @@ def test_malformed_append_audio_is_an_invalid_value(audio, message):
             "invalid_value",
             False,
         ),
-        ('{"type": "session.update", "session": {"output_audio_format": "g711_ulaw"}}', "invalid_value", False),
-        ('{"type": "session.update", "session": {"input_audio_format": "g711_alaw"}}', "invalid_value", False),
+        (
+            '{"type": "session.update", "session": {"output_audio_format": "g711_ulaw"}}',
+            "invalid_value",
+            False,
+        ),
+        (
+            '{"type": "session.update", "session": {"input_audio_format": "g711_alaw"}}',
+            "invalid_value",
+            False,
+        ),
         ('{"type": "session.update", "session": {"type": "transcription"}}', "invalid_value", False),
         (
             '{"type": "response.create", "response": {"audio": {"output": {"format": {"type": "audio/pcma"}}}}}',
@@ -190,7 +201,10 @@ def test_bad_client_events_raise_protocol_errors(raw, code, fatal):
         ({"type": "session.update", "session": {"max_output_tokens": 0}}, "session.max_output_tokens"),
         ({"type": "session.update", "session": {"tool_choice": {"type": "mcp"}}}, "session.tool_choice"),
         ({"type": "session.update", "session": {"tool_choice": "any"}}, "session.tool_choice"),
-        ({"type": "response.create", "response": {"max_output_tokens": "lots"}}, "response.max_output_tokens"),
+        (
+            {"type": "response.create", "response": {"max_output_tokens": "lots"}},
+            "response.max_output_tokens",
+        ),
         ({"type": "session.update", "session": {"tools": [{"type": "function"}]}}, "session.tools.0.name"),
         ({"type": "input_audio_buffer.append"}, "audio"),
     ],
@@ -509,7 +523,9 @@ async def test_a_per_response_voice_is_the_voice_the_reply_is_spoken_in(served):
     engine, _, ws = served
     await recv(ws)
     await ws.send(json.dumps(user_message("hi")))
-    await ws.send(json.dumps({"type": "response.create", "response": {"audio": {"output": {"voice": "alloy"}}}}))
+    await ws.send(
+        json.dumps({"type": "response.create", "response": {"audio": {"output": {"voice": "alloy"}}}})
+    )
     events = await until(ws, "response.done")
     created = next(e for e in events if e["type"] == "response.created")
     assert created["response"]["audio"]["output"]["voice"] == "chelsie"  # alloy, by the voice table
@@ -534,3 +550,36 @@ async def test_content_the_model_cannot_take_is_refused_not_dropped(served):
     await ws.send(json.dumps(user_message("only this")))
     added = await recv(ws)
     assert added["type"] == "conversation.item.added" and added["previous_item_id"] is None
+
+
+async def test_the_reply_item_is_in_the_conversation_from_its_announcement(served):
+    """The assistant item a reply announced (conversation.item.added) was unknown until the reply ended:
+    it could not be retrieved, a `previous_item_id` naming it was refused, and a user item created
+    meanwhile was echoed as following the item before it."""
+    engine, _, ws = served
+    engine.step_s, engine.reply = 0.05, " ".join(["word"] * 40)
+    await recv(ws)
+    await ws.send(json.dumps(user_message("hi")))
+    await ws.send(json.dumps({"type": "response.create"}))
+    added = [
+        e for e in await until(ws, "response.content_part.added") if e["type"] == "conversation.item.added"
+    ][-1]
+    assert added["item"]["role"] == "assistant"
+    assistant = added["item"]["id"]
+    await ws.send(json.dumps({"type": "conversation.item.retrieve", "item_id": assistant}))
+    await ws.send(json.dumps({**user_message("and then?"), "previous_item_id": assistant}))
+    events = await until(ws, "conversation.item.done")
+    retrieved = next(e for e in events if e["type"] == "conversation.item.retrieved")
+    assert retrieved["item"]["id"] == assistant and retrieved["item"]["status"] == "in_progress"
+    user = events[-1]
+    assert user["item"]["role"] == "user" and user["previous_item_id"] == assistant
+    done = await until(ws, "response.done")
+    # The reply's own done events keep its place; the conversation's last item is still the user's.
+    assert (
+        next(e for e in done if e["type"] == "conversation.item.done")["previous_item_id"]
+        == added["previous_item_id"]
+    )
+    await ws.send(json.dumps({"type": "conversation.item.retrieve", "item_id": assistant}))
+    assert (await recv(ws))["item"] == done[-1]["response"]["output"][0]  # as it ended
+    await ws.send(json.dumps({**user_message("more"), "previous_item_id": user["item"]["id"]}))
+    assert (await recv(ws))["previous_item_id"] == user["item"]["id"]

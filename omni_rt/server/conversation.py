@@ -75,10 +75,17 @@ class Conversation:
             self._clips[item_id] = clip
         self._add(wire.input_audio_item(item_id))
 
-    def remember(self, items: list[dict[str, Any]]) -> None:
-        """A response's items (its message, its calls), which it announced itself."""
-        for item in items:
-            self._keep(item)
+    def place(self, item: dict[str, Any]) -> str | None:
+        """An item a response announces (it sends `conversation.item.added` / `.done` itself), as it is
+        now. The first time, it joins the end of the conversation, as OpenAI's does: it can be retrieved
+        and named as `previous_item_id` while the reply runs, and items created meanwhile follow it;
+        the id of the item before it is returned. After that it is updated in its place (None)."""
+        if item["id"] in self._items:
+            self._items[item["id"]] = item
+            return None
+        previous = self.last_item_id
+        self._keep(item)
+        return previous
 
     def _add(self, item: dict[str, Any]) -> None:
         self._send(wire.conversation_item_added(item, self.last_item_id))

@@ -143,7 +143,6 @@ class Peer:
             spawn=self._spawn,
             closing=lambda: self._closing,
             media=self.media,
-            conversation=self.conversation,
             transcriber=self.transcriber,
             speculator=self.speculator,
             on_idle=self._start_response,
@@ -491,7 +490,7 @@ class Peer:
             sample_rate=SESSION_SAMPLE_RATE,
             send=self.send,
             metadata=fields.metadata,
-            previous_item_id=self.conversation.last_item_id,
+            place=self.conversation.place,
             tools=self._tool_parser(),
             spoken=self.speech.spoken_turn,
         )

@@ -203,6 +203,52 @@ async def test_a_committed_turn_with_input_transcription(served):
         assert completed["usage"] == {"type": "duration", "seconds": pytest.approx(0.6, abs=0.01)}
 
 
+async def test_a_hostile_connection_leaves_a_healthy_reply_whole(served):
+    """While an SDK client's reply runs on the real pipeline, another connection sends every kind of
+    mistake, a flood of appends and finally something that is not an event: it gets errors (each its
+    own, event ids echoed), then a clean close; the reply is whole, and the server takes a new client."""
+    import websockets
+
+    server, client = served
+    async with client.realtime.connect(model="tiny") as good:
+        await recv(good)
+        async with websockets.connect(
+            f"{client.websocket_base_url}/realtime?model=tiny",
+            additional_headers={"Authorization": f"Bearer {TOKEN}"},
+        ) as bad:
+            await bad.recv()
+            await good.conversation.item.create(
+                item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi."}]}
+            )
+            await good.response.create()
+            reply = await until(good, "response.created")
+            mistakes = [
+                {"type": "session.update", "session": {"tools": "x"}},
+                {"type": "conversation.item.create", "item": 5},
+                {"type": "response.create", "response": {"max_output_tokens": "lots"}},
+                {"type": "conversation.item.truncate", "item_id": 5, "audio_end_ms": "x"},
+                {"type": "input_audio_buffer.append", "audio": "not base64"},
+                {"type": "x" * 100_000},
+                {"type": "session.update", "session": {"instructions": "x" * 200_000}},
+            ]
+            for i, event in enumerate(mistakes):
+                await bad.send(json.dumps({**event, "event_id": f"m{i}"}))
+            two_seconds = base64.b64encode(bytes(96_000)).decode()
+            for _ in range(40):  # 80 s of audio at once: past the 30 s burst it is refused
+                await bad.send(json.dumps({"type": "input_audio_buffer.append", "audio": two_seconds}))
+            await bad.send("[]")
+            errors = []
+            with contextlib.suppress(websockets.ConnectionClosed):
+                while True:
+                    errors.append(validate(json.loads(await asyncio.wait_for(bad.recv(), 30)))["error"])
+            assert [e["event_id"] for e in errors[: len(mistakes)]] == [f"m{i}" for i in range(len(mistakes))]
+            assert {e["code"] for e in errors[len(mistakes) : -1]} == {"rate_limited"}
+            assert errors[-1]["code"] == "invalid_event" and bad.close_code == 1008
+        check_reply(reply + await until(good, "response.done"), audio=True)
+    async with client.realtime.connect(model="tiny") as again:
+        assert (await recv(again))["type"] == "session.created"
+
+
 # -- ephemeral keys and WebRTC calls, the OpenAI way --------------------------------------------------------
 
 

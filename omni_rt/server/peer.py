@@ -308,6 +308,10 @@ class Peer:
             SESSION_SAMPLE_RATE,
             self.max_output_tokens,
             None if self.speech.detection is None else self.speech.detection.to_wire(),
+            tools=[t.model_dump(exclude_none=True) for t in self.tools],
+            tool_choice=self.tool_choice
+            if isinstance(self.tool_choice, str)
+            else self.tool_choice.model_dump(),
         )
         if self.transcriber.setting is not None:
             session["audio"]["input"]["transcription"] = self.transcriber.setting
@@ -366,6 +370,13 @@ class Peer:
         instructions = s.instructions
         new_tools = self.tools if s.tools is None else list(s.tools)
         choice = self.tool_choice if s.tool_choice is None else s.tool_choice
+        if isinstance(choice, tools.FunctionChoice) and choice.name not in {t.name for t in new_tools}:
+            raise ProtocolError(
+                "invalid_value",
+                f"tool_choice names {choice.name!r}, which is not one of the session's tools",
+                param="session.tool_choice.name",
+                event_id=event_id,
+            )
         changed = (
             (voice is not None and voice != self.voice)
             or (instructions is not None and instructions != self.instructions)

@@ -115,3 +115,33 @@ async def test_a_key_with_a_session_the_server_would_refuse_is_not_minted():
                 f"{base}/client_secrets", json={"session": {"max_output_tokens": 0}}, headers=auth
             )
             assert (r.status_code, r.json()["error"]["param"]) == (400, "session.max_output_tokens")
+
+
+async def test_a_page_of_an_allowed_origin_can_call_the_endpoints_cross_origin():
+    """OpenAI's browser flow POSTs the offer to the realtime server, another origin than the page's:
+    the browser asks first (an OPTIONS preflight) and reads the answer only with CORS headers. The
+    preflight was 405 and no answer carried them, so an allowed origin's page could not make a call."""
+    page = "http://app.example:3000"
+    settings = ServerSettings(port=0, token="tk", allowed_origins=(page,))
+    async with Server(FakeEngine(step_s=0.0), settings) as server:
+        base = f"{server_url(server)}/v1/realtime"
+        asks = {
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        }
+        async with httpx.AsyncClient() as http:
+            r = await http.options(f"{base}/calls", headers={"Origin": page, **asks})
+            assert r.status_code == 204
+            assert r.headers["access-control-allow-origin"] == page
+            assert "POST" in r.headers["access-control-allow-methods"]
+            assert r.headers["access-control-allow-headers"] == "authorization,content-type"
+            r = await http.post(
+                f"{base}/client_secrets", json={}, headers={"Origin": page, "Authorization": "Bearer tk"}
+            )
+            assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+            assert r.headers["access-control-expose-headers"] == "Location"  # the call's id, for its hangup
+            r = await http.get(f"{base}/calls", headers={"Authorization": "Bearer tk"})
+            assert (r.status_code, r.headers["allow"]) == (405, "POST")
+            # Another origin is refused, its preflight too.
+            r = await http.options(f"{base}/calls", headers={"Origin": "http://evil.example", **asks})
+            assert r.status_code == 403 and "access-control-allow-origin" not in r.headers

@@ -212,6 +212,8 @@ class Server:
             if origin is not None and not self._origin_allowed(origin, host):
                 log.warning("refused %s from origin %s (Host %s)", url.path, origin, host)
                 return connection.respond(HTTPStatus.FORBIDDEN, "Origin not allowed.\n")
+            if request.method == "OPTIONS" and origin is not None:
+                return _preflight(request.headers)
             problem = getattr(connection, "body_error", None)
             if problem is not None:
                 return connection.respond(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"{problem}.\n")
@@ -220,7 +222,12 @@ class Server:
             )
             response = _response(answer.status, answer.body, answer.content_type)
             for name, value in answer.headers.items():
+                if name in response.headers:  # the endpoint's own (its Allow: POST), not the default
+                    del response.headers[name]
                 response.headers[name] = value
+            if origin is not None:  # an allowed page of another origin reads the answer (CORS)
+                _allow_origin(response, origin)
+                response.headers["Access-Control-Expose-Headers"] = "Location"
             return response
         if is_realtime_path(url.path):
             return self._check_ws(connection, url.query, origin, host, bearer)
@@ -370,6 +377,24 @@ def is_loopback(name: str) -> bool:
 def _remote(ws: ServerConnection) -> str:
     address = ws.remote_address
     return f"{address[0]}:{address[1]}" if address else "?"
+
+
+def _allow_origin(response: Response, origin: str) -> None:
+    response.headers["Access-Control-Allow-Origin"] = origin
+    response.headers["Vary"] = "Origin"
+
+
+def _preflight(headers: Headers) -> Response:
+    """The answer to a browser's CORS preflight for a REST endpoint, from an origin already allowed:
+    OpenAI's browser flow POSTs the offer (Bearer key, application/sdp) to the realtime server, which is
+    another origin than the page's. The headers the page asked for are allowed: the origin is trusted."""
+    response = _response(HTTPStatus.NO_CONTENT, b"", "text/plain")
+    _allow_origin(response, headers["Origin"])
+    response.headers["Access-Control-Allow-Methods"] = "POST"
+    asked = headers.get("Access-Control-Request-Headers")
+    response.headers["Access-Control-Allow-Headers"] = asked or "Authorization, Content-Type"
+    response.headers["Access-Control-Max-Age"] = "600"
+    return response
 
 
 def _response(status: HTTPStatus, body: bytes, content_type: str) -> Response:

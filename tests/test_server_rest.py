@@ -145,3 +145,43 @@ async def test_a_page_of_an_allowed_origin_can_call_the_endpoints_cross_origin()
             # Another origin is refused, its preflight too.
             r = await http.options(f"{base}/calls", headers={"Origin": "http://evil.example", **asks})
             assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
+
+
+async def test_an_event_too_large_for_a_calls_channel_is_reported_and_the_call_goes_on():
+    """A call has no socket to carry what its data channel cannot (over the client's max-message-size):
+    the echo of a long message (sent as UTF-8, 4 bytes an emoji; echoed escaped, 12) ended the call
+    with a server_error; now the client is told what it missed and the call keeps serving."""
+    engine = FakeEngine(step_s=0.0, reply="ok")
+    async with Server(engine, ServerSettings(port=0, token="tk")) as server:
+        events: asyncio.Queue = asyncio.Queue()
+        pc = RTCPeerConnection()
+        pc.addTransceiver("audio", direction="recvonly")
+        channel = pc.createDataChannel("oai-events")
+        channel.on("message", lambda m: events.put_nowait(json.loads(m)))
+        await pc.setLocalDescription(await pc.createOffer())
+        async with httpx.AsyncClient() as http:
+            r = await http.post(
+                f"{server_url(server)}/v1/realtime/calls",
+                content=pc.localDescription.sdp,
+                headers={"Authorization": "Bearer tk", "Content-Type": "application/sdp"},
+            )
+            await pc.setRemoteDescription(RTCSessionDescription(sdp=r.text, type="answer"))
+
+            async def until(type_: str) -> list[dict]:
+                seen = [await asyncio.wait_for(events.get(), 10)]
+                while seen[-1]["type"] != type_:
+                    seen.append(await asyncio.wait_for(events.get(), 10))
+                return seen
+
+            await until("session.created")
+            parts = [{"type": "input_text", "text": "\N{GRINNING FACE}" * 15_000} for _ in range(3)]
+            item = {"type": "message", "role": "user", "content": parts}
+            channel.send(json.dumps({"type": "conversation.item.create", "item": item}, ensure_ascii=False))
+            channel.send(json.dumps({"type": "response.create"}))
+            seen = await until("response.done")
+            errors = [e["error"] for e in seen if e["type"] == "error"]
+            assert [e["code"] for e in errors] == ["event_too_large"] * 2  # item.added, item.done
+            assert "conversation.item.added" in errors[0]["message"]
+            assert seen[-1]["response"]["status"] == "completed" and len(server.peers) == 1
+            assert engine.requests == ["\n".join(p["text"] for p in parts)]
+        await pc.close()

@@ -62,16 +62,32 @@ class Transport:
                 return
             except ValueError:
                 # Over the client's max-message-size (256 KiB in browsers): the socket has no such
-                # limit, and the client reads both.
+                # limit, and the client reads both. A call has none: the client hears what it missed.
+                if self.ws is None:
+                    self._too_large(event["type"], len(data))
+                    return
                 log.info("peer %s: a %d-byte %s goes on the socket", self.name, len(data), event["type"])
         self.send_socket(data)
+
+    def _too_large(self, kind: str, size: int) -> None:
+        """An event the data channel of a call cannot carry: an error in its place, the call goes on."""
+        log.warning("peer %s: a %d-byte %s does not fit the data channel", self.name, size, kind)
+        too_large = ProtocolError(
+            "event_too_large",
+            f"a {kind} event of {size} bytes is over the data channel's max-message-size: it was not sent",
+            type="server_error",
+        )
+        self.channel.send(json.dumps(protocol.error(too_large)))
 
     def send_socket(self, data: str) -> None:
         """On the socket (signaling, and what does not fit the channel); a call's wait for its channel."""
         if self.ws is None:
             channel = self.channel
             if channel is not None and channel.readyState == "open":
-                channel.send(data)
+                try:
+                    channel.send(data)
+                except ValueError:  # as in send(): a call has no socket to carry it
+                    self._too_large(json.loads(data).get("type", "?"), len(data))
             elif len(self._early) < OUTBOX_SIZE:
                 self._early.append(data)
             else:

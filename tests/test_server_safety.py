@@ -217,6 +217,23 @@ async def test_session_limit():
         await assert_serves(server)
 
 
+async def test_a_slot_lost_while_the_session_restarts_closes_as_the_limit_does():
+    """session.update with new instructions reopens the Session; if the slot it gave back is taken
+    meanwhile, the client gets session_limit and close code 1013 (try again later), as at connect; it
+    was 1008 (policy violation), which says the client broke a rule."""
+    engine = FakeEngine(step_s=0, max_sessions=1)
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(url(server)) as ws:
+            await recv_json(ws)
+            engine.max_sessions = 0  # another client's transcription takes the slot as it comes free
+            await ws.send(json.dumps({"type": "session.update", "session": {"instructions": "New."}}))
+            event = await recv_json(ws)
+            assert event["type"] == "error" and event["error"]["code"] == "session_limit", event
+            assert await closed_with(ws) == 1013
+        engine.max_sessions = 1
+        await assert_serves(server)
+
+
 async def test_the_engines_own_session_limit_has_the_same_code_and_close():
     # the engine full before the server is (e.g. another connection's transcription took a slot):
     # the engine's SessionLimitError reaches the client as the server's own limit does

@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("omni_rt.server")
 
+# A fatal error's close code: 1008 (policy violation) unless it says otherwise; no free session slot
+# (the one given back to reopen the Session was taken) is 1013, try again later, as at connect.
+CLOSE_CODES = {"message_too_large": 1009, "session_limit": 1013, "session_unavailable": 1013}
 INBOX_SIZE = 64  # client events waiting to be handled; a client that floods gets an error
 SESSION_SAMPLE_RATE = 24000  # what socket clients receive (the model's own rate); the track makes 48 kHz
 
@@ -174,7 +177,7 @@ class Peer:
                         self.send(protocol.error(exc))
                         continue
                     # The socket is what closes: the error goes there, where it is sure to arrive first.
-                    await self.transport.fail(exc, 1009 if exc.code == "message_too_large" else 1008)
+                    await self.transport.fail(exc, CLOSE_CODES.get(exc.code, 1008))
                     return
             if self._task_failed:
                 await self.transport.fail(

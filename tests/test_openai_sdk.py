@@ -175,6 +175,22 @@ async def test_a_spoken_turn_with_server_vad(served):
         check_reply(events, audio=True)
 
 
+async def test_a_whole_recorded_clip_in_one_append(served):
+    """OpenAI takes up to 15 MiB in one append, and its guide sends a whole recorded file so: a clip of
+    a few seconds (over 256 KiB as base64) closed the connection (1009), and over 2 s was refused."""
+    server, client = served
+    async with client.realtime.connect(model="tiny") as conn:
+        await recv(conn)
+        speech = np.concatenate([np.zeros(4800), speech_like(4.0, 24000), np.zeros(24000)])
+        pcm = (np.clip(speech, -1, 1) * 32767).astype("<i2").tobytes()
+        assert len(pcm) * 4 // 3 > 256 * 1024
+        await conn.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
+        events = await until(conn, "response.done")
+        types = [e["type"] for e in events]
+        assert types.index("input_audio_buffer.speech_started") < types.index("input_audio_buffer.committed")
+        check_reply(events, audio=True)
+
+
 async def test_a_committed_turn_with_input_transcription(served):
     """Manual turns (turn_detection null) and input transcription, as SDK users switch them on: the
     `.completed` event once lacked its required `usage`, which the SDK's model rejects."""

@@ -98,7 +98,7 @@ async def test_origin_is_same_origin_unless_allowed():
             id="deep-nesting",
         ),
         (
-            json.dumps({"type": "session.update", "session": {"instructions": "x" * 300_000}}),
+            json.dumps({"type": "session.update", "session": {"instructions": "x" * 2_200_000}}),
             "message_too_large",
             1009,
         ),

@@ -348,7 +348,7 @@ class Peer:
             case protocol.OutputAudioBufferClear():
                 await self.replies.on_audio_clear(event)
             case protocol.InputAudioBufferAppend():
-                self.speech.append(event)
+                await self.speech.append(event)
             case protocol.InputAudioBufferCommit():
                 self.speech.commit(event)
             case protocol.InputAudioBufferClear():

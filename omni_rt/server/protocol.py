@@ -18,10 +18,16 @@ from omni_rt import wire
 from omni_rt.errors import OmniRtError, SessionLimitError
 from omni_rt.server.tools import ToolChoice, Tools, tool_call_text, tool_response
 
-MAX_MESSAGE_BYTES = 256 * 1024  # an SDP offer is a few kB; a text message far less
-MAX_TEXT_CHARS = 16_000  # one user message
 INPUT_SAMPLE_RATE = wire.INPUT_SAMPLE_RATE
-MAX_APPEND_MS = 2_000  # audio in one append; clients send 20-100 ms at a time
+# Audio in one append: clients stream 20-100 ms at a time, but OpenAI takes up to 15 MiB in one and
+# its guide appends a whole recorded file so; 30 s is what the input buffer holds (and the rate limit's
+# burst). The peer hears a long one in slices (SpeechInput.append).
+MAX_APPEND_MS = 30_000
+# One client message: an append of MAX_APPEND_MS as base64 (1.9 MB); every other event is far smaller,
+# and its fields have their own limits.
+MAX_MESSAGE_BYTES = 2 * 1024 * 1024
+MAX_SDP_BYTES = 256 * 1024  # an SDP offer is a few kB
+MAX_TEXT_CHARS = 16_000  # one user message
 # base64 of MAX_APPEND_MS of PCM16: 4 characters per 3 bytes
 MAX_APPEND_CHARS = -(-INPUT_SAMPLE_RATE * MAX_APPEND_MS // 1000 * 2 // 3) * 4
 
@@ -236,7 +242,7 @@ class OutputAudioBufferClear(_Event):
 
 class WebRtcOffer(_Event):
     type: Literal["webrtc.offer"]
-    sdp: str = Field(min_length=1, max_length=MAX_MESSAGE_BYTES)
+    sdp: str = Field(min_length=1, max_length=MAX_SDP_BYTES)
 
 
 class InputAudioBufferAppend(_Event):

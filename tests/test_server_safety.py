@@ -572,3 +572,29 @@ async def test_server_close_does_not_wait_for_a_client_that_stopped_reading():
     await asyncio.wait_for(server.close(), 4)  # Ctrl-C on `omni-rt serve`
     assert not server.peers and engine.open_sessions == 0
     ws.transport.abort()
+
+
+async def test_the_socket_reads_ahead_of_the_peer_by_bytes_too():
+    """A message may be 2 MiB (a whole clip's append): the inbox's 64 messages could hold 128 MiB (and
+    8 MiB frames, 512) of a client flooding them. The socket is read ahead by 8 MiB at most."""
+    from omni_rt.server.transport import INBOX_BYTES, Transport
+
+    message = "x" * 2_000_000
+
+    class Socket:  # a client that sends ten such messages at once
+        async def __aiter__(self):
+            for _ in range(10):
+                yield message
+
+    inbox: asyncio.Queue = asyncio.Queue(64)
+    transport = Transport(Socket(), "t", inbox, lambda: None)
+    reader = asyncio.create_task(transport.read_socket())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert inbox.qsize() == INBOX_BYTES // len(message) + 1  # the one that went past, then it waits
+    raw, source = inbox.get_nowait()
+    transport.taken(raw, source)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert inbox.qsize() == INBOX_BYTES // len(message) + 1
+    reader.cancel()

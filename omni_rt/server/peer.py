@@ -170,6 +170,7 @@ class Peer:
                 self._spawn(self.transport.read_socket(), "socket reader")
             while (item := await self._inbox.get()) is not None:
                 raw, source = item
+                self.transport.taken(raw, source)
                 try:
                     await self._handle(raw, source)
                 except ProtocolError as exc:

@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("omni_rt.server")
 
 OUTBOX_SIZE = 1024  # server events waiting for a slow socket; past that the client is dropped
+# Socket messages read ahead of the peer, in bytes (a message may be 2 MiB, a whole clip's append):
+# past this, reading waits, as it does for a full inbox (64 messages), so the socket pushes back.
+INBOX_BYTES = 8 * 1024 * 1024
 MAX_CHANNEL_BUFFERED = 8 * 1024 * 1024  # bytes a data channel may hold unsent before the peer is dropped
 CLOSE_TIMEOUT_S = 2.0  # the close handshake; then the connection is cut
 
@@ -46,6 +49,8 @@ class Transport:
         self._outbox: asyncio.Queue[str] = asyncio.Queue(OUTBOX_SIZE)
         self._early: list[str] = []  # a call's events before its data channel opens
         self._dropping = False
+        self._inbox_bytes = 0  # of the socket's messages in the inbox
+        self._inbox_room = asyncio.Event()
 
     def send(self, event: dict[str, Any]) -> None:
         """One server event to the client: on the data channel when it is open, else on the socket."""
@@ -152,10 +157,20 @@ class Transport:
         try:
             async for raw in self.ws:
                 await self.inbox.put((raw, "socket"))  # waits when full: back-pressure on the socket
+                self._inbox_bytes += len(raw)
+                while self._inbox_bytes > INBOX_BYTES:  # and when it holds too many bytes
+                    self._inbox_room.clear()
+                    await self._inbox_room.wait()
         except ConnectionClosed:
             pass
         finally:
             self.shutdown()
+
+    def taken(self, raw: str | bytes, source: str) -> None:
+        """The peer took a message from the inbox: a socket message's bytes no longer count."""
+        if source == "socket":
+            self._inbox_bytes -= len(raw)
+            self._inbox_room.set()
 
     # -- closing ------------------------------------------------------------------------------------------
 

@@ -112,8 +112,9 @@ class Server:
             server_header="omni-rt",  # no versions for a probe to match against
             create_connection=BodyConnection,  # POST bodies for /v1/realtime/calls, client_secrets
             # Our own limit answers with an error event; this one is the backstop for absurd frames.
-            max_size=4 * s.peer.max_message_bytes,
-            max_queue=16,
+            # Frames buffered here, at most 4 (16 MiB), then the inbox's 8 MiB (transport.py).
+            max_size=2 * s.peer.max_message_bytes,
+            max_queue=4,
             ping_interval=20,
             ping_timeout=20,
             # Don't let a client that never closes its end hold a shutdown (or a slot) for long.

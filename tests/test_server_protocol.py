@@ -583,3 +583,17 @@ async def test_the_reply_item_is_in_the_conversation_from_its_announcement(serve
     assert (await recv(ws))["item"] == done[-1]["response"]["output"][0]  # as it ended
     await ws.send(json.dumps({**user_message("more"), "previous_item_id": user["item"]["id"]}))
     assert (await recv(ws))["previous_item_id"] == user["item"]["id"]
+
+
+async def test_root_is_the_place_of_the_first_item(served):
+    """`previous_item_id: "root"` is OpenAI's beginning of the conversation; livekit's agents send it
+    with the first item of a chat context they sync, which was refused even into an empty conversation."""
+    _, _, ws = served
+    await recv(ws)
+    await ws.send(json.dumps({**user_message("first"), "previous_item_id": "root"}))
+    added = await recv(ws)
+    assert added["type"] == "conversation.item.added" and added["previous_item_id"] is None
+    await recv(ws)
+    await ws.send(json.dumps({**user_message("second"), "previous_item_id": "root"}))
+    error = (await recv(ws))["error"]  # items join at the end only (docs/protocol.md, differences)
+    assert (error["code"], error["param"]) == ("invalid_value", "previous_item_id")

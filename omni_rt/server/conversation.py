@@ -38,7 +38,9 @@ class Conversation:
     def create(self, event: protocol.ConversationItemCreate) -> None:
         """`conversation.item.create`: checked, echoed, waiting for the next response."""
         item = event.item
-        if event.previous_item_id is not None and event.previous_item_id != self.last_item_id:
+        # "root": OpenAI's beginning, which is the end of an empty conversation
+        at_root = event.previous_item_id == "root" and self.last_item_id is None
+        if event.previous_item_id not in (None, self.last_item_id) and not at_root:
             raise ProtocolError(
                 "invalid_value",
                 "items can only be added at the end of the conversation (previous_item_id must be the "

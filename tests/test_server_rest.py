@@ -18,23 +18,10 @@ from omni_rt.server.http import MAX_BODY_BYTES  # noqa: E402
 async def test_a_raw_sdp_call_gets_its_events_and_ends_at_hangup():
     engine = FakeEngine(step_s=0.0, reply="hello there")
     async with Server(engine, ServerSettings(port=0, token="tk")) as server:
-        base = f"http://127.0.0.1:{server.port}/v1/realtime"
         auth = {"Authorization": "Bearer tk"}
-        events: asyncio.Queue = asyncio.Queue()
-        pc = RTCPeerConnection()
-        pc.addTransceiver("audio", direction="recvonly")
-        channel = pc.createDataChannel("oai-events")
-        channel.on("message", lambda m: events.put_nowait(json.loads(m)))
-        await pc.setLocalDescription(await pc.createOffer())
         async with httpx.AsyncClient() as http:
-            r = await http.post(
-                f"{base}/calls",
-                content=pc.localDescription.sdp,
-                headers={**auth, "Content-Type": "application/sdp"},
-            )
-            assert r.status_code == 201, r.text
+            pc, channel, events, r = await call(http, server)
             assert set(candidate_addresses(r.text)) == {"127.0.0.1"}
-            await pc.setRemoteDescription(RTCSessionDescription(sdp=r.text, type="answer"))
             assert (await asyncio.wait_for(events.get(), 10))["type"] == "session.created"
             channel.send(json.dumps({"type": "response.create"}))
             while (ev := await asyncio.wait_for(events.get(), 10))["type"] != "response.done":
@@ -52,6 +39,24 @@ async def test_a_raw_sdp_call_gets_its_events_and_ends_at_hangup():
 
 def server_url(server: Server) -> str:
     return f"http://127.0.0.1:{server.port}"
+
+
+async def call(http: httpx.AsyncClient, server: Server):
+    """A raw-SDP call with an `oai-events` channel, answered: (pc, channel, events queue, the answer)."""
+    events: asyncio.Queue = asyncio.Queue()
+    pc = RTCPeerConnection()
+    pc.addTransceiver("audio", direction="recvonly")
+    channel = pc.createDataChannel("oai-events")
+    channel.on("message", lambda m: events.put_nowait(json.loads(m)))
+    await pc.setLocalDescription(await pc.createOffer())
+    r = await http.post(
+        f"{server_url(server)}/v1/realtime/calls",
+        content=pc.localDescription.sdp,
+        headers={"Authorization": "Bearer tk", "Content-Type": "application/sdp"},
+    )
+    assert r.status_code == 201, r.text
+    await pc.setRemoteDescription(RTCSessionDescription(sdp=r.text, type="answer"))
+    return pc, channel, events, r
 
 
 async def test_call_and_key_mistakes_get_clear_http_errors():
@@ -153,19 +158,8 @@ async def test_an_event_too_large_for_a_calls_channel_is_reported_and_the_call_g
     with a server_error; now the client is told what it missed and the call keeps serving."""
     engine = FakeEngine(step_s=0.0, reply="ok")
     async with Server(engine, ServerSettings(port=0, token="tk")) as server:
-        events: asyncio.Queue = asyncio.Queue()
-        pc = RTCPeerConnection()
-        pc.addTransceiver("audio", direction="recvonly")
-        channel = pc.createDataChannel("oai-events")
-        channel.on("message", lambda m: events.put_nowait(json.loads(m)))
-        await pc.setLocalDescription(await pc.createOffer())
         async with httpx.AsyncClient() as http:
-            r = await http.post(
-                f"{server_url(server)}/v1/realtime/calls",
-                content=pc.localDescription.sdp,
-                headers={"Authorization": "Bearer tk", "Content-Type": "application/sdp"},
-            )
-            await pc.setRemoteDescription(RTCSessionDescription(sdp=r.text, type="answer"))
+            pc, channel, events, _ = await call(http, server)
 
             async def until(type_: str) -> list[dict]:
                 seen = [await asyncio.wait_for(events.get(), 10)]

@@ -179,3 +179,33 @@ async def test_an_event_too_large_for_a_calls_channel_is_reported_and_the_call_g
             assert seen[-1]["response"]["status"] == "completed" and len(server.peers) == 1
             assert engine.requests == ["\n".join(p["text"] for p in parts)]
         await pc.close()
+
+
+async def test_a_call_whose_connection_never_comes_up_gives_its_slot_back(monkeypatch):
+    """An offer sent before ICE gathering finished (no candidates: a page that did not wait) was
+    answered, and its WebRTC connection stayed "new" for good: the call held a session slot until the
+    server stopped. A call not connected within the deadline has failed, as one whose ICE failed has."""
+    import re
+
+    from omni_rt.server import media
+
+    monkeypatch.setattr(media, "CONNECT_TIMEOUT_S", 0.5)
+    engine = FakeEngine(step_s=0.0)
+    async with Server(engine, ServerSettings(port=0, token="tk")) as server:
+        pc = RTCPeerConnection()
+        pc.addTransceiver("audio", direction="recvonly")
+        pc.createDataChannel("oai-events")
+        await pc.setLocalDescription(await pc.createOffer())
+        offer = re.sub(r"a=candidate:.*\r\n", "", pc.localDescription.sdp)
+        async with httpx.AsyncClient() as http:
+            r = await http.post(
+                f"{server_url(server)}/v1/realtime/calls",
+                content=offer,
+                headers={"Authorization": "Bearer tk", "Content-Type": "application/sdp"},
+            )
+            assert r.status_code == 201 and len(server.peers) == 1
+            async with asyncio.timeout(10):
+                while server.peers or engine.open_sessions:
+                    await asyncio.sleep(0.05)
+            assert not server.rest.calls
+        await pc.close()

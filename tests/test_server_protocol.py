@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("websockets")
 
 import websockets  # noqa: E402
+from openai_check import validate  # noqa: E402
 from server_fakes import FakeEngine, user_message  # noqa: E402
 
 from omni_rt import wire  # noqa: E402
@@ -255,7 +256,7 @@ def test_metrics_keep_only_numbers():
 
 
 async def recv(ws) -> dict:
-    return json.loads(await asyncio.wait_for(ws.recv(), 5))
+    return validate(await asyncio.wait_for(ws.recv(), 5))  # every event, as the SDK's model has it
 
 
 async def until(ws, type_: str) -> list[dict]:

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("aiortc")
 
 import websockets  # noqa: E402
+from openai_check import validate  # noqa: E402
 from server_fakes import Client, FakeEngine, loopback_ice  # noqa: E402, F401
 from websockets.exceptions import ConnectionClosed, InvalidStatus  # noqa: E402
 
@@ -28,7 +29,7 @@ def url(server: Server, query: str = "") -> str:
 
 
 async def recv_json(ws, timeout: float = 5.0) -> dict:
-    return json.loads(await asyncio.wait_for(ws.recv(), timeout))
+    return validate(await asyncio.wait_for(ws.recv(), timeout))  # as the SDK's model has it
 
 
 async def until(ws, type_: str, timeout: float = 5.0) -> list[dict]:

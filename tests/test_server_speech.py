@@ -14,6 +14,7 @@ pytest.importorskip("aiortc")
 
 import websockets  # noqa: E402
 from audio_clips import needs_espeak, speech  # noqa: E402
+from openai_check import validate  # noqa: E402
 from server_fakes import (  # noqa: E402, F401
     Client,
     FakeEngine,
@@ -55,7 +56,7 @@ async def append(ws, audio: np.ndarray, chunk_ms: int = 100) -> None:
 
 
 async def recv(ws) -> dict:
-    return json.loads(await asyncio.wait_for(ws.recv(), 10))
+    return validate(await asyncio.wait_for(ws.recv(), 10))  # every event, as the SDK's model has it
 
 
 async def until(ws, type_: str, status: str | None = None) -> list[dict]:

@@ -42,6 +42,8 @@ def session_object(
     sample_rate: int,
     max_output_tokens: int | str = "inf",
     turn_detection: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: str | dict[str, Any] = "auto",
 ) -> dict[str, Any]:
     return {
         "type": "realtime",
@@ -58,6 +60,8 @@ def session_object(
             },
             "output": {"format": {"type": "audio/pcm", "rate": sample_rate}, "voice": voice},
         },
+        "tools": list(tools or []),
+        "tool_choice": tool_choice,
     }
 
 

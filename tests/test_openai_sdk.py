@@ -63,7 +63,12 @@ def check_reply(events: list[dict], *, audio: bool) -> dict:
     types = [e["type"] for e in events]
     start = types.index("response.created")
     rid = events[start]["response"]["id"]
-    reply = [e for e in events[start:] if e.get("response_id", rid) == rid or "item" in e]
+    # The input's transcription runs beside the reply (OpenAI's does too): its events are not the reply's.
+    reply = [
+        e
+        for e in events[start:]
+        if (e.get("response_id", rid) == rid or "item" in e) and "input_audio_transcription" not in e["type"]
+    ]
     kinds = [e["type"] for e in reply]
     delta = "response.output_audio_transcript.delta" if audio else "response.output_text.delta"
     opened = ["response.output_item.added", "conversation.item.added", "response.content_part.added"]
@@ -170,6 +175,96 @@ async def test_a_spoken_turn_with_server_vad(served):
         check_reply(events, audio=True)
 
 
+async def test_a_whole_recorded_clip_in_one_append(served):
+    """OpenAI takes up to 15 MiB in one append, and its guide sends a whole recorded file so: a clip of
+    a few seconds (over 256 KiB as base64) closed the connection (1009), and over 2 s was refused."""
+    server, client = served
+    async with client.realtime.connect(model="tiny") as conn:
+        await recv(conn)
+        speech = np.concatenate([np.zeros(4800), speech_like(4.0, 24000), np.zeros(24000)])
+        pcm = (np.clip(speech, -1, 1) * 32767).astype("<i2").tobytes()
+        assert len(pcm) * 4 // 3 > 256 * 1024
+        await conn.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
+        events = await until(conn, "response.done")
+        types = [e["type"] for e in events]
+        assert types.index("input_audio_buffer.speech_started") < types.index("input_audio_buffer.committed")
+        check_reply(events, audio=True)
+
+
+async def test_a_committed_turn_with_input_transcription(served):
+    """Manual turns (turn_detection null) and input transcription, as SDK users switch them on: the
+    `.completed` event once lacked its required `usage`, which the SDK's model rejects."""
+    server, client = served
+    async with client.realtime.connect(model="tiny") as conn:
+        await recv(conn)
+        audio_input = {"turn_detection": None, "transcription": {"model": "gpt-4o-transcribe"}}
+        await conn.session.update(session={"type": "realtime", "audio": {"input": audio_input}})
+        updated = (await recv(conn))["session"]["audio"]["input"]
+        assert updated["turn_detection"] is None and updated["transcription"] == audio_input["transcription"]
+        pcm = (np.clip(speech_like(0.6, 24000), -1, 1) * 32767).astype("<i2").tobytes()
+        await conn.input_audio_buffer.append(audio=base64.b64encode(pcm).decode())
+        await conn.input_audio_buffer.commit()
+        committed = await until(conn, "conversation.item.done")
+        item_id = committed[0]["item_id"]
+        assert [e["type"] for e in committed] == [
+            "input_audio_buffer.committed", "conversation.item.added", "conversation.item.done",
+        ]  # fmt: skip
+        await conn.response.create()
+        events = await until(conn, "response.done")
+        check_reply(events, audio=True)
+        if not any(e["type"].endswith("transcription.completed") for e in events):
+            events += await until(conn, "conversation.item.input_audio_transcription.completed")
+        completed = next(e for e in events if e["type"].endswith("transcription.completed"))
+        assert completed["item_id"] == item_id
+        assert completed["usage"] == {"type": "duration", "seconds": pytest.approx(0.6, abs=0.01)}
+
+
+async def test_a_hostile_connection_leaves_a_healthy_reply_whole(served):
+    """While an SDK client's reply runs on the real pipeline, another connection sends every kind of
+    mistake, a flood of appends and finally something that is not an event: it gets errors (each its
+    own, event ids echoed), then a clean close; the reply is whole, and the server takes a new client."""
+    import websockets
+
+    server, client = served
+    async with client.realtime.connect(model="tiny") as good:
+        await recv(good)
+        async with websockets.connect(
+            f"{client.websocket_base_url}/realtime?model=tiny",
+            additional_headers={"Authorization": f"Bearer {TOKEN}"},
+        ) as bad:
+            await bad.recv()
+            await good.conversation.item.create(
+                item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi."}]}
+            )
+            await good.response.create()
+            reply = await until(good, "response.created")
+            mistakes = [
+                {"type": "session.update", "session": {"tools": "x"}},
+                {"type": "conversation.item.create", "item": 5},
+                {"type": "response.create", "response": {"max_output_tokens": "lots"}},
+                {"type": "conversation.item.truncate", "item_id": 5, "audio_end_ms": "x"},
+                {"type": "input_audio_buffer.append", "audio": "not base64"},
+                {"type": "x" * 100_000},
+                {"type": "session.update", "session": {"instructions": "x" * 200_000}},
+            ]
+            for i, event in enumerate(mistakes):
+                await bad.send(json.dumps({**event, "event_id": f"m{i}"}))
+            two_seconds = base64.b64encode(bytes(96_000)).decode()
+            for _ in range(40):  # 80 s of audio at once: past the 30 s burst it is refused
+                await bad.send(json.dumps({"type": "input_audio_buffer.append", "audio": two_seconds}))
+            await bad.send("[]")
+            errors = []
+            with contextlib.suppress(websockets.ConnectionClosed):
+                while True:
+                    errors.append(validate(json.loads(await asyncio.wait_for(bad.recv(), 30)))["error"])
+            assert [e["event_id"] for e in errors[: len(mistakes)]] == [f"m{i}" for i in range(len(mistakes))]
+            assert {e["code"] for e in errors[len(mistakes) : -1]} == {"rate_limited"}
+            assert errors[-1]["code"] == "invalid_event" and bad.close_code == 1008
+        check_reply(reply + await until(good, "response.done"), audio=True)
+    async with client.realtime.connect(model="tiny") as again:
+        assert (await recv(again))["type"] == "session.created"
+
+
 # -- ephemeral keys and WebRTC calls, the OpenAI way --------------------------------------------------------
 
 
@@ -267,3 +362,14 @@ async def test_keys_that_are_expired_or_unknown_are_refused(served):
     )
     async with live.realtime.connect(model="tiny") as conn:
         assert (await recv(conn))["type"] == "session.created"
+
+
+async def test_a_socket_for_what_the_server_does_not_serve_is_refused_at_the_handshake(served):
+    """`connect(call_id=...)` (joining a WebRTC call) and `intent=transcription` once opened an
+    unrelated realtime session, which the client took for the call or a transcription session."""
+    server, client = served
+    for kwargs in ({"call_id": "rtc_123"}, {"model": "tiny", "extra_query": {"intent": "transcription"}}):
+        with pytest.raises(Exception, match="400"):
+            async with client.realtime.connect(**kwargs) as conn:
+                await conn.recv()
+    assert not server.peers

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("websockets")
 
 import websockets  # noqa: E402
+from openai_check import validate  # noqa: E402
 from server_fakes import FakeEngine, user_message  # noqa: E402
 
 from omni_rt import wire  # noqa: E402
@@ -40,6 +41,13 @@ def test_parses_the_ga_client_events():
     )
     assert isinstance(ev, protocol.SessionUpdate)
     assert ev.event_id == "c1" and ev.session.audio.output.voice == "chelsie"
+    pcm = {"type": "audio/pcm", "rate": 24000}
+    beta = {"output_audio_format": "pcm16", "input_audio_format": "pcm16"}
+    for session in (
+        {"type": "realtime", "audio": {"input": {"format": pcm}, "output": {"format": pcm}}},
+        beta,
+    ):
+        assert parse_client_event(json.dumps({"type": "session.update", "session": session}))
     item = parse_client_event(json.dumps(user_message("hello")))
     assert protocol.message_text(item.item) == "hello"
     assert isinstance(parse_client_event('{"type": "response.create"}'), protocol.ResponseCreate)
@@ -147,6 +155,28 @@ def test_malformed_append_audio_is_an_invalid_value(audio, message):
             "invalid_value",
             False,
         ),
+        # Formats and session kinds omni_rt does not serve are refused, not served as something else.
+        (
+            '{"type": "session.update", "session": {"audio": {"output": {"format": {"type": "audio/pcmu"}}}}}',
+            "invalid_value",
+            False,
+        ),
+        (
+            '{"type": "session.update", "session": {"output_audio_format": "g711_ulaw"}}',
+            "invalid_value",
+            False,
+        ),
+        (
+            '{"type": "session.update", "session": {"input_audio_format": "g711_alaw"}}',
+            "invalid_value",
+            False,
+        ),
+        ('{"type": "session.update", "session": {"type": "transcription"}}', "invalid_value", False),
+        (
+            '{"type": "response.create", "response": {"audio": {"output": {"format": {"type": "audio/pcma"}}}}}',
+            "invalid_value",
+            False,
+        ),
         (
             '{"type": "conversation.item.truncate", "item_id": "i", "audio_end_ms": -1}',
             "invalid_value",
@@ -164,6 +194,27 @@ def test_bad_client_events_raise_protocol_errors(raw, code, fatal):
         parse_client_event(raw)
     assert err.value.code == code
     assert err.value.fatal is fatal
+
+
+@pytest.mark.parametrize(
+    ("event", "param"),
+    [
+        ({"type": "session.update", "session": {"max_output_tokens": 0}}, "session.max_output_tokens"),
+        ({"type": "session.update", "session": {"tool_choice": {"type": "mcp"}}}, "session.tool_choice"),
+        ({"type": "session.update", "session": {"tool_choice": "any"}}, "session.tool_choice"),
+        (
+            {"type": "response.create", "response": {"max_output_tokens": "lots"}},
+            "response.max_output_tokens",
+        ),
+        ({"type": "session.update", "session": {"tools": [{"type": "function"}]}}, "session.tools.0.name"),
+        ({"type": "input_audio_buffer.append"}, "audio"),
+    ],
+)
+def test_the_param_of_an_error_names_the_clients_field(event, param):
+    """`param` once carried pydantic's names for union members (`session.max_output_tokens.constrained-int`)."""
+    with pytest.raises(ProtocolError) as err:
+        parse_client_event(json.dumps(event))
+    assert err.value.param == param
 
 
 def test_size_limit_counts_bytes():
@@ -205,7 +256,7 @@ def test_metrics_keep_only_numbers():
 
 
 async def recv(ws) -> dict:
-    return json.loads(await asyncio.wait_for(ws.recv(), 5))
+    return validate(await asyncio.wait_for(ws.recv(), 5))  # every event, as the SDK's model has it
 
 
 async def until(ws, type_: str) -> list[dict]:
@@ -465,3 +516,85 @@ async def test_openai_defaults_that_clients_send_are_accepted(served):
     assert updated["audio"]["output"]["voice"] == "chelsie"  # by the voice table
     detection = updated["audio"]["input"]["turn_detection"]
     assert (detection["type"], detection["eagerness"]) == ("semantic_vad", "auto")  # served as asked
+
+
+async def test_a_per_response_voice_is_the_voice_the_reply_is_spoken_in(served):
+    """`response.audio.output.voice` was echoed in `response.created` but the reply was spoken in the
+    session's voice; the next reply without one is the session's again."""
+    engine, _, ws = served
+    await recv(ws)
+    await ws.send(json.dumps(user_message("hi")))
+    await ws.send(
+        json.dumps({"type": "response.create", "response": {"audio": {"output": {"voice": "alloy"}}}})
+    )
+    events = await until(ws, "response.done")
+    created = next(e for e in events if e["type"] == "response.created")
+    assert created["response"]["audio"]["output"]["voice"] == "chelsie"  # alloy, by the voice table
+    await ws.send(json.dumps({"type": "response.create"}))
+    await until(ws, "response.done")
+    assert engine.voices == ["chelsie", "ethan"]
+
+
+async def test_content_the_model_cannot_take_is_refused_not_dropped(served):
+    """A user message of text and audio (or an image) once became its text alone, the rest dropped
+    without a word; such parts are now refused, with nothing added to the conversation."""
+    engine, _, ws = served
+    await recv(ws)
+    audio = base64.b64encode(np.zeros(2400, "<i2").tobytes()).decode()
+    for part in ({"type": "input_audio", "audio": audio}, {"type": "input_image", "image_url": "data:,"}):
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}, part]}
+        await ws.send(json.dumps({"type": "conversation.item.create", "event_id": "c1", "item": item}))
+        error = (await recv(ws))["error"]
+        assert (error["code"], error["param"], error["event_id"]) == (
+            "unsupported_value", "item.content.1.type", "c1",
+        )  # fmt: skip
+    await ws.send(json.dumps(user_message("only this")))
+    added = await recv(ws)
+    assert added["type"] == "conversation.item.added" and added["previous_item_id"] is None
+
+
+async def test_the_reply_item_is_in_the_conversation_from_its_announcement(served):
+    """The assistant item a reply announced (conversation.item.added) was unknown until the reply ended:
+    it could not be retrieved, a `previous_item_id` naming it was refused, and a user item created
+    meanwhile was echoed as following the item before it."""
+    engine, _, ws = served
+    engine.step_s, engine.reply = 0.05, " ".join(["word"] * 40)
+    await recv(ws)
+    await ws.send(json.dumps(user_message("hi")))
+    await ws.send(json.dumps({"type": "response.create"}))
+    added = [
+        e for e in await until(ws, "response.content_part.added") if e["type"] == "conversation.item.added"
+    ][-1]
+    assert added["item"]["role"] == "assistant"
+    assistant = added["item"]["id"]
+    await ws.send(json.dumps({"type": "conversation.item.retrieve", "item_id": assistant}))
+    await ws.send(json.dumps({**user_message("and then?"), "previous_item_id": assistant}))
+    events = await until(ws, "conversation.item.done")
+    retrieved = next(e for e in events if e["type"] == "conversation.item.retrieved")
+    assert retrieved["item"]["id"] == assistant and retrieved["item"]["status"] == "in_progress"
+    user = events[-1]
+    assert user["item"]["role"] == "user" and user["previous_item_id"] == assistant
+    done = await until(ws, "response.done")
+    # The reply's own done events keep its place; the conversation's last item is still the user's.
+    assert (
+        next(e for e in done if e["type"] == "conversation.item.done")["previous_item_id"]
+        == added["previous_item_id"]
+    )
+    await ws.send(json.dumps({"type": "conversation.item.retrieve", "item_id": assistant}))
+    assert (await recv(ws))["item"] == done[-1]["response"]["output"][0]  # as it ended
+    await ws.send(json.dumps({**user_message("more"), "previous_item_id": user["item"]["id"]}))
+    assert (await recv(ws))["previous_item_id"] == user["item"]["id"]
+
+
+async def test_root_is_the_place_of_the_first_item(served):
+    """`previous_item_id: "root"` is OpenAI's beginning of the conversation; livekit's agents send it
+    with the first item of a chat context they sync, which was refused even into an empty conversation."""
+    _, _, ws = served
+    await recv(ws)
+    await ws.send(json.dumps({**user_message("first"), "previous_item_id": "root"}))
+    added = await recv(ws)
+    assert added["type"] == "conversation.item.added" and added["previous_item_id"] is None
+    await recv(ws)
+    await ws.send(json.dumps({**user_message("second"), "previous_item_id": "root"}))
+    error = (await recv(ws))["error"]  # items join at the end only (docs/protocol.md, differences)
+    assert (error["code"], error["param"]) == ("invalid_value", "previous_item_id")

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("aiortc")
 
 import websockets  # noqa: E402
+from openai_check import validate  # noqa: E402
 from server_fakes import Client, FakeEngine, loopback_ice  # noqa: E402, F401
 from websockets.exceptions import ConnectionClosed, InvalidStatus  # noqa: E402
 
@@ -28,7 +29,7 @@ def url(server: Server, query: str = "") -> str:
 
 
 async def recv_json(ws, timeout: float = 5.0) -> dict:
-    return json.loads(await asyncio.wait_for(ws.recv(), timeout))
+    return validate(await asyncio.wait_for(ws.recv(), timeout))  # as the SDK's model has it
 
 
 async def until(ws, type_: str, timeout: float = 5.0) -> list[dict]:
@@ -98,7 +99,7 @@ async def test_origin_is_same_origin_unless_allowed():
             id="deep-nesting",
         ),
         (
-            json.dumps({"type": "session.update", "session": {"instructions": "x" * 300_000}}),
+            json.dumps({"type": "session.update", "session": {"instructions": "x" * 2_200_000}}),
             "message_too_large",
             1009,
         ),
@@ -214,6 +215,23 @@ async def test_session_limit():
                 event = await recv_json(c)
                 assert event["type"] == "error" and event["error"]["code"] == "session_limit"
                 assert await closed_with(c) == 1013
+        await assert_serves(server)
+
+
+async def test_a_slot_lost_while_the_session_restarts_closes_as_the_limit_does():
+    """session.update with new instructions reopens the Session; if the slot it gave back is taken
+    meanwhile, the client gets session_limit and close code 1013 (try again later), as at connect; it
+    was 1008 (policy violation), which says the client broke a rule."""
+    engine = FakeEngine(step_s=0, max_sessions=1)
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(url(server)) as ws:
+            await recv_json(ws)
+            engine.max_sessions = 0  # another client's transcription takes the slot as it comes free
+            await ws.send(json.dumps({"type": "session.update", "session": {"instructions": "New."}}))
+            event = await recv_json(ws)
+            assert event["type"] == "error" and event["error"]["code"] == "session_limit", event
+            assert await closed_with(ws) == 1013
+        engine.max_sessions = 1
         await assert_serves(server)
 
 
@@ -555,3 +573,29 @@ async def test_server_close_does_not_wait_for_a_client_that_stopped_reading():
     await asyncio.wait_for(server.close(), 4)  # Ctrl-C on `omni-rt serve`
     assert not server.peers and engine.open_sessions == 0
     ws.transport.abort()
+
+
+async def test_the_socket_reads_ahead_of_the_peer_by_bytes_too():
+    """A message may be 2 MiB (a whole clip's append): the inbox's 64 messages could hold 128 MiB (and
+    8 MiB frames, 512) of a client flooding them. The socket is read ahead by 8 MiB at most."""
+    from omni_rt.server.transport import INBOX_BYTES, Transport
+
+    message = "x" * 2_000_000
+
+    class Socket:  # a client that sends ten such messages at once
+        async def __aiter__(self):
+            for _ in range(10):
+                yield message
+
+    inbox: asyncio.Queue = asyncio.Queue(64)
+    transport = Transport(Socket(), "t", inbox, lambda: None)
+    reader = asyncio.create_task(transport.read_socket())
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert inbox.qsize() == INBOX_BYTES // len(message) + 1  # the one that went past, then it waits
+    raw, source = inbox.get_nowait()
+    transport.taken(raw, source)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert inbox.qsize() == INBOX_BYTES // len(message) + 1
+    reader.cancel()

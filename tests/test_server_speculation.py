@@ -18,6 +18,7 @@ pytest.importorskip("onnxruntime")
 
 import websockets  # noqa: E402
 from audio_clips import needs_espeak, speech  # noqa: E402
+from openai_check import validate  # noqa: E402
 from server_fakes import speech_like  # noqa: E402
 
 import omni_rt  # noqa: E402
@@ -42,7 +43,7 @@ async def append(ws, audio: np.ndarray, chunk_ms: int = 20) -> None:
 
 
 async def recv(ws) -> dict:
-    return json.loads(await asyncio.wait_for(ws.recv(), 60))
+    return validate(await asyncio.wait_for(ws.recv(), 60))  # every event, as the SDK's model has it
 
 
 async def until(ws, type_: str, events: list) -> list[dict]:

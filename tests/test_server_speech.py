@@ -14,6 +14,7 @@ pytest.importorskip("aiortc")
 
 import websockets  # noqa: E402
 from audio_clips import needs_espeak, speech  # noqa: E402
+from openai_check import validate  # noqa: E402
 from server_fakes import (  # noqa: E402, F401
     Client,
     FakeEngine,
@@ -55,7 +56,7 @@ async def append(ws, audio: np.ndarray, chunk_ms: int = 100) -> None:
 
 
 async def recv(ws) -> dict:
-    return json.loads(await asyncio.wait_for(ws.recv(), 10))
+    return validate(await asyncio.wait_for(ws.recv(), 10))  # every event, as the SDK's model has it
 
 
 async def until(ws, type_: str, status: str | None = None) -> list[dict]:
@@ -246,7 +247,7 @@ async def test_bad_audio_gets_errors_and_the_connection_keeps_serving():
     async with Server(engine, settings) as server:
         async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
             await recv(ws)
-            too_long = pcm16_b64(np.zeros(3 * RATE_IN, np.float32))  # 3 s in one append (under 256 KiB)
+            too_long = pcm16_b64(np.zeros(31 * RATE_IN, np.float32))  # 31 s in one append (under 2 MiB)
             bad = [too_long, "%%%not base64%%%", base64.b64encode(b"\x00\x01\x02").decode()]
             for i, audio in enumerate(bad):
                 await ws.send(
@@ -527,3 +528,39 @@ def test_input_rate_allows_a_burst_then_four_times_real_time():
     assert rate.take(400) and not rate.take(20)
     now[0] += 60.0  # a long pause refills the burst, no more
     assert rate.take(1000) and not rate.take(20)
+
+
+async def test_a_long_append_is_heard_in_slices_with_the_loop_free_between():
+    """A whole clip in one append (as OpenAI's guide sends a file) goes through the detector in 2 s
+    slices, the event loop free between them: one 30 s append held every connection's loop ~1 s."""
+    from omni_rt.server.conversation import Conversation
+    from omni_rt.server.listening import SpeechInput
+    from omni_rt.server.protocol import InputAudioBufferAppend
+    from omni_rt.server.speech import TurnDetection
+
+    sent: list[dict] = []
+    turns: list[int] = []
+    speech_input = SpeechInput(
+        "t", TurnDetection(), max_turn_ms=30_000, max_pending_ms=60_000, send=sent.append,
+        conversation=Conversation(sent.append, 1000), on_speech_started=lambda: None,
+        on_turn=lambda: turns.append(1),
+    )  # fmt: skip
+    clip = np.concatenate([np.zeros(RATE_IN), speech_like(8.0, RATE_IN), np.zeros(RATE_IN)])
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    before = ticks
+    await speech_input.append(InputAudioBufferAppend(type="input_audio_buffer.append", audio=pcm16_b64(clip)))
+    task.cancel()
+    assert ticks - before >= 4  # 10 s in 2 s slices: the loop ran between them
+    assert [e["type"] for e in sent if e["type"].startswith("input_audio_buffer")] == [
+        "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped", "input_audio_buffer.committed",
+    ]  # fmt: skip
+    assert turns == [1]

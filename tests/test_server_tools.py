@@ -150,3 +150,25 @@ async def test_items_are_retrieved_and_unanswered_ones_deleted(served):
     await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": first["id"], "event_id": "d"}))
     error = (await recv(ws))["error"]
     assert (error["code"], error["event_id"]) == ("item_delete_unsupported", "d")
+
+
+async def test_the_session_shows_its_tools_and_refuses_a_choice_of_none_of_them(served):
+    """session.updated is the full configuration in effect (OpenAI's words): it left out the tools and
+    the tool choice; and a tool_choice naming no tool of the session was taken, then asked of the model."""
+    _, ws = served
+    await ws.send(json.dumps({"type": "session.update", "session": {"tool_choice": "required"}}))
+    session = (await recv(ws))["session"]
+    assert session["tools"] == [WEATHER] and session["tool_choice"] == "required"
+    choice = {"type": "function", "name": "get_time"}
+    await ws.send(
+        json.dumps({"type": "session.update", "event_id": "c1", "session": {"tool_choice": choice}})
+    )
+    error = (await recv(ws))["error"]
+    assert (error["code"], error["param"], error["event_id"]) == (
+        "invalid_value",
+        "session.tool_choice.name",
+        "c1",
+    )
+    await ws.send(json.dumps({"type": "session.update", "session": {"tools": []}}))
+    session = (await recv(ws))["session"]
+    assert session["tools"] == [] and session["tool_choice"] == "required"

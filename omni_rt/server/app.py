@@ -36,7 +36,7 @@ from omni_rt.config import EngineSettings, setting_overrides
 from omni_rt.model.config import PRESETS, preset
 from omni_rt.server import protocol
 from omni_rt.server.http import BodyConnection
-from omni_rt.server.peer import Peer, PeerSettings, model_voice
+from omni_rt.server.peer import Peer, PeerSettings
 from omni_rt.server.protocol import ProtocolError
 from omni_rt.server.rest import RealtimeHttp
 from omni_rt.server.transport import CLOSE_TIMEOUT_S
@@ -112,8 +112,9 @@ class Server:
             server_header="omni-rt",  # no versions for a probe to match against
             create_connection=BodyConnection,  # POST bodies for /v1/realtime/calls, client_secrets
             # Our own limit answers with an error event; this one is the backstop for absurd frames.
-            max_size=4 * s.peer.max_message_bytes,
-            max_queue=16,
+            # Frames buffered here, at most 4 (16 MiB), then the inbox's 8 MiB (transport.py).
+            max_size=2 * s.peer.max_message_bytes,
+            max_queue=4,
             ping_interval=20,
             ping_timeout=20,
             # Don't let a client that never closes its end hold a shutdown (or a slot) for long.
@@ -168,14 +169,12 @@ class Server:
         task.add_done_callback(self._handlers.discard)
 
     def session_preview(self, fields: protocol.SessionFields | None) -> dict[str, Any]:
-        """The session object that a session opened with this configuration starts with."""
+        """The session object that a session opened with this configuration starts with;
+        `ProtocolError` for one that a session would refuse (checked as `Peer.configure` applies it)."""
         peer = Peer(self.engine, None, self.settings.peer)
         if fields is not None:
             peer.configure(fields)
         return peer.session_object()
-
-    def model_voice(self, name: str) -> str:
-        return model_voice(self.engine, name)
 
     @property
     def port(self) -> int:
@@ -214,6 +213,8 @@ class Server:
             if origin is not None and not self._origin_allowed(origin, host):
                 log.warning("refused %s from origin %s (Host %s)", url.path, origin, host)
                 return connection.respond(HTTPStatus.FORBIDDEN, "Origin not allowed.\n")
+            if request.method == "OPTIONS" and origin is not None:
+                return _preflight(request.headers)
             problem = getattr(connection, "body_error", None)
             if problem is not None:
                 return connection.respond(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"{problem}.\n")
@@ -222,7 +223,12 @@ class Server:
             )
             response = _response(answer.status, answer.body, answer.content_type)
             for name, value in answer.headers.items():
+                if name in response.headers:  # the endpoint's own (its Allow: POST), not the default
+                    del response.headers[name]
                 response.headers[name] = value
+            if origin is not None:  # an allowed page of another origin reads the answer (CORS)
+                _allow_origin(response, origin)
+                response.headers["Access-Control-Expose-Headers"] = "Location"
             return response
         if is_realtime_path(url.path):
             return self._check_ws(connection, url.query, origin, host, bearer)
@@ -247,10 +253,19 @@ class Server:
         if origin is not None and not self._origin_allowed(origin, host):
             log.warning("refused /ws from origin %s (Host %s)", origin, host)
             return connection.respond(HTTPStatus.FORBIDDEN, "Origin not allowed.\n")
-        given = bearer if bearer is not None else parse_qs(query).get("token", [""])[0]
+        asked = parse_qs(query)
+        given = bearer if bearer is not None else asked.get("token", [""])[0]
         allowed, secret = self.rest.authorize(given, keys=True)
         if not allowed:
             return connection.respond(HTTPStatus.UNAUTHORIZED, "A valid token is required.\n")
+        # What the SDK's connect() can also ask for and a socket here cannot be: rather a clear refusal
+        # than a fresh realtime session that the client takes for the call or the transcriber it wanted.
+        if "call_id" in asked:
+            return connection.respond(
+                HTTPStatus.BAD_REQUEST, "Joining a call (call_id) is not supported: use its data channel.\n"
+            )
+        if "transcription" in asked.get("intent", []):
+            return connection.respond(HTTPStatus.BAD_REQUEST, "Transcription sessions are not served.\n")
         # The key's session configuration, for the peer that this connection becomes.
         connection.client_secret = secret  # type: ignore[attr-defined]
         return None  # websockets answers a plain GET here with 426 Upgrade Required
@@ -363,6 +378,24 @@ def is_loopback(name: str) -> bool:
 def _remote(ws: ServerConnection) -> str:
     address = ws.remote_address
     return f"{address[0]}:{address[1]}" if address else "?"
+
+
+def _allow_origin(response: Response, origin: str) -> None:
+    response.headers["Access-Control-Allow-Origin"] = origin
+    response.headers["Vary"] = "Origin"
+
+
+def _preflight(headers: Headers) -> Response:
+    """The answer to a browser's CORS preflight for a REST endpoint, from an origin already allowed:
+    OpenAI's browser flow POSTs the offer (Bearer key, application/sdp) to the realtime server, which is
+    another origin than the page's. The headers the page asked for are allowed: the origin is trusted."""
+    response = _response(HTTPStatus.NO_CONTENT, b"", "text/plain")
+    _allow_origin(response, headers["Origin"])
+    response.headers["Access-Control-Allow-Methods"] = "POST"
+    asked = headers.get("Access-Control-Request-Headers")
+    response.headers["Access-Control-Allow-Headers"] = asked or "Authorization, Content-Type"
+    response.headers["Access-Control-Max-Age"] = "600"
+    return response
 
 
 def _response(status: HTTPStatus, body: bytes, content_type: str) -> Response:

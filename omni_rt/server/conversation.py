@@ -38,7 +38,9 @@ class Conversation:
     def create(self, event: protocol.ConversationItemCreate) -> None:
         """`conversation.item.create`: checked, echoed, waiting for the next response."""
         item = event.item
-        if event.previous_item_id is not None and event.previous_item_id != self.last_item_id:
+        # "root": OpenAI's beginning, which is the end of an empty conversation
+        at_root = event.previous_item_id == "root" and self.last_item_id is None
+        if event.previous_item_id not in (None, self.last_item_id) and not at_root:
             raise ProtocolError(
                 "invalid_value",
                 "items can only be added at the end of the conversation (previous_item_id must be the "
@@ -75,10 +77,17 @@ class Conversation:
             self._clips[item_id] = clip
         self._add(wire.input_audio_item(item_id))
 
-    def remember(self, items: list[dict[str, Any]]) -> None:
-        """A response's items (its message, its calls), which it announced itself."""
-        for item in items:
-            self._keep(item)
+    def place(self, item: dict[str, Any]) -> str | None:
+        """An item a response announces (it sends `conversation.item.added` / `.done` itself), as it is
+        now. The first time, it joins the end of the conversation, as OpenAI's does: it can be retrieved
+        and named as `previous_item_id` while the reply runs, and items created meanwhile follow it;
+        the id of the item before it is returned. After that it is updated in its place (None)."""
+        if item["id"] in self._items:
+            self._items[item["id"]] = item
+            return None
+        previous = self.last_item_id
+        self._keep(item)
+        return previous
 
     def _add(self, item: dict[str, Any]) -> None:
         self._send(wire.conversation_item_added(item, self.last_item_id))

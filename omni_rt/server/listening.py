@@ -28,6 +28,8 @@ from omni_rt.server.turns import SpokenTurnClock, when_answered
 
 log = logging.getLogger("omni_rt.server")
 
+APPEND_SLICE = 2 * wire.INPUT_SAMPLE_RATE  # samples of a long append heard at once: 2 s (see append)
+
 
 class SpeechInput:
     def __init__(
@@ -75,7 +77,7 @@ class SpeechInput:
         self._full_reported = False
         self._drop_live()
 
-    def append(self, event: protocol.InputAudioBufferAppend) -> None:
+    async def append(self, event: protocol.InputAudioBufferAppend) -> None:
         self.frames += 1
         ms = len(event.audio) * 3 / 4 / 2 * 1000 / wire.INPUT_SAMPLE_RATE  # before decoding it
         if not self._rate.take(ms):
@@ -85,11 +87,19 @@ class SpeechInput:
                 param="audio",
                 event_id=event.event_id,
             )
-        try:
-            self._on_events(self.buffer.push(event.pcm(), wire.INPUT_SAMPLE_RATE))
-        except ProtocolError as exc:
-            exc.event_id = event.event_id
-            raise
+        pcm = event.pcm()
+        # The detector takes ~10 ms of CPU a second of audio: a long append is heard in slices, the
+        # event loop free between them, so that other connections' audio is not held up. Without a
+        # detector it goes in whole (a full buffer refuses all of it, not a part).
+        step = APPEND_SLICE if self.detection is not None else max(len(pcm), 1)
+        for start in range(0, len(pcm), step):
+            if start:
+                await asyncio.sleep(0)
+            try:
+                self._on_events(self.buffer.push(pcm[start : start + step], wire.INPUT_SAMPLE_RATE))
+            except ProtocolError as exc:
+                exc.event_id = event.event_id
+                raise
 
     def mic_frame(self, frame: Any) -> None:
         """One decoded WebRTC frame (48 kHz stereo s16 from aiortc) into the input buffer."""

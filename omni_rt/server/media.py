@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("omni_rt.server")
 
+CONNECT_TIMEOUT_S = 30.0  # from the answer to a connected WebRTC connection (see _connect_deadline)
+
 AUDIO_QUEUE_SIZE = 256  # PCM chunks between the session and the track (a few seconds to a minute)
 _END = object()  # end of one response's audio in the audio queue
 
@@ -65,8 +67,12 @@ class Media:
         pc.on("datachannel", self._on_datachannel)
         pc.on("track", self._on_remote_track)
 
+        connected = asyncio.Event()
+
         @pc.on("connectionstatechange")
         def _state() -> None:
+            if pc.connectionState == "connected":
+                connected.set()
             if pc.connectionState in ("failed", "closed") and not self._closing():
                 log.info("peer %s: WebRTC %s", self.name, pc.connectionState)
                 self._shutdown()
@@ -82,6 +88,7 @@ class Media:
         except ValueError as exc:
             track.stop()
             raise ProtocolError("invalid_sdp", str(exc), param="sdp", event_id=event_id, fatal=True) from None
+        self._spawn(self._connect_deadline(connected), "connect deadline")
         if sends:
             self.track = track
             self._spawn(self._feed_track(track), "track feeder")
@@ -90,6 +97,17 @@ class Media:
             # track, so the reply's audio goes as events instead of piling up in front of it.
             track.stop()
         return answer
+
+    async def _connect_deadline(self, connected: asyncio.Event) -> None:
+        """A connection not up within CONNECT_TIMEOUT_S has failed. An offer without candidates (sent
+        before ICE gathering finished) leaves it "new" for good, where a call would hold its session
+        slot until the server stops; aioice fails the others in about a minute."""
+        try:
+            await asyncio.wait_for(connected.wait(), CONNECT_TIMEOUT_S)
+        except TimeoutError:
+            if not self._closing():
+                log.info("peer %s: WebRTC not connected within %g s", self.name, CONNECT_TIMEOUT_S)
+                self._shutdown()
 
     # -- the reply's audio ------------------------------------------------------------------------------
 

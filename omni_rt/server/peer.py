@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("omni_rt.server")
 
+# A fatal error's close code: 1008 (policy violation) unless it says otherwise; no free session slot
+# (the one given back to reopen the Session was taken) is 1013, try again later, as at connect.
+CLOSE_CODES = {"message_too_large": 1009, "session_limit": 1013, "session_unavailable": 1013}
 INBOX_SIZE = 64  # client events waiting to be handled; a client that floods gets an error
 SESSION_SAMPLE_RATE = 24000  # what socket clients receive (the model's own rate); the track makes 48 kHz
 
@@ -143,7 +146,6 @@ class Peer:
             spawn=self._spawn,
             closing=lambda: self._closing,
             media=self.media,
-            conversation=self.conversation,
             transcriber=self.transcriber,
             speculator=self.speculator,
             on_idle=self._start_response,
@@ -168,6 +170,7 @@ class Peer:
                 self._spawn(self.transport.read_socket(), "socket reader")
             while (item := await self._inbox.get()) is not None:
                 raw, source = item
+                self.transport.taken(raw, source)
                 try:
                     await self._handle(raw, source)
                 except ProtocolError as exc:
@@ -175,7 +178,7 @@ class Peer:
                         self.send(protocol.error(exc))
                         continue
                     # The socket is what closes: the error goes there, where it is sure to arrive first.
-                    await self.transport.fail(exc, 1009 if exc.code == "message_too_large" else 1008)
+                    await self.transport.fail(exc, CLOSE_CODES.get(exc.code, 1008))
                     return
             if self._task_failed:
                 await self.transport.fail(
@@ -309,6 +312,10 @@ class Peer:
             SESSION_SAMPLE_RATE,
             self.max_output_tokens,
             None if self.speech.detection is None else self.speech.detection.to_wire(),
+            tools=[t.model_dump(exclude_none=True) for t in self.tools],
+            tool_choice=self.tool_choice
+            if isinstance(self.tool_choice, str)
+            else self.tool_choice.model_dump(),
         )
         if self.transcriber.setting is not None:
             session["audio"]["input"]["transcription"] = self.transcriber.setting
@@ -342,7 +349,7 @@ class Peer:
             case protocol.OutputAudioBufferClear():
                 await self.replies.on_audio_clear(event)
             case protocol.InputAudioBufferAppend():
-                self.speech.append(event)
+                await self.speech.append(event)
             case protocol.InputAudioBufferCommit():
                 self.speech.commit(event)
             case protocol.InputAudioBufferClear():
@@ -367,6 +374,13 @@ class Peer:
         instructions = s.instructions
         new_tools = self.tools if s.tools is None else list(s.tools)
         choice = self.tool_choice if s.tool_choice is None else s.tool_choice
+        if isinstance(choice, tools.FunctionChoice) and choice.name not in {t.name for t in new_tools}:
+            raise ProtocolError(
+                "invalid_value",
+                f"tool_choice names {choice.name!r}, which is not one of the session's tools",
+                param="session.tool_choice.name",
+                event_id=event_id,
+            )
         changed = (
             (voice is not None and voice != self.voice)
             or (instructions is not None and instructions != self.instructions)
@@ -477,6 +491,8 @@ class Peer:
             prompt = self._prompt(messages)
         self.replies.respond_when_idle = False
         limits = self._limits(self._max_tokens(fields.max_output_tokens), text, audio, prompt)
+        if fields.voice is not None:  # this reply's own voice (already a model voice, see above)
+            limits["voice"] = fields.voice
         held = self.speculator.take(self.session, (text, audio, limits))  # or it is dropped
         response = Response(
             item_id=wire.new_id("item"),
@@ -489,7 +505,7 @@ class Peer:
             sample_rate=SESSION_SAMPLE_RATE,
             send=self.send,
             metadata=fields.metadata,
-            previous_item_id=self.conversation.last_item_id,
+            place=self.conversation.place,
             tools=self._tool_parser(),
             spoken=self.speech.spoken_turn,
         )

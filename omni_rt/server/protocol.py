@@ -18,10 +18,16 @@ from omni_rt import wire
 from omni_rt.errors import OmniRtError, SessionLimitError
 from omni_rt.server.tools import ToolChoice, Tools, tool_call_text, tool_response
 
-MAX_MESSAGE_BYTES = 256 * 1024  # an SDP offer is a few kB; a text message far less
-MAX_TEXT_CHARS = 16_000  # one user message
 INPUT_SAMPLE_RATE = wire.INPUT_SAMPLE_RATE
-MAX_APPEND_MS = 2_000  # audio in one append; clients send 20-100 ms at a time
+# Audio in one append: clients stream 20-100 ms at a time, but OpenAI takes up to 15 MiB in one and
+# its guide appends a whole recorded file so; 30 s is what the input buffer holds (and the rate limit's
+# burst). The peer hears a long one in slices (SpeechInput.append).
+MAX_APPEND_MS = 30_000
+# One client message: an append of MAX_APPEND_MS as base64 (1.9 MB); every other event is far smaller,
+# and its fields have their own limits.
+MAX_MESSAGE_BYTES = 2 * 1024 * 1024
+MAX_SDP_BYTES = 256 * 1024  # an SDP offer is a few kB
+MAX_TEXT_CHARS = 16_000  # one user message
 # base64 of MAX_APPEND_MS of PCM16: 4 characters per 3 bytes
 MAX_APPEND_CHARS = -(-INPUT_SAMPLE_RATE * MAX_APPEND_MS // 1000 * 2 // 3) * 4
 
@@ -86,11 +92,6 @@ class _Event(BaseModel):
     event_id: str | None = None
 
 
-class AudioOutputConfig(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    voice: str | None = Field(default=None, min_length=1, max_length=64)
-
-
 class TurnDetectionFields(BaseModel):
     """`turn_detection`: `server_vad` or `semantic_vad` (omni_rt.audio.semantic). Missing fields: defaults."""
 
@@ -112,6 +113,13 @@ class AudioFormat(BaseModel):
     rate: Literal[24000] = INPUT_SAMPLE_RATE
 
 
+class AudioOutputConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    # Checked as the input's is: a client that asked for G.711 must not get PCM16 it would misread.
+    format: AudioFormat | None = None
+    voice: str | None = Field(default=None, min_length=1, max_length=64)
+
+
 class AudioInputConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
     format: AudioFormat | None = None
@@ -129,6 +137,8 @@ class SessionFields(BaseModel):
     """The parts of a session object a client may set. Unset fields keep their value."""
 
     model_config = ConfigDict(extra="allow")
+    # A transcription session (OpenAI's other kind) is not served: refused rather than answered.
+    type: Literal["realtime"] | None = None
     instructions: str | None = Field(default=None, max_length=MAX_TEXT_CHARS)
     output_modalities: list[Literal["audio", "text"]] | None = Field(default=None, min_length=1)
     audio: AudioConfig | None = None
@@ -139,6 +149,8 @@ class SessionFields(BaseModel):
     voice: str | None = Field(default=None, min_length=1, max_length=64)
     modalities: list[Literal["audio", "text"]] | None = Field(default=None, min_length=1)
     turn_detection: TurnDetectionFields | None = None
+    input_audio_format: Literal["pcm16"] | None = None
+    output_audio_format: Literal["pcm16"] | None = None
 
 
 class SessionUpdate(_Event):
@@ -230,7 +242,7 @@ class OutputAudioBufferClear(_Event):
 
 class WebRtcOffer(_Event):
     type: Literal["webrtc.offer"]
-    sdp: str = Field(min_length=1, max_length=MAX_MESSAGE_BYTES)
+    sdp: str = Field(min_length=1, max_length=MAX_SDP_BYTES)
 
 
 class InputAudioBufferAppend(_Event):
@@ -324,15 +336,46 @@ def parse_client_event(raw: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> 
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"])
+        param = field_path(data, first)
         raise ProtocolError(
             "invalid_value", f"{data['type']}: {param}: {first['msg']}", param=param, event_id=event_id
         ) from None
 
 
+def field_path(data: Any, error: Any) -> str:
+    """The field a pydantic error is about, as the client wrote it (`session.max_output_tokens`):
+    the error's `loc` also names the union member that was tried (`constrained-int`,
+    `literal['auto','none','required']`), which is no field of the client's."""
+    path, node, loc = [], data, error["loc"]
+    for i, part in enumerate(loc):
+        if (
+            isinstance(node, dict)
+            and part in node
+            or (isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node))
+        ):
+            path.append(str(part))
+            node = node[part]
+        elif i == len(loc) - 1 and error["type"] == "missing":
+            path.append(str(part))  # a required field the client left out
+    return ".".join(path)
+
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
 def message_text(item: Item) -> str:
-    """The text of a message item (its `input_text` / `output_text` / `text` parts, in order)."""
-    texts = [p.text for p in item.content if p.type in ("input_text", "output_text", "text") and p.text]
+    """The text of a message item (its `input_text` / `output_text` / `text` parts, in order). Other
+    parts (`input_audio`, `input_image`, `output_audio`) are refused: dropping them would leave the model
+    a different message than the client sent. Speech comes through the input audio buffer."""
+    for i, part in enumerate(item.content):
+        if part.type not in _TEXT_PARTS:
+            raise ProtocolError(
+                "unsupported_value",
+                f"content parts of type {part.type[:64]!r} are not supported in conversation.item.create: "
+                "send text parts, and speech with input_audio_buffer.append and .commit",
+                param=f"item.content.{i}.type",
+            )
+    texts = [p.text for p in item.content if p.text]
     if not texts:
         raise ProtocolError(
             "invalid_value",

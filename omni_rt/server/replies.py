@@ -29,7 +29,6 @@ from omni_rt.server.track import FRAME_SAMPLES
 from omni_rt.server.track import SAMPLE_RATE as TRACK_RATE
 
 if TYPE_CHECKING:
-    from omni_rt.server.conversation import Conversation
     from omni_rt.server.media import Media
     from omni_rt.server.speculative import Speculator
     from omni_rt.server.track import AudioOutputTrack
@@ -50,7 +49,6 @@ class Replies:
         spawn: Callable[[Any, str], asyncio.Task],
         closing: Callable[[], bool],
         media: Media,
-        conversation: Conversation,
         transcriber: InputTranscriber,
         speculator: Speculator,
         on_idle: Callable[[], None],
@@ -58,7 +56,7 @@ class Replies:
         self.name = name
         self._session = session  # the peer's Session now (session.update opens a new one)
         self.send, self._spawn, self._closing = send, spawn, closing
-        self.media, self.conversation = media, conversation
+        self.media = media
         self.transcriber, self.speculator = transcriber, speculator
         self._on_idle = on_idle
         self.current: Response | None = None
@@ -239,8 +237,6 @@ class Replies:
                     self.send(protocol.error(_session_error(ev)))
                 elif kind == "response.done":
                     response.done(ev)
-                    if response.in_conversation:
-                        self.conversation.remember(response.output_items())
         except asyncio.CancelledError:
             raise
         except OmniRtError as exc:

@@ -41,7 +41,8 @@ class Response:
     send: Callable[[dict[str, Any]], None]
     metadata: dict[str, str] | None = None
     in_conversation: bool = True  # False: out-of-band (conversation "none")
-    previous_item_id: str | None = None  # where its item goes in the conversation
+    # Puts an item the reply announces in the conversation (`Conversation.place`): the id before it.
+    place: Callable[[dict[str, Any]], str | None] = lambda item: None
     asked_max_tokens: int | str = "inf"  # as the request said it, echoed
     task: Any = None  # the asyncio.Task that runs it
     id: str | None = None  # the session's response id, once it says response.created
@@ -165,10 +166,10 @@ class Response:
         if self._item_open or self.id is None:
             return
         self._item_open = True
-        self._message_previous, self.previous_item_id = self.previous_item_id, self.item_id
         item = wire.assistant_item(self.item_id, "in_progress", self.audio, None)
         self.send(wire.output_item("added", self.id, item))
         if self.in_conversation:
+            self._message_previous = self.place(item)
             self.send(wire.conversation_item_added(item, self._message_previous))
         self.send(wire.content_part("added", self.id, self.item_id, self.audio, ""))
 
@@ -185,20 +186,18 @@ class Response:
         item_id, call_id = wire.new_id("item"), wire.new_id("call")
         item = wire.function_call_item(item_id, call_id, call.name, call.arguments, "in_progress")
         self.send(wire.output_item("added", self.id, {**item, "arguments": ""}, index))
+        previous = None
         if self.in_conversation:
-            self.send(wire.conversation_item_added({**item, "arguments": ""}, self.previous_item_id))
+            previous = self.place({**item, "arguments": ""})
+            self.send(wire.conversation_item_added({**item, "arguments": ""}, previous))
         self.send(wire.function_call_arguments("delta", self.id, item, index))
         self.send(wire.function_call_arguments("done", self.id, item, index))
         done = {**item, "status": "completed"}
         self.send(wire.output_item("done", self.id, done, index))
         if self.in_conversation:
-            self.send(wire.conversation_item_done(done, self.previous_item_id))
-        self.previous_item_id = item_id
+            self.place(done)
+            self.send(wire.conversation_item_done(done, previous))
         self.calls.append(done)
-
-    def output_items(self) -> list[dict[str, Any]]:
-        """The reply's items, in conversation order: its message (if it spoke), then its calls."""
-        return ([self.item] if self.item is not None else []) + self.calls
 
     def _close_item(self, status: str) -> list[dict[str, Any]]:
         """Close the item (if it was announced): the done events in order; returns the response output."""
@@ -214,6 +213,7 @@ class Response:
         item = wire.assistant_item(self.item_id, status, self.audio, text)
         self.send(wire.output_item("done", self.id, item))
         if self.in_conversation:
+            self.place(item)
             self.send(wire.conversation_item_done(item, self._message_previous))
         self._item_open = False
         self.item = item

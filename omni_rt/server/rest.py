@@ -22,7 +22,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -44,7 +44,7 @@ MAX_KEYS = 1024  # live keys; past this the oldest give way (a token holder mint
 
 class _ExpiresAfter(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    anchor: str = "created_at"
+    anchor: Literal["created_at"] = "created_at"
     seconds: int = Field(default=DEFAULT_TTL_S, ge=10, le=MAX_TTL_S)
 
 
@@ -73,9 +73,17 @@ def _json(status: HTTPStatus, data: Any, **headers: str) -> HttpAnswer:
     return HttpAnswer(status, json.dumps(data).encode(), "application/json", headers)
 
 
-def _error(status: HTTPStatus, message: str, code: str, type: str = "invalid_request_error") -> HttpAnswer:
+def _error(
+    status: HTTPStatus, message: str, code: str, type: str = "invalid_request_error", param: str | None = None
+) -> HttpAnswer:
     """An error as OpenAI's REST API writes one (the SDK turns it into an `APIStatusError`)."""
-    return _json(status, {"error": {"message": message, "type": type, "code": code, "param": None}})
+    return _json(status, {"error": {"message": message, "type": type, "code": code, "param": param}})
+
+
+def _session_error(exc: ProtocolError) -> HttpAnswer:
+    """A session configuration that a session would refuse (`Peer.configure`): HTTP 400."""
+    message = f"{exc.param}: {exc.message}" if exc.param else exc.message
+    return _error(HTTPStatus.BAD_REQUEST, message, exc.code, param=exc.param)
 
 
 class RealtimeHttp:
@@ -141,34 +149,25 @@ class RealtimeHttp:
             request = _SecretRequest.model_validate_json(body or b"{}")
         except ValidationError as exc:
             first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            return _error(HTTPStatus.BAD_REQUEST, f"{where}: {first['msg']}", "invalid_value")
-        if request.session is not None:
-            problem = self._session_problem(request.session)
-            if problem is not None:
-                return _error(HTTPStatus.BAD_REQUEST, problem, "invalid_value")
+            try:
+                where = protocol.field_path(json.loads(body or b"{}"), first)
+            except (ValueError, RecursionError):  # not JSON at all: no field to name
+                where = None
+            message = f"{where}: {first['msg']}" if where else first["msg"]
+            return _error(HTTPStatus.BAD_REQUEST, message, "invalid_value", param=where)
+        try:
+            session = self.server.session_preview(request.session)
+        except ProtocolError as exc:
+            return _session_error(exc)
         ttl = (request.expires_after or _ExpiresAfter()).seconds
         secret = ClientSecret(f"ek_{secrets.token_urlsafe(24)}", int(time.time()) + ttl, request.session)
         self._forget_expired()
         while len(self.keys) >= MAX_KEYS:
             del self.keys[next(iter(self.keys))]
         self.keys[secret.value] = secret
-        session = self.server.session_preview(secret.session)
         return _json(
             HTTPStatus.OK, {"value": secret.value, "expires_at": secret.expires_at, "session": session}
         )
-
-    def _session_problem(self, session: protocol.SessionFields) -> str | None:
-        voice = session.voice or (
-            session.audio.output.voice if session.audio and session.audio.output else None
-        )
-        if voice is None:
-            return None
-        try:
-            self.server.model_voice(voice)
-        except ProtocolError as exc:
-            return f"session.audio.output.voice: {exc.message}"
-        return None
 
     def _forget_expired(self) -> None:
         now = time.time()
@@ -198,8 +197,10 @@ class RealtimeHttp:
                 HTTPStatus.BAD_REQUEST, "an SDP offer is required (application/sdp, or 'sdp')", "invalid_sdp"
             )
         for session in sessions:
-            if (problem := self._session_problem(session)) is not None:
-                return _error(HTTPStatus.BAD_REQUEST, problem, "invalid_value")
+            try:
+                self.server.session_preview(session)  # refused here, before a session slot is taken
+            except ProtocolError as exc:
+                return _session_error(exc)
         if not self.server.has_room():
             return _error(
                 HTTPStatus.SERVICE_UNAVAILABLE,

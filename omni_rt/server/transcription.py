@@ -142,6 +142,14 @@ class InputTranscriber:
             self._send(wire._event(f"{PREFIX}.failed", item_id=item_id, content_index=0, error=error))
         else:
             transcript = "".join(parts).strip()
+            # OpenAI's event requires usage; billed by audio length, as for whisper-1.
+            usage = {"type": "duration", "seconds": round(len(audio) / 16000, 3)}
             self._send(
-                wire._event(f"{PREFIX}.completed", item_id=item_id, content_index=0, transcript=transcript)
+                wire._event(
+                    f"{PREFIX}.completed",
+                    item_id=item_id,
+                    content_index=0,
+                    transcript=transcript,
+                    usage=usage,
+                )
             )

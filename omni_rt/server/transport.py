@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("omni_rt.server")
 
 OUTBOX_SIZE = 1024  # server events waiting for a slow socket; past that the client is dropped
+# Socket messages read ahead of the peer, in bytes (a message may be 2 MiB, a whole clip's append):
+# past this, reading waits, as it does for a full inbox (64 messages), so the socket pushes back.
+INBOX_BYTES = 8 * 1024 * 1024
 MAX_CHANNEL_BUFFERED = 8 * 1024 * 1024  # bytes a data channel may hold unsent before the peer is dropped
 CLOSE_TIMEOUT_S = 2.0  # the close handshake; then the connection is cut
 
@@ -46,6 +49,8 @@ class Transport:
         self._outbox: asyncio.Queue[str] = asyncio.Queue(OUTBOX_SIZE)
         self._early: list[str] = []  # a call's events before its data channel opens
         self._dropping = False
+        self._inbox_bytes = 0  # of the socket's messages in the inbox
+        self._inbox_room = asyncio.Event()
 
     def send(self, event: dict[str, Any]) -> None:
         """One server event to the client: on the data channel when it is open, else on the socket."""
@@ -62,16 +67,32 @@ class Transport:
                 return
             except ValueError:
                 # Over the client's max-message-size (256 KiB in browsers): the socket has no such
-                # limit, and the client reads both.
+                # limit, and the client reads both. A call has none: the client hears what it missed.
+                if self.ws is None:
+                    self._too_large(event["type"], len(data))
+                    return
                 log.info("peer %s: a %d-byte %s goes on the socket", self.name, len(data), event["type"])
         self.send_socket(data)
+
+    def _too_large(self, kind: str, size: int) -> None:
+        """An event the data channel of a call cannot carry: an error in its place, the call goes on."""
+        log.warning("peer %s: a %d-byte %s does not fit the data channel", self.name, size, kind)
+        too_large = ProtocolError(
+            "event_too_large",
+            f"a {kind} event of {size} bytes is over the data channel's max-message-size: it was not sent",
+            type="server_error",
+        )
+        self.channel.send(json.dumps(protocol.error(too_large)))
 
     def send_socket(self, data: str) -> None:
         """On the socket (signaling, and what does not fit the channel); a call's wait for its channel."""
         if self.ws is None:
             channel = self.channel
             if channel is not None and channel.readyState == "open":
-                channel.send(data)
+                try:
+                    channel.send(data)
+                except ValueError:  # as in send(): a call has no socket to carry it
+                    self._too_large(json.loads(data).get("type", "?"), len(data))
             elif len(self._early) < OUTBOX_SIZE:
                 self._early.append(data)
             else:
@@ -136,10 +157,20 @@ class Transport:
         try:
             async for raw in self.ws:
                 await self.inbox.put((raw, "socket"))  # waits when full: back-pressure on the socket
+                self._inbox_bytes += len(raw)
+                while self._inbox_bytes > INBOX_BYTES:  # and when it holds too many bytes
+                    self._inbox_room.clear()
+                    await self._inbox_room.wait()
         except ConnectionClosed:
             pass
         finally:
             self.shutdown()
+
+    def taken(self, raw: str | bytes, source: str) -> None:
+        """The peer took a message from the inbox: a socket message's bytes no longer count."""
+        if source == "socket":
+            self._inbox_bytes -= len(raw)
+            self._inbox_room.set()
 
     # -- closing ------------------------------------------------------------------------------------------
 

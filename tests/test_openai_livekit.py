@@ -63,13 +63,6 @@ async def test_livekit_reply_interrupt_and_a_reply_after():
     assert engine.sessions[-1].voice == "chelsie"  # livekit's default voice, marin, by the table
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="server (omni_rt/server, not this test's code): livekit's plugin adds the first chat item with "
-    "previous_item_id='root', refused on an empty conversation, so the user's words never reach the model; "
-    "and after the tool runs it asks for the reply with response.tools (the session's tools again), "
-    "refused, so the tool's result is never spoken",
-)
 async def test_agent_session_calls_a_function_tool_and_speaks_its_result(caplog):
     """An `AgentSession` on livekit's OpenAI plugin with a `@function_tool`: the user's text reaches the
     model, the model's `<tool_call>` runs the tool, its result goes back and the reply to it is spoken; the

@@ -172,3 +172,23 @@ async def test_the_session_shows_its_tools_and_refuses_a_choice_of_none_of_them(
     await ws.send(json.dumps({"type": "session.update", "session": {"tools": []}}))
     session = (await recv(ws))["session"]
     assert session["tools"] == [] and session["tool_choice"] == "required"
+
+
+async def test_a_reply_asked_for_with_the_sessions_own_tools_goes_ahead(served):
+    """livekit's OpenAI plugin asks for the reply after a tool call with the session's tools in
+    response.create: refused, the tool's result was never spoken. The same tools are no change; other
+    tools, or another tool_choice, would need another system turn and stay refused."""
+    engine, ws = served
+    await ws.send(json.dumps(user_message("Weather in Paris?")))
+    same = {"tools": [WEATHER], "tool_choice": "auto"}
+    await ws.send(json.dumps({"type": "response.create", "response": same}))
+    events = await until(ws, "response.done")
+    assert events[-1]["response"]["status"] == "completed" and engine.requests[-1] == "Weather in Paris?"
+    other = dict(WEATHER, name="get_time")
+    for event_id, response, param in (
+        ("t1", {"tools": [WEATHER, other]}, "response.tools"),
+        ("t2", {"tools": [WEATHER], "tool_choice": "required"}, "response.tool_choice"),
+    ):
+        await ws.send(json.dumps({"type": "response.create", "event_id": event_id, "response": response}))
+        error = (await recv(ws))["error"]
+        assert (error["code"], error["param"], error["event_id"]) == ("unsupported_value", param, event_id)

@@ -312,7 +312,7 @@ class Peer:
             SESSION_SAMPLE_RATE,
             self.max_output_tokens,
             None if self.speech.detection is None else self.speech.detection.to_wire(),
-            tools=[t.model_dump(exclude_none=True) for t in self.tools],
+            tools=tools.tool_dicts(self.tools),
             tool_choice=self.tool_choice
             if isinstance(self.tool_choice, str)
             else self.tool_choice.model_dump(),
@@ -446,16 +446,24 @@ class Peer:
                 raise
         # What a response cannot do here: the Session's one conversation is its KV cache, and its
         # system turn (instructions, tools) is fixed when it opens (docs/protocol.md, differences).
+        # The session's own tools again are no change (livekit's OpenAI plugin asks for the reply after a
+        # tool call with them); other tools would need another system turn.
+        other_tools = fields.tools is not None and tools.tool_dicts(fields.tools) != tools.tool_dicts(
+            self.tools
+        )
+        other_choice = fields.tool_choice is not None and fields.tool_choice != self.tool_choice
         for name, refused in (
             ("conversation", fields.conversation == "none"),
             ("input", "input" in (fields.model_extra or {})),
-            ("tools", fields.tools is not None or fields.tool_choice is not None),
+            ("tools", other_tools),
+            ("tool_choice", other_choice),
         ):
             if refused:
                 raise ProtocolError(
                     "unsupported_value",
                     f"response.{name} is not supported: responses answer the one conversation; "
-                    + ("set tools with session.update" if name == "tools" else "add input as items"),
+                    + ("add input as items" if name == "input" else f"set {name} with session.update")
+                    + (" (the session's own are accepted)" if name.startswith("tool") else ""),
                     param=f"response.{name}",
                     event_id=event.event_id,
                 )

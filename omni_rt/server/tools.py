@@ -16,6 +16,7 @@ nothing to execute.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -35,6 +36,11 @@ class Tool(BaseModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = Field(default=None, max_length=4_000)
     parameters: dict[str, Any] | None = None
+
+
+def tool_dicts(tools: Sequence[Tool]) -> list[dict[str, Any]]:
+    """Tools as the wire shows them (session.created/updated), and as two lists of them compare."""
+    return [t.model_dump(exclude_none=True) for t in tools]
 
 
 class FunctionChoice(BaseModel):

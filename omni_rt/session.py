@@ -147,6 +147,7 @@ class Session:
         max_audio_frames: int | None = None,
         ignore_eos: bool = False,
         on_event: Callable[[Event], Any] | None = None,
+        instructions: str | None = None,
     ) -> AsyncIterator[Event]:
         """Stream one response: response.created, text and audio deltas, ..., response.done (always last).
 
@@ -158,10 +159,13 @@ class Session:
         breaking out of the loop cancels the response once the dropped iterator is closed (the next
         `respond()` sees to that); `await cancel()` stops it at once. `on_event(ev)` (a function or a
         coroutine function) sees every event just before it is yielded: callbacks on the same stream.
+        `instructions` (with `text` or `audio`): a system turn just before this turn, kept in the
+        conversation like any turn (the session's own instructions open its first turn); how to change
+        a conversation's instructions once it has begun.
         """
         stream = self._respond(
             text, input_ids, (audio, audio_sample_rate), voice, sampling, max_output_tokens,
-            max_audio_frames, ignore_eos,
+            max_audio_frames, ignore_eos, instructions=instructions,
         )  # fmt: skip
         async with contextlib.aclosing(stream):  # closing this iterator closes (cancels) the inner one now
             async for ev in stream:
@@ -182,6 +186,7 @@ class Session:
         sampling: Sampling | None = None,
         max_output_tokens: int | None = None,
         max_audio_frames: int | None = None,
+        instructions: str | None = None,
     ) -> Speculation:
         """Start a response now with its output held back: `release()` it (its events, as if it started
         then) or `drop()` it (no event, no change to the conversation). See `omni_rt.speculation`."""
@@ -192,7 +197,7 @@ class Session:
         hold = self._held = Hold(previous=self._last)
         stream = self._respond(
             text, input_ids, (audio, audio_sample_rate), voice, sampling, max_output_tokens,
-            max_audio_frames, False, hold,
+            max_audio_frames, False, hold, instructions=instructions,
         )  # fmt: skip
         hold.speculation = Speculation(self, stream, hold)
         return hold.speculation
@@ -222,6 +227,7 @@ class Session:
         max_audio_frames,
         ignore_eos,
         hold: Hold | None = None,
+        instructions: str | None = None,
     ) -> AsyncIterator[Event]:
         t0 = time.perf_counter()
         rid = f"resp_{next(_response_ids)}"
@@ -241,7 +247,8 @@ class Session:
                     yield ResponseDone(response_id=rid, status="cancelled")
                     return
                 req, rate, cut = self._build(rid, t0, text, input_ids, audio, voice, sampling,
-                                             max_output_tokens, max_audio_frames, ignore_eos, hold)  # fmt: skip
+                                             max_output_tokens, max_audio_frames, ignore_eos, hold,
+                                             instructions)  # fmt: skip
                 if encoded is not None:  # this turn's clip is the last one; earlier ones have none
                     req.audio_encoded = [None] * (len(req.audio_features) - 1) + [encoded]
                 if cut is not None:
@@ -356,6 +363,7 @@ class Session:
         max_audio_frames,
         ignore_eos,
         hold=None,
+        instructions=None,
     ) -> tuple[Request, int]:
         if self._closed:
             raise InvalidRequestError("this session is closed")
@@ -376,8 +384,16 @@ class Session:
             self._caches_of = self._host.generation
         if (text is None and audio is None) == (input_ids is None):
             raise InvalidRequestError("give text and/or audio, or input_ids")
-        check_types(text, voice, sampling, max_output_tokens, max_audio_frames)
+        check_types(text, voice, sampling, max_output_tokens, max_audio_frames, instructions)
         history = [] if self.conversation else self._system_turn()
+        if instructions is not None:
+            if input_ids is not None:
+                raise InvalidRequestError(
+                    "instructions go with text or audio: input_ids carry their own turns"
+                )
+            history += self._host.tokenizer.chat_prompt(
+                [("system", instructions)], add_generation_prompt=False
+            )
         if audio is not None:
             # the spoken turn: the clip's placeholders, then any text, then the assistant header
             from omni_rt.model.speech_input import speech_prompt

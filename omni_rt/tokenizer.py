@@ -263,6 +263,17 @@ class Tokenizer:
             out += [i.im_start, i.assistant, i.newline]
         return out
 
+    def last_turn(self, ids: Sequence[int], role: str) -> str | None:
+        """The text of the last `role` turn in chat-formatted `ids` (as `chat_prompt` writes turns; an open
+        turn reads to the end), or None when there is none."""
+        i, head = self.ids, [self.ids.im_start, self.role_id(role), self.ids.newline]
+        for start in range(len(ids) - 3, -1, -1):
+            if list(ids[start : start + 3]) == head:
+                body = ids[start + 3 :]
+                end = next((n for n, t in enumerate(body) if t == i.im_end), len(body))
+                return self.decode(body[:end])
+        return None
+
 
 class IncrementalDecoder:
     """Token ids in, text deltas out, never splitting a multi-byte UTF-8 character.

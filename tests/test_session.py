@@ -289,6 +289,30 @@ async def test_a_spoken_turn_becomes_audio_placeholders_in_the_conversation(rate
         assert TOK.decode(conv[start + n + 2 : conv.index(ids.im_end, start)]) == "and this?"
 
 
+async def test_instructions_of_a_turn_are_a_system_turn_before_it():
+    # how a conversation's instructions change once it has begun (the server's session.update): a system
+    # turn just before the user's, text or spoken, kept in the conversation; the first turn still opens
+    # with the session's own instructions
+    ids = CFG.ids
+    clip = (0.3 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000)).astype(np.float32)
+    async with fake_engine(reply_len=3) as engine, engine.session(instructions="Be brief.") as s:
+        assert (await collect(s, "Hello", instructions="Speak French."))[-1].status == "completed"
+        assert TOK.last_turn(s.conversation, "system") == "Speak French."
+        head = TOK.decode(s.conversation[: s.conversation.index(ids.user) - 1], skip_special_tokens=False)
+        # the session's system turn, then this one
+        assert (
+            head == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>system\nSpeak French.<|im_end|>\n"
+        )
+        assert (await collect(s, audio=clip, instructions="Speak Dutch."))[-1].status == "completed"
+        conv = s.conversation
+        assert TOK.last_turn(conv, "system") == "Speak Dutch." and TOK.last_turn(conv, "user") is not None
+        system = max(i for i in range(len(conv) - 2) if conv[i : i + 2] == [ids.im_start, ids.system])
+        assert system < conv.index(ids.audio_start, system)  # the system turn comes before the speech
+        assert "input_ids" in _failed(await collect(s, input_ids=[ids.im_start], instructions="No."))
+        assert "instructions" in _failed(await collect(s, "hi", instructions=5))
+        assert TOK.last_turn(s.conversation, "system") == "Speak Dutch."  # failed turns leave no trace
+
+
 async def test_bad_argument_types_fail_the_response_not_the_caller():
     # each one used to escape respond() as a TypeError/AttributeError (no response.done), or reach the
     # stage runners, where a bad `sampling` failed the whole batched prefill of every session in it

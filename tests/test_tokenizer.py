@@ -231,3 +231,10 @@ def test_from_checkpoint_missing_files(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ConfigError, match="cannot read"):
         Tokenizer.from_checkpoint(tmp_path)
+
+
+def test_last_turn_reads_the_last_turn_of_a_role(tiny):
+    ids = tiny.chat_prompt([("system", "one"), ("user", "hi"), ("system", "two"), ("user", "there")])
+    assert tiny.last_turn(ids, "system") == "two" and tiny.last_turn(ids, "user") == "there"
+    assert tiny.last_turn(ids, "assistant") == ""  # the generation prompt's header: a turn just opened
+    assert tiny.last_turn(ids[:-3], "assistant") is None and tiny.last_turn([], "system") is None

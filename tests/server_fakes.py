@@ -49,7 +49,8 @@ class FakeSession:
         self.rate = output_sample_rate
         self._cancel = asyncio.Event()
         self.pcm_samples: dict[str, int] = {}  # response id → samples yielded
-        self.conversation: list[int] = []  # as the Session's: grows with each response
+        # as the Session's, in FakeTokenizer's readable "ids": (role, text) turns, grown by each response
+        self.conversation: list[tuple[str, str]] = []
 
     def live_speech(self):
         return None  # the Session's encoding while speaking needs a model (tests/test_speculation.py)
@@ -63,6 +64,7 @@ class FakeSession:
         max_output_tokens: int = 256,
         input_ids: list | None = None,
         voice: str | None = None,
+        instructions: str | None = None,
         **_: object,
     ):
         rid = f"resp_{next(self.engine.ids)}"
@@ -70,7 +72,12 @@ class FakeSession:
         self.engine.running += 1
         self.engine.requests.append(text if input_ids is None else input_ids)
         self.engine.voices.append(voice or self.voice)
-        self.conversation.append(0)
+        self.engine.turn_instructions.append(instructions)
+        if not self.conversation and self.instructions and input_ids is None:
+            self.conversation.append(("system", self.instructions))  # as the Session's first turn
+        if instructions is not None:
+            self.conversation.append(("system", instructions))
+        self.conversation += [*input_ids] if input_ids is not None else [("user", text or "(speech)")]
         if audio is not None:
             self.engine.audio_requests.append((audio, audio_sample_rate))
             text = f"{len(audio) / audio_sample_rate:.1f} seconds" if text is None else text
@@ -149,6 +156,7 @@ class FakeEngine:
         self.voices: list[str] = []  # the voice of each response
         self.script: list[tuple[str, list[int]]] | None = None  # replaces `reply`: the Thinker's deltas
         self.instructions: list[str | None] = []  # of each session opened
+        self.turn_instructions: list[str | None] = []  # respond(instructions=...) of each response
         self.tokenizer = FakeTokenizer()
 
     def speaker_id(self, voice: str) -> int:
@@ -176,10 +184,13 @@ class FakeEngine:
 
 
 class FakeTokenizer:
-    """The one method the server uses: a chat prompt, here as readable (role, text) pairs."""
+    """What the server uses: chat prompts, here as readable (role, text) pairs, and their last turns."""
 
     def chat_prompt(self, messages, add_generation_prompt: bool = True) -> list:
         return [*map(tuple, messages), *([("assistant", "")] if add_generation_prompt else [])]
+
+    def last_turn(self, ids, role: str) -> str | None:
+        return next((text for r, text in reversed(ids) if r == role), None)
 
 
 def user_message(text: str) -> dict:

@@ -60,7 +60,7 @@ async def test_livekit_reply_interrupt_and_a_reply_after():
         finally:
             await session.aclose()
     assert errors == []
-    assert engine.sessions[-1].voice == "chelsie"  # livekit's default voice, marin, by the table
+    assert set(engine.voices) == {"chelsie"}  # every reply in livekit's default voice, marin, by the table
 
 
 async def test_agent_session_calls_a_function_tool_and_speaks_its_result(caplog):

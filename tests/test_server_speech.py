@@ -349,22 +349,23 @@ async def test_microphone_turn_over_webrtc_gets_a_spoken_reply():
         assert peer.input_audio_frames > 50 and client.frames  # the reply came back on the track
 
 
-async def test_a_turn_that_ends_while_the_voice_changes_is_answered_in_the_new_voice(monkeypatch):
-    # A new voice reopens the session; the microphone keeps being heard meanwhile. A turn that ends
-    # then waits for the new session rather than going to the one being closed.
+async def test_a_turn_that_ends_while_the_session_reopens_is_answered_by_the_new_one(monkeypatch):
+    # New instructions before anything was said reopen the session (its first turn says them); the
+    # microphone keeps being heard meanwhile. A turn that ends then waits for the new session rather
+    # than going to the one being closed.
     from server_fakes import FakeSession
 
     engine = FakeEngine(step_s=0.0, reply="ok")
-    voices: list[str] = []
+    heard: list[str | None] = []
     respond, opened = FakeSession.respond, FakeEngine.session
 
     def recording_respond(self, *args, **kwargs):
-        voices.append(self.voice)
+        heard.append(self.instructions)
         return respond(self, *args, **kwargs)
 
     @contextlib.asynccontextmanager
     async def slow_session(self, **kwargs):
-        if kwargs.get("voice") == "chelsie":
+        if kwargs.get("instructions") == "Be brief.":
             await asyncio.sleep(2.5)  # the engine is busy; the turn ends meanwhile
         async with opened(self, **kwargs) as session:
             yield session
@@ -373,12 +374,12 @@ async def test_a_turn_that_ends_while_the_voice_changes_is_answered_in_the_new_v
     monkeypatch.setattr(FakeEngine, "session", slow_session)
     async with Server(engine, ServerSettings(port=0)) as server, with_mic(server) as (client, mic):
         mic.play(spoken_turn(48000, lead_s=0.3))
-        client.send({"type": "session.update", "session": {"audio": {"output": {"voice": "chelsie"}}}})
+        client.send({"type": "session.update", "session": {"instructions": "Be brief."}})
         events = await client.until("input_audio_buffer.committed", "session.updated", "response.done")
         t = types(events)
         assert t.index("input_audio_buffer.committed") < t.index("session.updated")  # it did end meanwhile
         assert events[-1]["type"] == "response.done" and events[-1]["response"]["status"] == "completed"
-        assert voices == ["chelsie"]
+        assert heard == ["Be brief."] and engine.turn_instructions == [None]
 
 
 @pytest.fixture

@@ -192,3 +192,43 @@ async def test_a_reply_asked_for_with_the_sessions_own_tools_goes_ahead(served):
         await ws.send(json.dumps({"type": "response.create", "event_id": event_id, "response": response}))
         error = (await recv(ws))["error"]
         assert (error["code"], error["param"], error["event_id"]) == ("unsupported_value", param, event_id)
+
+
+async def test_new_instructions_and_tools_mid_conversation_keep_the_conversation(served):
+    """session.update of instructions, tools or voice once the conversation had begun opened a fresh
+    Session: everything said was gone (pipecat and livekit change instructions mid-call). Now the
+    Session stays; the next reply carries the new system prompt as a system turn, once, and the voice."""
+    engine, ws = served
+    opened = len(engine.sessions)
+
+    async def reply(text: str) -> None:
+        await ws.send(json.dumps(user_message(text)))
+        await ws.send(json.dumps({"type": "response.create"}))
+        assert (await until(ws, "response.done"))[-1]["response"]["status"] == "completed"
+
+    await reply("one")
+    await ws.send(
+        json.dumps({"type": "session.update", "session": {"instructions": "Be terse.", "voice": "chelsie"}})
+    )
+    assert (await recv(ws))["type"] == "session.updated"
+    await reply("two")
+    await reply("three")
+    assert len(engine.sessions) == opened  # the same Session throughout
+    assert engine.requests[-2:] == ["two", "three"] and engine.voices[-2:] == ["chelsie", "chelsie"]
+    first, second, third = engine.turn_instructions[-3:]
+    assert first is None and third is None  # the session's first turn said "Help.", and "two" the new one
+    assert second.startswith("Be terse.\n\n# Tools") and '"name": "get_weather"' in second
+    # a system message item makes the reply's prompt chat-formatted: the due system prompt leads it
+    await ws.send(json.dumps({"type": "session.update", "session": {"tools": []}}))
+    assert (await recv(ws))["type"] == "session.updated"
+    note = {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "Note."}]}
+    await ws.send(json.dumps({"type": "conversation.item.create", "item": note}))
+    await until(ws, "conversation.item.done")
+    await reply("four")
+    assert engine.requests[-1] == [
+        ("system", "Be terse."),
+        ("system", "Note."),
+        ("user", "four"),
+        ("assistant", ""),
+    ]
+    assert len(engine.sessions) == opened

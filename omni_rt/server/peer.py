@@ -362,12 +362,16 @@ class Peer:
                 self.conversation.delete(event)
 
     def configure(self, s: protocol.SessionFields, event_id: str | None = None) -> bool:
-        """Apply a session configuration (all of it, or nothing: `ProtocolError`). True when the voice
-        or instructions changed, which a Session fixes when it opens: the caller opens a new one."""
+        """Apply a session configuration (all of it, or nothing: `ProtocolError`). True when the system
+        prompt (instructions, tools) changed before the conversation began: the caller opens a new Session
+        with it. Once it has begun, the next reply adds the new one as a system turn (`_system_due`), so
+        nothing said is lost; a new voice is each reply's own (`_limits`)."""
         voice = s.voice or (s.audio.output.voice if s.audio and s.audio.output else None)
         if voice is not None:
             try:
-                voice = model_voice(self.engine, voice)  # checked before the current session is given up
+                voice = protocol.model_voice(
+                    self.engine, voice
+                )  # checked before the current session is given up
             except ProtocolError as exc:
                 exc.param, exc.event_id = "session.audio.output.voice", event_id
                 raise
@@ -405,16 +409,17 @@ class Peer:
             self.output_modalities = list(dict.fromkeys(modalities))
         if s.max_output_tokens is not None:
             self.max_output_tokens = s.max_output_tokens
+        system = self._system_prompt()
         self.voice = voice or self.voice
         self.instructions = instructions if instructions is not None else self.instructions
         self.tools, self.tool_choice = new_tools, choice
-        return changed
+        begun = self.session is not None and bool(self.session.conversation)
+        return self._system_prompt() != system and not begun
 
     async def _on_session_update(self, event: protocol.SessionUpdate) -> None:
         if self.configure(event.session, event.event_id):
-            # A Session's voice and system prompt are fixed when it opens: open a fresh one (the
-            # conversation starts over, as it would with a new system prompt anyway). Meanwhile
-            # there is no session: a spoken turn that ends now waits for the new one.
+            # Nothing said yet: a fresh Session opens with the new system prompt as its first turn.
+            # Meanwhile there is no session: a spoken turn that ends now waits for the new one.
             await self._close_session()
             try:
                 await self._open_session()
@@ -440,7 +445,7 @@ class Peer:
         fields = event.response
         if fields.voice is not None:
             try:
-                fields.audio.output.voice = model_voice(self.engine, fields.voice)
+                fields.audio.output.voice = protocol.model_voice(self.engine, fields.voice)
             except ProtocolError as exc:
                 exc.param, exc.event_id = "response.audio.output.voice", event.event_id
                 raise
@@ -526,12 +531,25 @@ class Peer:
             "text": text,
             "max_output_tokens": max_tokens,
             "max_audio_frames": self.settings.max_audio_frames,
+            "voice": self.voice,
         }
         if audio is not None:
             limits |= {"audio": audio, "audio_sample_rate": SPEECH_RATE}
         if prompt is not None:
-            limits["input_ids"] = prompt
+            limits["input_ids"] = prompt  # with the due system turn in it (`_prompt`)
+        elif (system := self._system_due()) is not None:
+            limits["instructions"] = system
         return limits
+
+    def _system_due(self) -> str | None:
+        """The system prompt the next reply adds as a turn of its own: the session's, where it is not
+        the conversation's last system turn (instructions or tools changed after the conversation began,
+        or a truncation dropped the turn that said them). None before the first turn, which says it."""
+        conversation = self.session.conversation if self.session is not None else None
+        if not conversation:
+            return None
+        system = self._system_prompt()
+        return None if system == (self.engine.tokenizer.last_turn(conversation, "system") or "") else system
 
     def _on_pause(self, pause_clip: Any) -> None:
         """A pause that may end the turn: start the reply its end would start (server/speculative.py),
@@ -561,8 +579,11 @@ class Peer:
     def _prompt(self, messages: list[tuple[str, str]]) -> list[int]:
         """The prompt of a reply whose new turns the Session's `text=` cannot say (system or assistant
         messages, or no new input at all): chat-formatted by the engine's tokenizer, ending with the
-        assistant header. The first turn of a session carries its instructions, as `text=` would."""
-        if not self.session.conversation and (system := self._system_prompt()):
+        assistant header. The first turn of a session carries its instructions, as `text=` would; a later
+        one the system prompt that is due (`_system_due`)."""
+        first = not self.session.conversation
+        system = (self._system_prompt() or None) if first else self._system_due()
+        if system is not None:
             messages = [("system", system), *messages]
         return self.engine.tokenizer.chat_prompt(messages)
 
@@ -577,14 +598,3 @@ class Peer:
         """A response's token limit: what it asks for, else the session's, never over the server's."""
         asked, limit = asked or self.max_output_tokens, self.settings.max_output_tokens
         return limit if asked == "inf" else max(1, min(int(asked), limit))
-
-
-def model_voice(engine: Any, name: str) -> str:
-    """A voice a client named (the model's own, or an OpenAI name, by `protocol.OPENAI_VOICES`)."""
-    voice = protocol.OPENAI_VOICES.get(name.lower(), name)
-    try:
-        engine.speaker_id(voice)
-    except OmniRtError as exc:
-        known = ", ".join(sorted(protocol.OPENAI_VOICES))
-        raise ProtocolError("invalid_value", f"{exc} (or an OpenAI voice: {known})") from None
-    return voice

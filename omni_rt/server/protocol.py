@@ -419,3 +419,14 @@ def item_wire(item: Item, item_id: str, text: str) -> dict[str, Any]:
 def error(exc: ProtocolError) -> dict[str, Any]:
     """The `error` event a ProtocolError becomes."""
     return wire.error(exc.type, exc.code, exc.message, param=exc.param, event_id=exc.event_id)
+
+
+def model_voice(engine: Any, name: str) -> str:
+    """A voice a client named (the model's own, or an OpenAI name, by `OPENAI_VOICES`)."""
+    voice = OPENAI_VOICES.get(name.lower(), name)
+    try:
+        engine.speaker_id(voice)
+    except OmniRtError as exc:
+        known = ", ".join(sorted(OPENAI_VOICES))
+        raise ProtocolError("invalid_value", f"{exc} (or an OpenAI voice: {known})") from None
+    return voice

@@ -116,6 +116,11 @@ async def test_generate_reply_interrupt_truncate_and_a_second_reply(engine) -> N
         played_ms = sum(f.samples_per_channel for f in got) / 24
         first = (await rec.wait("metrics_collected"))[0]
         assert first.cancelled and first.ttft > 0 and first.request_id == created.response_id
+        # the reply's instructions: a system turn before the spoken one (they were user text beside it)
+        conv, ids = rt.omni_session.conversation, engine.cfg.ids
+        assert engine.tokenizer.last_turn(conv, "system") == "Answer briefly."
+        assert conv.index(ids.system) < conv.index(ids.audio_start)
+        assert "Answer briefly." not in engine.tokenizer.last_turn(conv, "user")
 
         ctx = rt.chat_ctx
         assert [(i.role) for i in ctx.items] == ["user", "assistant"]

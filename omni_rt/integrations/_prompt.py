@@ -1,8 +1,9 @@
 """What a reply answers, shared by the framework adapters: the user's spoken turn (if any) and the text
 messages the app added since the last reply, as `Session.respond`'s prompt arguments.
 
-omni_rt's spoken turns take text beside the audio in the same user turn, not a system turn: with speech,
-the messages become text after it. Without speech they are chat-formatted turns (system, user or
+omni_rt's spoken turns take text beside the audio in the same user turn: with speech, the user and
+assistant messages become text after it, and the system messages (new instructions) a system turn just
+before it (`Session.respond(instructions=...)`). Without speech they are chat-formatted turns (system, user or
 assistant) ending with the assistant's header; the session's first turn then carries its instructions,
 as `Session.respond(text=...)` would.
 """
@@ -23,9 +24,12 @@ def reply_prompt(
     session: Any, tokenizer: Any, messages: list[tuple[str, str]], audio: np.ndarray | None
 ) -> dict[str, Any]:
     """`Session.respond` keyword arguments answering `audio` (16 kHz mono, or None) and `messages`."""
-    if audio is not None:
-        text = "\n".join(t for _, t in messages) or None
-        return dict(audio=audio, audio_sample_rate=SPEECH_RATE, text=text)
+    if audio is not None:  # system messages: a system turn before the spoken one; the rest beside it
+        system = "\n".join(t for role, t in messages if role == "system") or None
+        text = "\n".join(t for role, t in messages if role != "system") or None
+        return dict(audio=audio, audio_sample_rate=SPEECH_RATE, text=text) | (
+            {"instructions": system} if system is not None else {}
+        )
     if not session.conversation and session.settings.instructions:
         messages = [("system", session.settings.instructions), *messages]  # a verbatim prompt has none
     return dict(input_ids=tokenizer.chat_prompt(messages))

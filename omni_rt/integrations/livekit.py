@@ -12,9 +12,8 @@ Each `RealtimeSession` holds one omni_rt `Session` (one cache slot of the engine
   (`generation_created` with `user_initiated=False`). `session(turn_detection_disabled=True)` leaves turns
   to the framework: `commit_audio()` ends one, `clear_audio()` drops it, `generate_reply()` answers.
 - `generate_reply(instructions=...)`: answers the committed spoken turns and any chat items added since
-  the last reply. The instructions go into the prompt as a system turn, or, when the turn is spoken, as
-  text after the speech in the same user turn (omni_rt's spoken turns take text beside the audio, not a
-  system turn).
+  the last reply. The instructions go into the prompt as a system turn just before the user's turn,
+  spoken or text.
 - the generation: one `MessageGeneration` whose `audio_stream` yields `rtc.AudioFrame`s (mono int16 at
   `output_sample_rate`) and whose `text_stream` yields the transcript as the audio reaches it.
 - `interrupt()`: nothing more comes out of the streams, which end at once; the engine stops the reply

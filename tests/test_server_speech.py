@@ -174,6 +174,44 @@ async def test_without_vad_commit_makes_the_turn_and_response_create_answers_it(
             )  # cleared audio is not in it
 
 
+async def test_instructions_and_system_messages_go_before_a_spoken_turn():
+    # response.instructions (and a system message item) with committed speech were refused: a spoken
+    # turn took no system turn. They are now one system turn just before it; an assistant message
+    # still cannot join a spoken turn.
+    engine = FakeEngine(step_s=0.0, reply="ok")
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            await recv(ws)
+            await ws.send(json.dumps({"type": "session.update", "session": {"turn_detection": None}}))
+            await recv(ws)
+
+            async def commit_speech() -> None:
+                await append(ws, spoken_turn(RATE_IN, lead_s=0.0, tail_s=0.1))
+                await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+                await until(ws, "conversation.item.done")
+
+            await commit_speech()
+            note = {"type": "message", "role": "system", "content": [{"type": "input_text", "text": "Note."}]}
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": note}))
+            await until(ws, "conversation.item.done")
+            await ws.send(json.dumps({"type": "response.create", "response": {"instructions": "In French."}}))
+            assert (await until(ws, "response.done"))[-1]["response"]["status"] == "completed"
+            assert len(engine.audio_requests) == 1 and engine.turn_instructions == ["Note.\n\nIn French."]
+            assert engine.requests == [None]  # no user text beside the speech
+
+            await commit_speech()
+            said = {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "Hm."}],
+            }
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": said}))
+            await until(ws, "conversation.item.done")
+            await ws.send(json.dumps({"type": "response.create", "event_id": "r2"}))
+            error = (await recv(ws))["error"]
+            assert (error["code"], error["event_id"]) == ("invalid_value", "r2")
+
+
 async def test_committed_speech_waiting_for_a_response_is_bounded():
     settings = ServerSettings(port=0, peer=PeerSettings(max_pending_audio_ms=1500, turn_detection=None))
     engine = FakeEngine(step_s=0.0, reply="ok")

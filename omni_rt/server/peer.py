@@ -473,19 +473,11 @@ class Peer:
                     event_id=event.event_id,
                 )
         turns, speech = self.conversation.waiting()
-        if fields.instructions and speech:
+        if speech and any(role == "assistant" for role, _ in turns):
             raise ProtocolError(
                 "invalid_value",
-                "response.instructions become a system turn before the reply, which a spoken turn "
-                "cannot carry: send them with a text turn, or use session.update",
-                param="response.instructions",
-                event_id=event.event_id,
-            )
-        if speech and any(role != "user" for role, _ in turns):
-            raise ProtocolError(
-                "invalid_value",
-                "a spoken turn is answered with the user text beside it; system and assistant messages "
-                "cannot join it: send response.create before adding them",
+                "a spoken turn is answered with the user text beside it and the system messages before "
+                "it; assistant messages cannot join it: send response.create before adding them",
                 event_id=event.event_id,
             )
         self._start_response(fields)
@@ -498,12 +490,15 @@ class Peer:
         if fields.instructions:  # a system turn just before the reply (it stays in the context)
             messages.append(("system", fields.instructions))
         text = prompt = None
+        system: list[str] = []
         if audio is not None or (messages and all(role == "user" for role, _ in messages)):
-            text = "\n".join(t for _, t in messages) or None  # the Session adds the chat template
+            # the Session adds the chat template: system text as a turn before the (spoken) user turn
+            system = [t for role, t in messages if role == "system"]
+            text = "\n".join(t for role, t in messages if role != "system") or None
         else:
             prompt = self._prompt(messages)
         self.replies.respond_when_idle = False
-        limits = self._limits(self._max_tokens(fields.max_output_tokens), text, audio, prompt)
+        limits = self._limits(self._max_tokens(fields.max_output_tokens), text, audio, prompt, system)
         if fields.voice is not None:  # this reply's own voice (already a model voice, see above)
             limits["voice"] = fields.voice
         held = self.speculator.take(self.session, (text, audio, limits))  # or it is dropped
@@ -525,8 +520,16 @@ class Peer:
         self.speech.spoken_turn = None
         self.replies.start(response, limits, held)
 
-    def _limits(self, max_tokens: int, text: str | None, audio: Any, prompt: list[int] | None) -> dict:
-        """`Session.respond`'s arguments for a reply (a speculative one is given the same)."""
+    def _limits(
+        self,
+        max_tokens: int,
+        text: str | None,
+        audio: Any,
+        prompt: list[int] | None,
+        system: Sequence[str] = (),
+    ) -> dict:
+        """`Session.respond`'s arguments for a reply (a speculative one is given the same); `system`: the
+        reply's system messages, in one system turn after the one that is due."""
         limits: dict[str, Any] = {
             "text": text,
             "max_output_tokens": max_tokens,
@@ -537,8 +540,8 @@ class Peer:
             limits |= {"audio": audio, "audio_sample_rate": SPEECH_RATE}
         if prompt is not None:
             limits["input_ids"] = prompt  # with the due system turn in it (`_prompt`)
-        elif (system := self._system_due()) is not None:
-            limits["instructions"] = system
+        elif parts := [p for p in (self._system_due(),) if p is not None] + list(system):
+            limits["instructions"] = "\n\n".join(parts)
         return limits
 
     def _system_due(self) -> str | None:

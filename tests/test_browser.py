@@ -92,10 +92,11 @@ async def test_page_connects_speaks_and_measures_latency():
             async with asyncio.timeout(10):
                 while peer.input_audio_frames < 10:
                     await asyncio.sleep(0.05)
-            # A new voice opens a new session on the server; the page marks the new conversation.
+            # A new voice is the next replies' (the conversation goes on); the page marks where it changed.
             await page.select_option("#voice", "chelsie")
             await page.wait_for_selector(".divider", timeout=10_000)
-            assert engine.sessions[-1].voice == "chelsie" and engine.open_sessions == 1
+            assert await page.text_content(".divider") == "Voice: Chelsie"
+            assert len(engine.sessions) == 1 and engine.open_sessions == 1 and peer.voice == "chelsie"
             assert errors == []
 
             OUT.mkdir(exist_ok=True)
@@ -312,7 +313,7 @@ async def test_page_mic_toggle_races_and_a_refused_voice_change():
         await page.select_option("#voice", "chelsie")
         await page.wait_for_function("!document.getElementById('toast').hidden", timeout=10_000)
         await page.wait_for_function("document.getElementById('voice').value === 'ethan'", timeout=5_000)
-        assert engine.sessions[-1].voice == "ethan"
+        assert next(iter(server.peers)).voice == "ethan"
 
         # The connection drops while the user types: the keyboard focus is not lost with the
         # disabled message box; it moves to the Connect button.

@@ -274,7 +274,8 @@ function onEvent(ev) {
       break;
     case "session.updated": {
       const voice = ev.session.audio.output.voice;
-      if (voice !== state.voice && state.voice) addDivider(`Voice: ${voice[0].toUpperCase() + voice.slice(1)} · a new conversation`);
+      // the conversation goes on: the replies from here on are in the new voice
+      if (voice !== state.voice && state.voice) addDivider(`Voice: ${voice[0].toUpperCase() + voice.slice(1)}`);
       state.voice = voice;
       break;
     }

@@ -62,7 +62,7 @@ from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn, TurnSegmenter,
 from omni_rt.config import Sampling
 from omni_rt.errors import OmniRtError
 from omni_rt.integrations._audio import SPEECH_RATE, InputAudio, TurnBuffer
-from omni_rt.integrations._prompt import ROLES, reply_prompt, users_words
+from omni_rt.integrations._prompt import ROLES, reply_prompt, system_turn, users_words
 from omni_rt.integrations.livekit_tools import SessionTools
 from omni_rt.tools import BadToolCall
 
@@ -428,14 +428,13 @@ class RealtimeSession(llm.RealtimeSession):
         session is opened anew with it, as its own instructions (its first turn says them)."""
         session = await self._ready()
         system = self._tools.system_prompt(self._instructions)
-        if not session.conversation:
-            if system != (session.settings.instructions or ""):
-                await session.close()
-                self._session, self._said = None, system
-                self._opening = asyncio.ensure_future(self._model._open(system or None))
-                session = await self._ready()
-            return session, []
-        return session, ([("system", system)] if system != self._said else [])
+        turn = system_turn(session, system, self._said)
+        if turn is None:
+            await session.close()
+            self._session, self._said = None, system
+            self._opening = asyncio.ensure_future(self._model._open(system or None))
+            return await self._ready(), []
+        return session, turn
 
     def _take(self) -> tuple[np.ndarray | None, list[tuple[str, str]]]:
         """What the next reply answers: the committed speech (one spoken turn) and the pending chat items."""

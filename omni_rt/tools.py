@@ -89,6 +89,13 @@ def system_prompt(instructions: str, tools: Sequence[Signature], choice: str | N
     return f"{instructions}\n\n{text}" if instructions else text
 
 
+def tool_parser(tools: Sequence[Signature], choice: str | Named = "auto") -> ToolCallParser | None:
+    """One reply's parser of `<tool_call>`s; None when no tools are offered (the reply is all speech)."""
+    if not tools or choice == "none":
+        return None
+    return ToolCallParser(frozenset(t.name for t in tools))
+
+
 def tool_response(output: str) -> str:
     """A function's result as the user turn the template feeds back."""
     return f"<tool_response>\n{output}\n</tool_response>"

@@ -64,10 +64,7 @@ class SessionTools:
         return template.system_prompt(instructions or "", self.functions, self.choice)
 
     def parser(self) -> template.ToolCallParser | None:
-        """One reply's parser of `<tool_call>`s; None with no tools offered (the reply is all speech)."""
-        if not self.functions or self.choice == "none":
-            return None
-        return template.ToolCallParser(frozenset(f.name for f in self.functions))
+        return template.tool_parser(self.functions, self.choice)
 
     def made(self, call: template.ToolCall) -> llm.FunctionCall:
         """A call the model made, as the framework runs it."""

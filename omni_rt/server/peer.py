@@ -573,9 +573,7 @@ class Peer:
         self.speculator.start(self.session, (text, clip, limits), **limits)
 
     def _tool_parser(self) -> template.ToolCallParser | None:
-        if not self.tools or self.tool_choice == "none":
-            return None
-        return template.ToolCallParser(frozenset(t.name for t in self.tools))
+        return template.tool_parser(self.tools, self.tool_choice)
 
     def _prompt(self, messages: list[tuple[str, str]]) -> list[int]:
         """The prompt of a reply whose new turns the Session's `text=` cannot say (system or assistant

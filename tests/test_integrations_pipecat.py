@@ -14,6 +14,7 @@ import json
 import numpy as np
 import pytest
 from integrations_support import chunks, scripted_engine, silence, spoken, tiny_engine
+from loguru import logger
 from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
 from pipecat.adapters.llm.schemas.tools_schema import ToolsSchema
 from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
@@ -518,8 +519,14 @@ async def test_a_malformed_tool_call_is_an_error_and_runs_nothing() -> None:
         LLMRunFrame(),
         Await(tap.ended[1], "the next reply"),
     ]
-    async with engine:
-        down, up = await run_pipeline(Pipeline([service, tap]), frames)
+    logged: list[str] = []
+    sink = logger.add(logged.append, level="ERROR")
+    try:
+        async with engine:
+            down, up = await run_pipeline(Pipeline([service, tap]), frames)
+    finally:
+        logger.remove(sink)
+    assert not [m for m in logged if "NOT_GIVEN" in m]  # the service's settings are all set
     assert ran == [] and len(engine.prompts) == 2
     assert "".join(tap.text) == "Fine."
     errors = [f.error for f in up if isinstance(f, ErrorFrame)]

@@ -134,7 +134,16 @@ class OmniRtService(LLMService):
         if turn_detection not in ("pipecat", "omni_rt"):
             raise ConfigError(f"turn_detection must be 'pipecat' or 'omni_rt', got {turn_detection!r}")
         # an LLMService: pipecat's function calling (register_function, the context's tools) is its
-        super().__init__(settings=LLMSettings(model=getattr(engine, "name", "omni_rt")), **kwargs)
+        # every field set (pipecat logs an error at start for one left NOT_GIVEN); None: not a setting here
+        unset = dict.fromkeys(
+            ("temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty", "seed",
+             "filter_incomplete_user_turns", "user_turn_completion_config"),
+        )  # fmt: skip
+        settings = LLMSettings(
+            model=getattr(engine, "name", "omni_rt"), system_instruction=instructions,
+            max_tokens=max_output_tokens, **unset,
+        )  # fmt: skip
+        super().__init__(settings=settings, **kwargs)
         self.engine = engine
         self.turn_detection = turn_detection
         self._session_kwargs = dict(voice=voice, instructions=instructions, sampling=sampling)

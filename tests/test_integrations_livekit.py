@@ -571,8 +571,8 @@ async def test_an_agent_calls_a_function_tool_and_answers_with_its_result(caplog
 
 async def test_bad_tool_calls_and_outputs_are_clear_errors_and_new_tools_a_system_turn() -> None:
     """A malformed call (a tool the agent does not have) is an error event, and nothing is run or spoken;
-    an output for a call the model never made, a second output for one, or a call it never made handed
-    back are `RealtimeError`s, nothing half-applied. Tools changed once the conversation began are a
+    an output for a call the model never made, a second output for one, a call it never made handed
+    back, a provider's own tool or a reply's own tools are `RealtimeError`s, nothing half-applied. Tools changed once the conversation began are a
     system turn before the next reply; tool_choice "none" takes them out of it."""
     from omni_rt.model.config import preset
     from omni_rt.tokenizer import Tokenizer
@@ -597,6 +597,11 @@ async def test_bad_tool_calls_and_outputs_are_clear_errors_and_new_tools_a_syste
         rec = Recorder(rt)
         await rt.update_tools([lookup])
         assert list(rt.tools.function_tools) == ["lookup"]
+        with pytest.raises(llm.RealtimeError, match="function tools only"):
+            await rt.update_tools([lookup, llm.ProviderTool(id="web_search")])  # a provider's hosted tool
+        assert list(rt.tools.function_tools) == ["lookup"]  # as they were
+        with pytest.raises(llm.RealtimeError, match="update_tools"):
+            await rt.generate_reply(tools=[book])  # a reply's own tools: the system prompt is the session's
 
         created = await asyncio.wait_for(rt.generate_reply(), WAIT_S)
         assert [f async for f in created.function_stream] == []  # nothing to run

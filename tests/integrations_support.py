@@ -41,3 +41,34 @@ def chunks(pcm: np.ndarray, rate: int, ms: int = 20) -> list[np.ndarray]:
     """`pcm` cut in `ms` pieces, as a transport delivers microphone audio."""
     n = rate * ms // 1000
     return [pcm[i : i + n] for i in range(0, len(pcm), n)]
+
+
+def scripted_engine(*replies: list[int]):
+    """An engine of the tiny preset's config and tokenizer whose Thinker says `replies` (token ids), one
+    per reply in order, the last one again after them; fake Talker and Code2Wav stages speak each text
+    token as one codec frame. No torch: a tool call is a script here, never a sample of random weights.
+    `engine.prompts` holds each reply's prompt ids."""
+    import omni_rt
+    from omni_rt.model.config import preset
+    from omni_rt.pipeline.fake import FakeCode2Wav, FakeTalker, FakeThinker, FakeTimings
+    from omni_rt.tokenizer import Tokenizer
+
+    cfg = preset("tiny")
+    timings = FakeTimings(thinker_prefill=0.001, thinker_decode=0.001, talker_prefix=0.001)
+    prompts: list[list[int]] = []
+    scripts: dict[str, list[int]] = {}
+
+    class Thinker(FakeThinker):
+        def _token(self, req, i: int) -> int:
+            if req.id not in scripts:
+                prompts.append(list(req.prompt_ids))
+                scripts[req.id] = [*replies[min(len(scripts), len(replies) - 1)], cfg.ids.im_end]
+            script = scripts[req.id]
+            return script[min(i, len(script) - 1)]
+
+    def stages(settings):
+        return Thinker(timings, cfg.ids), FakeTalker(timings, cfg.ids), FakeCode2Wav(timings)
+
+    engine = omni_rt.Engine(cfg, Tokenizer.tiny(cfg.ids), stages, omni_rt.EngineSettings(), name="scripted")
+    engine.prompts = prompts
+    return engine

@@ -4,16 +4,18 @@ it, without a LiveKit server, on the tiny preset, with espeak-ng speech pushed a
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import numpy as np
 import pytest
-from integrations_support import chunks, silence, spoken, tiny_engine
+from integrations_support import chunks, scripted_engine, silence, spoken, tiny_engine
 from livekit import rtc
 from livekit.agents import llm
 
 from omni_rt.audio.resample import resample
 from omni_rt.integrations.livekit import RealtimeModel
+from omni_rt.tools import TOOL_CALL, TOOL_CALL_END, tool_response
 
 WAIT_S = 120.0
 REPLY = dict(max_output_tokens=48, max_audio_frames=32, ignore_eos=True)  # runs to its limits: 2.56 s
@@ -239,14 +241,8 @@ async def test_agent_session_without_a_server(engine) -> None:
 
 
 async def test_unsupported_and_bad_calls_are_clear_errors(engine) -> None:
-    """What omni_rt cannot do (tools, video) and calls that make no sense are errors, events for the
+    """What omni_rt cannot do (video) and calls that make no sense are errors, events for the
     fire-and-forget calls; the session goes on."""
-
-    @llm.function_tool
-    async def lookup(city: str) -> str:
-        """The weather in a city."""
-        return "sunny"
-
     async with engine:
         model = RealtimeModel(engine, **REPLY)
         rt = model.session(turn_detection_disabled=True)
@@ -256,12 +252,9 @@ async def test_unsupported_and_bad_calls_are_clear_errors(engine) -> None:
         rt.push_video(rtc.VideoFrame(2, 2, rtc.VideoBufferType.RGBA, bytes(16)))
         errors = await rec.wait("error", 3)
         assert all(isinstance(e.error, llm.RealtimeError) and e.recoverable for e in errors)
-        with pytest.raises(llm.RealtimeError, match="tool"):
-            await rt.update_tools([lookup])
-        with pytest.raises(llm.RealtimeError, match="tool"):
-            await rt.generate_reply(tools=[lookup])
         ctx = rt.chat_ctx
-        ctx.insert(llm.FunctionCall(call_id="c1", name="lookup", arguments="{}"))
+        ctx.add_message(role="user", content="Hello.")
+        ctx.add_message(role="user", content=[llm.ImageContent(image="https://example.com/a.png")])
         with pytest.raises(llm.RealtimeError, match="text messages"):
             await rt.update_chat_ctx(ctx)
         assert rt.chat_ctx.items == []  # nothing half-applied
@@ -480,5 +473,177 @@ async def test_updates_during_a_reply_do_not_wait_for_it(engine) -> None:
         for text in ("Speak slowly.", "My name is Ada."):
             ids = tok.encode(text)
             assert any(conversation[i : i + len(ids)] == ids for i in range(len(conversation))), text
+        await rt.aclose()
+        await model.aclose()
+
+
+def holds(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i : i + len(part)] == part for i in range(len(ids)))
+
+
+def tool_call(tok, name: str, arguments: str) -> list[int]:
+    """The Thinker's ids of one call, between the template's special tokens."""
+    return [TOOL_CALL, *tok.encode(f'{{"name": "{name}", "arguments": {arguments}}}'), TOOL_CALL_END]
+
+
+async def test_an_agent_calls_a_function_tool_and_answers_with_its_result(caplog) -> None:
+    """An `Agent` with a `@function_tool`, on a scripted Thinker: the tools are in the system prompt; the
+    reply's <tool_call> becomes an `llm.FunctionCall` the framework runs with the parsed arguments (never
+    spoken); its result goes back through update_chat_ctx as the template's <tool_response>, and the
+    framework's next reply answers it. A tool that raises is answered as the framework answers it (an
+    error output), and the conversation goes on."""
+    from livekit.agents import Agent, AgentSession
+
+    from omni_rt.integrations.livekit_io import PlayoutAudioOutput, QueueAudioInput
+    from omni_rt.model.config import preset
+    from omni_rt.tokenizer import Tokenizer
+
+    tok = Tokenizer.tiny(preset("tiny").ids)  # the scripted engine's
+    asked: list[str] = []
+
+    @llm.function_tool
+    async def lookup(city: str) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        if city == "Atlantis":
+            raise RuntimeError("no such city")
+        return f"sunny in {city}"
+
+    engine = scripted_engine(
+        tok.encode("Let me check.") + tool_call(tok, "lookup", '{"city": "Paris"}'),
+        tok.encode("It is sunny."),
+        tool_call(tok, "lookup", '{"city": "Atlantis"}'),
+        tok.encode("I could not find it."),
+    )
+    caplog.set_level(logging.ERROR, logger="livekit.agents")
+    async with engine:
+        model = RealtimeModel(engine)
+        opened = sessions_of(model)
+        session = AgentSession(llm=model)
+        session.input.audio, session.output.audio = QueueAudioInput(), PlayoutAudioOutput()
+        await session.start(Agent(instructions="You are brief.", tools=[lookup]), record=False)
+        (rt,) = opened
+        rec = Recorder(rt)
+
+        result = await asyncio.wait_for(session.run(user_input="Weather in Paris?"), WAIT_S)
+        assert asked == ["Paris"]
+        events = result.events
+        # the lead-in, as far as the voice got before the call began (the Thinker runs ahead of it)
+        if events[0].type == "message":
+            assert "Let me check.".startswith(events[0].item.text_content), events[0].item.text_content
+            events = events[1:]
+        assert [e.type for e in events] == ["function_call", "function_call_output", "message"]
+        call, output, answer = (e.item for e in events)
+        assert (call.name, json.loads(call.arguments)) == ("lookup", {"city": "Paris"})
+        assert output.call_id == call.call_id and output.output == "sunny in Paris" and not output.is_error
+        assert answer.text_content == "It is sunny."
+        # the first reply's prompt: the tools in the session's system turn, as the template writes them
+        system = engine.tokenizer.last_turn(engine.prompts[0], "system")
+        assert system.startswith("You are brief.\n\n# Tools") and '"name": "lookup"' in system
+        # the second's: the result as the template's tool response, after the call the model made
+        assert holds(engine.prompts[1], tok.encode(tool_response("sunny in Paris")))
+        said = rt.chat_ctx.items
+        assert [i.type for i in said] == [
+            "message",
+            "message",
+            "function_call",
+            "function_call_output",
+            "message",
+        ]
+        # nothing of the call was spoken or written: the first reply's transcript is at most its lead-in
+        assert (
+            "Let me check.".startswith(said[1].text_content or "") and said[4].text_content == "It is sunny."
+        )
+
+        result = await asyncio.wait_for(session.run(user_input="And in Atlantis?"), WAIT_S)
+        assert asked == ["Paris", "Atlantis"]
+        outputs = [e.item for e in result.events if e.type == "function_call_output"]
+        assert len(outputs) == 1 and outputs[0].is_error
+        assert holds(engine.prompts[3], tok.encode(tool_response(outputs[0].output)))
+        assert result.events[-1].item.text_content == "I could not find it."
+        assert rec.of("error") == []
+        await session.aclose()
+        await model.aclose()
+    # the framework logs the tool's exception, as it does with any model; nothing else went wrong
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == ["exception occurred while executing tool"]
+
+
+async def test_bad_tool_calls_and_outputs_are_clear_errors_and_new_tools_a_system_turn() -> None:
+    """A malformed call (a tool the agent does not have) is an error event, and nothing is run or spoken;
+    an output for a call the model never made, a second output for one, a call it never made handed
+    back, a provider's own tool or a reply's own tools are `RealtimeError`s, nothing half-applied. Tools changed once the conversation began are a
+    system turn before the next reply; tool_choice "none" takes them out of it."""
+    from omni_rt.model.config import preset
+    from omni_rt.tokenizer import Tokenizer
+
+    @llm.function_tool
+    async def lookup(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    @llm.function_tool
+    async def book(city: str) -> str:
+        """Book a trip to a city."""
+        return "booked"
+
+    tok = Tokenizer.tiny(preset("tiny").ids)
+    engine = scripted_engine(
+        tool_call(tok, "rm_rf", "{}"), tool_call(tok, "lookup", '{"city": "Oslo"}'), tok.encode("Fine.")
+    )
+    async with engine:
+        model = RealtimeModel(engine, instructions="Be brief.")
+        rt = model.session(turn_detection_disabled=True)
+        rec = Recorder(rt)
+        await rt.update_tools([lookup])
+        assert list(rt.tools.function_tools) == ["lookup"]
+        with pytest.raises(llm.RealtimeError, match="function tools only"):
+            await rt.update_tools([lookup, llm.ProviderTool(id="web_search")])  # a provider's hosted tool
+        assert list(rt.tools.function_tools) == ["lookup"]  # as they were
+        with pytest.raises(llm.RealtimeError, match="update_tools"):
+            await rt.generate_reply(tools=[book])  # a reply's own tools: the system prompt is the session's
+
+        created = await asyncio.wait_for(rt.generate_reply(), WAIT_S)
+        assert [f async for f in created.function_stream] == []  # nothing to run
+        assert [f async for f in (await message(created)).audio_stream] == []  # nor anything said
+        (error,) = await rec.wait("error")
+        assert "malformed tool call" in str(error.error) and "rm_rf" in str(error.error)
+
+        created = await asyncio.wait_for(rt.generate_reply(), WAIT_S)
+        (call,) = [f async for f in created.function_stream]
+        assert (call.name, call.arguments) == ("lookup", '{"city": "Oslo"}')
+        await rec.wait("metrics_collected", 2)
+        assert rt.chat_ctx.items[-1].id == call.id  # in the chat context, as the framework expects it
+
+        for item, match in (
+            (llm.FunctionCallOutput(call_id="call_other", output="x", is_error=False), "did not make"),
+            (llm.FunctionCall(call_id="call_other", name="lookup", arguments="{}"), "made"),
+        ):
+            ctx = rt.chat_ctx
+            ctx.add_message(role="user", content="Thanks.")
+            ctx.insert(item)
+            with pytest.raises(llm.RealtimeError, match=match):
+                await rt.update_chat_ctx(ctx)
+            assert rt.chat_ctx.items[-1].id == call.id  # nothing half-applied
+        ctx = rt.chat_ctx
+        ctx.insert(llm.FunctionCallOutput(call_id=call.call_id, output="cold", is_error=False))
+        await rt.update_chat_ctx(ctx)
+        again = rt.chat_ctx
+        again.insert(llm.FunctionCallOutput(call_id=call.call_id, output="warm", is_error=False))
+        with pytest.raises(llm.RealtimeError, match="second"):
+            await rt.update_chat_ctx(again)
+
+        await rt.update_tools([lookup, book])
+        created = await asyncio.wait_for(rt.generate_reply(), WAIT_S)
+        assert [f async for f in (await message(created)).audio_stream]
+        system = tok.last_turn(engine.prompts[-1], "system")
+        assert '"name": "lookup"' in system and '"name": "book"' in system
+        assert holds(engine.prompts[-1], tok.encode(tool_response("cold")))
+
+        rt.update_options(tool_choice="none")
+        await asyncio.wait_for(rt.generate_reply(), WAIT_S)
+        await rec.wait("metrics_collected", 4)
+        assert tok.last_turn(engine.prompts[-1], "system") == "Be brief."  # without the tools
+        assert len(rec.of("error")) == 1
         await rt.aclose()
         await model.aclose()

@@ -9,10 +9,12 @@ frames after it until the `Tap` at the pipeline's end has seen what it waits for
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
-from integrations_support import chunks, silence, spoken, tiny_engine
+from integrations_support import chunks, scripted_engine, silence, spoken, tiny_engine
+from loguru import logger
 from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
 from pipecat.adapters.llm.schemas.tools_schema import ToolsSchema
 from pipecat.audio.turn.smart_turn.local_smart_turn_v3 import LocalSmartTurnAnalyzerV3
@@ -28,6 +30,7 @@ from pipecat.frames.frames import (
     LLMMessagesUpdateFrame,
     LLMRunFrame,
     LLMSetToolsFrame,
+    LLMTextFrame,
     LLMUpdateSettingsFrame,
     MetricsFrame,
     StartFrame,
@@ -53,6 +56,9 @@ from pipecat_support import WAIT_S, Await, Count, run_pipeline, until
 
 from omni_rt.audio.resample import resample
 from omni_rt.integrations.pipecat import OmniRtService
+from omni_rt.model.config import preset
+from omni_rt.tokenizer import Tokenizer
+from omni_rt.tools import TOOL_CALL, TOOL_CALL_END, tool_response
 
 # replies run to their limits (the tiny preset's random weights may say EOS at once): 32 codec frames, 2.56 s
 REPLY = dict(max_output_tokens=48, max_audio_frames=32, ignore_eos=True)
@@ -64,18 +70,22 @@ def engine():
 
 
 class Tap(FrameProcessor):
-    """Sets `audio[n]` at reply n's first audio frame and `ended[n]` at its end."""
+    """Sets `audio[n]` at reply n's first audio frame and `ended[n]` at its end; `text` is the replies' text
+    (an assistant aggregator after it takes the text frames in)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.audio = [asyncio.Event() for _ in range(3)]
         self.ended = [asyncio.Event() for _ in range(3)]
+        self.text: list[str] = []
         self._replies = 0
 
     async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
         await super().process_frame(frame, direction)
         if direction == FrameDirection.DOWNSTREAM:
-            if isinstance(frame, TTSAudioRawFrame):
+            if isinstance(frame, LLMTextFrame):
+                self.text.append(frame.text)
+            elif isinstance(frame, TTSAudioRawFrame):
                 self.audio[self._replies].set()
             elif isinstance(frame, LLMFullResponseEndFrame):
                 self.ended[self._replies].set()
@@ -303,8 +313,8 @@ def holds(conversation: list[int], ids: list[int]) -> bool:
 async def test_text_messages_run_frames_and_settings_updates(engine) -> None:
     """pipecat's own frames drive text turns: LLMUpdateSettingsFrame's system_instruction becomes the system
     turn (nothing was said yet) and its max_tokens the reply limit; LLMMessagesAppendFrame's text joins the
-    next reply, which run_llm (or an LLMRunFrame) starts; what omni_rt cannot do (tools, replacing the
-    context the model has heard) is an ErrorFrame upstream, and the pipeline goes on."""
+    next reply, which run_llm (or an LLMRunFrame) starts; what omni_rt cannot do (replacing the context
+    the model has heard) is an ErrorFrame upstream, and the pipeline goes on; tools are taken."""
     service = OmniRtService(engine, **REPLY)
     said: list[tuple[str, list[int]]] = []  # each reply's status and the conversation after it
 
@@ -339,7 +349,7 @@ async def test_text_messages_run_frames_and_settings_updates(engine) -> None:
         any(isinstance(f, TTSAudioRawFrame) for f in r) for r in replies(down)
     )
     errors = [f.error for f in up if isinstance(f, ErrorFrame)]
-    assert len(errors) == 2 and "tool" in errors[0] and "LLMMessagesUpdateFrame" in errors[1], errors
+    assert len(errors) == 1 and "LLMMessagesUpdateFrame" in errors[0], errors
 
 
 async def test_an_interruption_keeps_what_a_dropped_reply_would_have_answered(engine) -> None:
@@ -431,3 +441,93 @@ async def test_with_a_context_aggregator_the_first_context_starts_the_conversati
     greet = engine.tokenizer.chat_prompt([("system", "Greet the caller.")])
     assert said[0][1][: len(greet)] == greet
     assert not tap.ended[2].is_set()  # one reply to the turn
+
+
+def tool_call(tok, name: str, arguments: str) -> list[int]:
+    """The Thinker's ids of one call, between the template's special tokens."""
+    return [TOOL_CALL, *tok.encode(f'{{"name": "{name}", "arguments": {arguments}}}'), TOOL_CALL_END]
+
+
+@pytest.mark.parametrize("city", ["Paris", "Atlantis"])
+async def test_function_calls_run_through_register_function_and_their_results_are_answered(city) -> None:
+    """pipecat's function calling, on a scripted Thinker, in the usual pipeline (a context aggregator pair
+    around the service): the context's tools are in the system prompt; the reply's <tool_call> runs the
+    handler given to register_function with the parsed arguments (nothing of the call is shown as text);
+    its result goes back through the assistant aggregator as the template's <tool_response>, and the
+    service answers it. A handler that raises (Atlantis) is answered as pipecat answers it: an ErrorFrame
+    and its error result, which the model is told."""
+    from pipecat.services.llm_service import FunctionCallParams
+
+    tok = Tokenizer.tiny(preset("tiny").ids)  # the scripted engine's
+    engine = scripted_engine(
+        tok.encode("Let me check.") + tool_call(tok, "lookup", json.dumps({"city": city})),
+        tok.encode("It is sunny."),
+    )
+    asked: list[str] = []
+
+    async def lookup(params: FunctionCallParams) -> None:
+        asked.append(params.arguments["city"])
+        if params.arguments["city"] == "Atlantis":
+            raise RuntimeError("no such city")
+        await params.result_callback({"sky": "sunny"})
+
+    schema = FunctionSchema(
+        name="lookup", description="The weather in a city.",
+        properties={"city": {"type": "string"}}, required=["city"],
+    )  # fmt: skip
+    service = OmniRtService(engine, instructions="You are brief.")
+    service.register_function("lookup", lookup)
+    context = LLMContext(
+        messages=[{"role": "user", "content": f"Weather in {city}?"}], tools=ToolsSchema([schema])
+    )
+    pair = LLMContextAggregatorPair(context)
+    tap = Tap()
+    frames = [LLMRunFrame(), Await(tap.ended[1], "the answer to the tool's result")]
+    async with engine:
+        down, up = await run_pipeline(Pipeline([pair.user(), service, tap, pair.assistant()]), frames)
+    assert asked == [city]
+    first, second = engine.prompts
+    system = tok.last_turn(first, "system")
+    assert system.startswith("You are brief.\n\n# Tools") and '"name": "lookup"' in system
+    result = json.dumps(  # as pipecat's context aggregator records it
+        {"sky": "sunny"}
+        if city == "Paris"
+        else service.FUNCTION_CALL_ERROR_MESSAGE_TEMPLATE.format(function_name="lookup")
+    )
+    assert holds(second, tok.encode(tool_response(result)))
+    assert "".join(tap.text) == "Let me check.It is sunny."  # the text: nothing of the call
+    errors = [f.error for f in up if isinstance(f, ErrorFrame)]
+    assert errors == ([] if city == "Paris" else [errors[0]]) and all("no such city" in e for e in errors)
+    # the context aggregator recorded the call and its result, as with any pipecat LLM
+    assert [m["content"] for m in context.get_messages() if m.get("role") == "tool"] == [result]
+
+
+async def test_a_malformed_tool_call_is_an_error_and_runs_nothing() -> None:
+    """A call of a tool the service was not given (LLMSetToolsFrame, no aggregator): an ErrorFrame, no
+    handler runs, nothing of it is shown; the next reply is made as usual."""
+    tok = Tokenizer.tiny(preset("tiny").ids)
+    engine = scripted_engine(tool_call(tok, "rm_rf", "{}"), tok.encode("Fine."))
+    ran: list = []
+    service = OmniRtService(engine)
+    service.register_function(None, lambda params: ran.append(params))  # any function at all
+    schema = FunctionSchema(name="lookup", description="The weather.", properties={}, required=[])
+    tap = Tap()
+    frames = [
+        LLMSetToolsFrame(tools=ToolsSchema([schema])),
+        LLMMessagesAppendFrame(messages=[{"role": "user", "content": "Clean up."}], run_llm=True),
+        Await(tap.ended[0], "the malformed call's reply"),
+        LLMRunFrame(),
+        Await(tap.ended[1], "the next reply"),
+    ]
+    logged: list[str] = []
+    sink = logger.add(logged.append, level="ERROR")
+    try:
+        async with engine:
+            down, up = await run_pipeline(Pipeline([service, tap]), frames)
+    finally:
+        logger.remove(sink)
+    assert not [m for m in logged if "NOT_GIVEN" in m]  # the service's settings are all set
+    assert ran == [] and len(engine.prompts) == 2
+    assert "".join(tap.text) == "Fine."
+    errors = [f.error for f in up if isinstance(f, ErrorFrame)]
+    assert len(errors) == 1 and "malformed tool call" in errors[0] and "rm_rf" in errors[0], errors

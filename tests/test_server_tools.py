@@ -13,7 +13,7 @@ from openai_check import validate  # noqa: E402
 from server_fakes import FakeEngine, user_message  # noqa: E402
 
 from omni_rt.server import Server, ServerSettings  # noqa: E402
-from omni_rt.server.tools import TOOL_CALL, TOOL_CALL_END, ToolCallParser  # noqa: E402
+from omni_rt.tools import TOOL_CALL, TOOL_CALL_END, ToolCallParser  # noqa: E402
 
 WEATHER = {
     "type": "function",
@@ -232,3 +232,15 @@ async def test_new_instructions_and_tools_mid_conversation_keep_the_conversation
         ("assistant", ""),
     ]
     assert len(engine.sessions) == opened
+
+
+def test_the_template_rules_import_without_torch_or_the_server():
+    """The framework adapters use the template's tool rules without the server extra (aiortc, websockets)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, omni_rt.tools; "
+        "sys.exit(any(m in sys.modules for m in ('torch', 'omni_rt.server', 'aiortc', 'websockets')))"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -35,6 +35,17 @@ def reply_prompt(
     return dict(input_ids=tokenizer.chat_prompt(messages))
 
 
+def system_turn(session: Any, system: str, said: str) -> list[tuple[str, str]] | None:
+    """The system turn the next reply starts with, where the system prompt (instructions, tools) changed:
+    [] when the model last heard `system` (`said`); [("system", system)] once the conversation has begun
+    (nothing heard can be rewritten: the new prompt is a turn of its own, as `omni-rt serve` adds it);
+    None before anything was said, when the session's own instructions are not `system`: the caller then
+    opens the session anew with it, and its first turn says it."""
+    if not session.conversation:
+        return [] if system == (session.settings.instructions or "") else None
+    return [("system", system)] if system != said else []
+
+
 def users_words(messages: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """What of a refused reply's messages (one the model never heard: too long, ...) waits for the next
     reply beside the user's speech: the user's words. The instructions or context sent with them are not

@@ -28,7 +28,17 @@ Each `RealtimeSession` holds one omni_rt `Session` (one cache slot of the engine
   "mutable" in the framework's sense (nothing heard can be deleted): a handoff to an agent with another
   context gets a new session.
 - `metrics_collected`: a `RealtimeModelMetrics` per reply; `ttft` is omni_rt's time to first audio.
-Not supported (a `RealtimeError`, or an `error` event for the streaming calls): tools, video input, `say`.
+- function tools (`@function_tool`, raw schemas; `livekit_tools.py`): `update_tools` / `update_options(
+  tool_choice=...)` put them in the system prompt as Qwen3-Omni's chat template writes them (before the
+  first reply, the session's instructions; later, a system turn ahead of the next reply). A reply's
+  `<tool_call>` is an `llm.FunctionCall` on its function stream (and a remote chat item) as soon as its
+  `</tool_call>` arrives; from the `<tool_call>` on nothing more of the reply is spoken or transcribed.
+  The framework runs the tool and hands the `FunctionCallOutput` back through `update_chat_ctx`: it is
+  the next reply's `<tool_response>` user turn. A malformed call is an `error` event and runs nothing;
+  an output for a call the model did not make, or a second one, is a `RealtimeError`. A reply's own
+  tools or tool choice are not supported (`per_response_tool_choice=False`: the framework sets them on
+  the session).
+Not supported (a `RealtimeError`, or an `error` event for the streaming calls): video input, `say`.
 """
 
 from __future__ import annotations
@@ -45,13 +55,16 @@ from livekit.agents import llm, utils
 from livekit.agents.metrics import RealtimeModelMetrics
 from livekit.agents.metrics.base import Metadata
 from livekit.agents.types import NOT_GIVEN, NotGivenOr
+from livekit.agents.utils import is_given
 from livekit.agents.voice.generation import remove_instructions
 
 from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn, TurnSegmenter, VadConfig
 from omni_rt.config import Sampling
 from omni_rt.errors import OmniRtError
 from omni_rt.integrations._audio import SPEECH_RATE, InputAudio, TurnBuffer
-from omni_rt.integrations._prompt import ROLES, reply_prompt, users_words
+from omni_rt.integrations._prompt import ROLES, reply_prompt, system_turn, users_words
+from omni_rt.integrations.livekit_tools import SessionTools
+from omni_rt.tools import BadToolCall
 
 __all__ = ["RealtimeModel", "RealtimeSession"]
 
@@ -84,8 +97,10 @@ class RealtimeModel(llm.RealtimeModel):
                 message_truncation=True,
                 turn_detection=True,
                 user_transcription=False,  # omni_rt hears the audio itself; it writes no transcript of it
+                # the framework runs the tools, hands back their outputs and asks for the reply
                 auto_tool_reply_generation=False,
                 audio_output=True,
+                # a call in a chat context that this session's model did not make cannot be resumed
                 manual_function_calls=False,
                 can_disable_turn_detection=True,
                 # new items can be added, but nothing the model heard can be deleted or edited: told so,
@@ -93,7 +108,7 @@ class RealtimeModel(llm.RealtimeModel):
                 # than asking this one to forget
                 mutable_chat_context=False,
                 mutable_instructions=True,
-                mutable_tools=False,
+                mutable_tools=True,  # new tools: a new system turn before the next reply
             )
         )
         self.engine = engine
@@ -139,6 +154,7 @@ class _Generation:
     message_id: str = field(default_factory=lambda: utils.shortuuid("item_"))
     audio: utils.aio.Chan = field(default_factory=utils.aio.Chan)
     text: utils.aio.Chan = field(default_factory=utils.aio.Chan)
+    functions: utils.aio.Chan = field(default_factory=utils.aio.Chan)  # llm.FunctionCall
     response_id: str | None = None
     interrupted: bool = False
     samples: int = 0  # audio handed to the framework, at the session's output rate
@@ -149,6 +165,7 @@ class _Generation:
     def close(self) -> None:
         self.audio.close()
         self.text.close()
+        self.functions.close()
 
     def transcript(self, until_ms: float | None = None) -> str:
         """The transcript, or the part of it whose audio starts before `until_ms` (the Talker takes one
@@ -165,6 +182,10 @@ class RealtimeSession(llm.RealtimeSession):
         self._segmenter = TurnSegmenter(model.vad) if detect else None
         self._buffer = None if detect else TurnBuffer(preroll_ms=0, always_open=True)
         self._instructions: str | None = model._session_kwargs["instructions"]
+        self._tools = SessionTools()
+        # the system prompt (instructions and tools) the model last heard as a system turn; another is
+        # due before the next reply (the session's own, before the first)
+        self._said = self._instructions or ""
         self._committed: list[np.ndarray] = []  # spoken turns the next reply answers
         self._pending: list[tuple[str, str]] = []  # (role, text) the next reply's prompt carries
         self._pending_ids: set[str] = set()
@@ -187,7 +208,7 @@ class RealtimeSession(llm.RealtimeSession):
 
     @property
     def tools(self) -> llm.ToolContext:
-        return llm.ToolContext.empty()
+        return self._tools.context.copy()
 
     @property
     def omni_session(self) -> Any:
@@ -200,21 +221,7 @@ class RealtimeSession(llm.RealtimeSession):
         return self._session
 
     async def update_instructions(self, instructions: str) -> None:
-        if instructions == self._instructions:
-            return
-        self._instructions = instructions
-        if self._lock.locked():  # a reply is under way: a system turn ahead of the next, without waiting
-            self._pending.append(("system", instructions))
-            return
-        async with self._lock:
-            session = await self._ready()
-            if not session.conversation:  # nothing said yet: the instructions become the system turn
-                await session.close()
-                self._session = None
-                self._opening = asyncio.ensure_future(self._model._open(instructions))
-                await self._ready()
-            else:
-                self._pending.append(("system", instructions))
+        self._instructions = instructions  # the next reply says them (`_system_turn`)
 
     async def update_chat_ctx(self, chat_ctx: llm.ChatContext) -> None:
         # as OpenAI's plugin: the framework's own bookkeeping items and the agent's instructions (which
@@ -229,29 +236,38 @@ class RealtimeSession(llm.RealtimeSession):
             raise llm.RealtimeError(
                 f"omni_rt cannot remove items the model has already heard: {sorted(heard)}"
             )
-        added: list[tuple[Any, str, str]] = []
+        added: list[tuple[Any, tuple[str, str] | None]] = []
+        answering: set[str] = set()
         for item in chat_ctx.items:
             if item.id in ours:
+                continue
+            if item.type in ("function_call", "function_call_output"):
+                added.append((item, self._tools.turn(item, answering)))
                 continue
             role = ROLES.get(getattr(item, "role", None)) if item.type == "message" else None
             text = item.text_content if role is not None else None
             if role is None or not text:
                 raise llm.RealtimeError(
-                    f"omni_rt takes text messages in the chat context; item {item.id} is a {item.type}"
+                    "omni_rt takes text messages and function calls and outputs in the chat context; "
+                    f"item {item.id} is a {item.type}"
                     + (f" ({item.role} without text)" if item.type == "message" else "")
                 )
-            added.append((item, role, text))
-        for item, role, text in added:
+            added.append((item, (role, text)))
+        for item, turn in added:
+            if turn is None:  # a call the model made, under another item id: it was heard as it was made
+                continue
+            if item.type == "function_call_output":
+                self._tools.answered(item.call_id)
             self._chat_ctx.insert(item)
-            self._pending.append((role, text))
+            self._pending.append(turn)
             self._pending_ids.add(item.id)
 
     async def update_tools(self, tools: list[Any]) -> None:
-        if tools:
-            raise llm.RealtimeError("omni_rt has no tool calling: this realtime model takes no tools")
+        self._tools.update(tools)  # the next reply says them (`_system_turn`)
 
     def update_options(self, *, tool_choice: NotGivenOr[Any] = NOT_GIVEN) -> None:
-        pass  # no tools: no choice to make
+        if is_given(tool_choice):
+            self._tools.set_choice(tool_choice)
 
     # -- input audio -----------------------------------------------------------------------------------
 
@@ -313,8 +329,16 @@ class RealtimeSession(llm.RealtimeSession):
         tools: NotGivenOr[list[Any]] = NOT_GIVEN,
     ) -> asyncio.Future[llm.GenerationCreatedEvent]:
         fut: asyncio.Future[llm.GenerationCreatedEvent] = asyncio.get_running_loop().create_future()
-        if isinstance(tools, list) and tools:
-            fut.set_exception(llm.RealtimeError("omni_rt has no tool calling: generate_reply takes no tools"))
+        # the tools are in the system prompt, which one reply cannot change and change back (the capability
+        # per_response_tool_choice is False: the framework sets them on the session instead)
+        if (is_given(tools) and llm.ToolContext(tools) != self._tools.context) or (
+            is_given(tool_choice) and tool_choice != self._tools.choice
+        ):
+            fut.set_exception(
+                llm.RealtimeError(
+                    "omni_rt: a reply's own tools or tool_choice: use update_tools / update_options"
+                )
+            )
             return fut
         if self._closed:
             fut.set_exception(llm.RealtimeError("generate_reply: the realtime session is closed"))
@@ -398,6 +422,20 @@ class RealtimeSession(llm.RealtimeSession):
             ),
         )
 
+    async def _system_turn(self) -> tuple[Any, list[tuple[str, str]]]:
+        """The omni_rt session for the next reply, and the system turn it starts with: the system prompt
+        (instructions, tools) where it changed since the model last heard it. Before anything was said the
+        session is opened anew with it, as its own instructions (its first turn says them)."""
+        session = await self._ready()
+        system = self._tools.system_prompt(self._instructions)
+        turn = system_turn(session, system, self._said)
+        if turn is None:
+            await session.close()
+            self._session, self._said = None, system
+            self._opening = asyncio.ensure_future(self._model._open(system or None))
+            return await self._ready(), []
+        return session, turn
+
     def _take(self) -> tuple[np.ndarray | None, list[tuple[str, str]]]:
         """What the next reply answers: the committed speech (one spoken turn) and the pending chat items."""
         audio = np.concatenate(self._committed) if self._committed else None
@@ -411,12 +449,12 @@ class RealtimeSession(llm.RealtimeSession):
             async with self._lock:
                 if gen.interrupted or (fut is not None and fut.cancelled()):
                     return  # dropped before its turn came: what it would have answered waits for the next
-                session = await self._ready()
+                session, system = await self._system_turn()
                 self._current = gen
                 audio, pending = self._take()
                 prompt = reply_prompt(
                     session, self._model.engine.tokenizer,
-                    pending + ([("system", instructions)] if instructions else []), audio,
+                    system + pending + ([("system", instructions)] if instructions else []), audio,
                 )  # fmt: skip
                 heard = len(session.conversation)
                 try:
@@ -424,7 +462,9 @@ class RealtimeSession(llm.RealtimeSession):
                 finally:
                     gen.close()
                     gen.done.set()
-                if done is not None and done.status == "failed" and len(session.conversation) == heard:
+                if len(session.conversation) > heard:
+                    self._said = system[0][1] if system else self._said
+                elif done is not None and done.status == "failed":
                     self._committed[:0] = [] if audio is None else [audio]  # the model heard none of it
                     self._pending[:0] = users_words(pending)
         except Exception as e:  # the caller's future or an error event: never a reply that silently hangs
@@ -440,6 +480,7 @@ class RealtimeSession(llm.RealtimeSession):
         """Run one reply; its response.done (None if it never came)."""
         t_created = time.time()
         item = done = None
+        calls = self._tools.parser()  # None: no tools offered
         async for ev in session.respond(**prompt, **self._model._respond_kwargs):
             if ev.type == "response.created":
                 gen.response_id = ev.response_id
@@ -458,6 +499,9 @@ class RealtimeSession(llm.RealtimeSession):
                     fut.set_result(created)
             elif ev.type == "response.done":
                 done = ev
+                if calls is not None and not gen.interrupted and ev.status != "cancelled":
+                    for bad in calls.end():  # a call left open by the model, not one cut by a stop
+                        self._bad_call(bad)
                 gen.close()
                 if item is not None:
                     item.content = [gen.truncated if gen.truncated is not None else gen.transcript()]
@@ -471,6 +515,14 @@ class RealtimeSession(llm.RealtimeSession):
                         self._error(llm.RealtimeError(msg))
             elif gen.interrupted:
                 continue  # the engine is stopping it: nothing more goes out
+            elif ev.type == "response.output_text.delta":
+                for call in calls.feed(ev.delta, ev.token_ids)[1] if calls is not None else []:
+                    if isinstance(call, BadToolCall):
+                        self._bad_call(call)
+                    else:
+                        self._function_call(gen, self._tools.made(call))
+            elif calls is not None and calls.calling:
+                continue  # from a <tool_call> on nothing more of the reply is spoken
             elif ev.type == "response.output_audio.delta":
                 gen.audio.send_nowait(rtc.AudioFrame(ev.pcm.tobytes(), ev.sample_rate, 1, len(ev.pcm)))
                 gen.samples += len(ev.pcm)
@@ -478,6 +530,17 @@ class RealtimeSession(llm.RealtimeSession):
                 gen.transcript_deltas.append(ev.delta)
                 gen.text.send_nowait(ev.delta)
         return done
+
+    def _function_call(self, gen: _Generation, call: llm.FunctionCall) -> None:
+        """A call the model made: in the chat context (announced, as OpenAI's plugin announces the server's
+        function_call item), and on the generation's function stream, for the framework to run."""
+        self._add_item(call)
+        gen.functions.send_nowait(call)
+
+    def _bad_call(self, bad: BadToolCall) -> None:
+        """A malformed call (not JSON, an unknown tool, left open): nothing is run; the reply says nothing
+        more, as with a good one, and the error says why."""
+        self._error(llm.RealtimeError(f"omni_rt: the model made a malformed tool call: {bad.message}"))
 
     def _metrics(self, done: Any, t_created: float) -> RealtimeModelMetrics:
         m, u = done.metrics, done.usage
@@ -516,10 +579,8 @@ def _created_event(gen: _Generation, user_initiated: bool) -> llm.GenerationCrea
         )  # fmt: skip
     )
     messages.close()
-    functions: utils.aio.Chan = utils.aio.Chan()
-    functions.close()
     return llm.GenerationCreatedEvent(
-        message_stream=messages, function_stream=functions, user_initiated=user_initiated,
+        message_stream=messages, function_stream=gen.functions, user_initiated=user_initiated,
         response_id=gen.response_id,
     )  # fmt: skip
 

@@ -13,8 +13,8 @@ text after the speech when the reply answers a spoken turn), `run_llm` or an `LL
 reply; `LLMUpdateSettingsFrame`'s `system_instruction` (the system turn, or a system turn ahead of the next
 reply once something was said) and `max_tokens`. `LLMContextFrame`s pass through unread (the conversation
 lives in the omni_rt session), but the first starts the conversation when nothing was said yet (a context
-aggregator in front turns the app's `LLMRunFrame` into one); `LLMMessagesUpdateFrame`, `LLMSetToolsFrame`
-and video (the first `InputImageRawFrame`) are `ErrorFrame`s upstream. With `turn_detection="pipecat"`
+aggregator in front turns the app's `LLMRunFrame` into one); `LLMMessagesUpdateFrame` and video (the first
+`InputImageRawFrame`) are `ErrorFrame`s upstream. With `turn_detection="pipecat"`
 (the default) pipecat's VAD and turn analyzer drive turns: `UserStartedSpeakingFrame` opens a turn (with
 the last `preroll_ms` of audio as its lead-in), `UserStoppedSpeakingFrame` sends it to the model,
 `InterruptionFrame` stops the reply. With
@@ -27,6 +27,16 @@ resample), `LLMTextFrame`s (the model's text as it is sampled; not appended to t
 `TTSTextFrame`s (the text the audio has reached), `TTSStoppedFrame`, `LLMFullResponseEndFrame`; metrics
 frames (TTFB = time to the first audio, TTFA = to the first audible sample, processing time, token usage)
 when the pipeline enables metrics.
+
+Function calling is pipecat's own (the service is an `LLMService`; `pipecat_tools.py`): the tools of
+`LLMSetToolsFrame` or of the context (its `tool_choice` too) go into the system prompt as Qwen3-Omni's chat
+template writes them (before anything is said, the session's instructions; later a system turn ahead of the
+next reply). A reply's `<tool_call>` runs through `run_function_calls` (the handlers given to
+`register_function`, or carried by the tools) as soon as its `</tool_call>` arrives; from `<tool_call>` on
+nothing more of the reply is spoken or shown. The final result (`FunctionCallResultFrame`, as JSON) is the
+next reply's `<tool_response>` user turn; that reply is made when the assistant context aggregator asks
+for it (its `LLMContextFrame` upstream), as with pipecat's OpenAI realtime service. A malformed call is an
+`ErrorFrame` and runs nothing.
 
 An `InterruptionFrame` cancels the reply before the service passes the frame on: the engine stops it
 within one codec frame, and no audio of it is pushed after, so nothing of it is queued behind the
@@ -47,6 +57,7 @@ from pipecat.frames.frames import (
     CancelFrame,
     EndFrame,
     Frame,
+    FunctionCallResultFrame,
     InputAudioRawFrame,
     InputImageRawFrame,
     InterruptionFrame,
@@ -70,8 +81,8 @@ from pipecat.frames.frames import (
 from pipecat.metrics.metrics import LLMTokenUsage
 from pipecat.processors.aggregators.llm_context import standard_message_text
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessorSetup
-from pipecat.services.ai_service import AIService
-from pipecat.services.settings import ServiceSettings, is_given
+from pipecat.services.llm_service import LLMService
+from pipecat.services.settings import LLMSettings, is_given
 from pipecat.turns.user_turn_strategies import ExternalUserTurnStrategies
 from pipecat.utils.text.base_text_aggregator import TextType
 
@@ -79,7 +90,9 @@ from omni_rt.audio.vad import SpeechStarted, Turn, TurnSegmenter, VadConfig
 from omni_rt.config import OUTPUT_SAMPLE_RATES, Sampling
 from omni_rt.errors import ConfigError
 from omni_rt.integrations._audio import InputAudio, TurnBuffer
-from omni_rt.integrations._prompt import ROLES, reply_prompt, users_words
+from omni_rt.integrations._prompt import ROLES, reply_prompt, system_turn, users_words
+from omni_rt.integrations.pipecat_tools import ToolCalls
+from omni_rt.tools import BadToolCall
 
 __all__ = ["OmniRtService"]
 
@@ -96,7 +109,7 @@ class _Reply:
     done: asyncio.Event = field(default_factory=asyncio.Event)  # set when its task ends, however it ends
 
 
-class OmniRtService(AIService):
+class OmniRtService(LLMService):
     """A pipecat speech-to-speech service backed by an in-process `omni_rt.Engine` (one session).
 
     The engine may be started already (`async with engine:`, shared by several pipelines); if it is not,
@@ -120,10 +133,25 @@ class OmniRtService(AIService):
     ) -> None:
         if turn_detection not in ("pipecat", "omni_rt"):
             raise ConfigError(f"turn_detection must be 'pipecat' or 'omni_rt', got {turn_detection!r}")
-        super().__init__(settings=ServiceSettings(model=getattr(engine, "name", "omni_rt")), **kwargs)
+        # an LLMService: pipecat's function calling (register_function, the context's tools) is its
+        # every field set (pipecat logs an error at start for one left NOT_GIVEN); None: not a setting here
+        unset = dict.fromkeys(
+            ("temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty", "seed",
+             "filter_incomplete_user_turns", "user_turn_completion_config"),
+        )  # fmt: skip
+        settings = LLMSettings(
+            model=getattr(engine, "name", "omni_rt"), system_instruction=instructions,
+            max_tokens=max_output_tokens, **unset,
+        )  # fmt: skip
+        super().__init__(settings=settings, **kwargs)
         self.engine = engine
         self.turn_detection = turn_detection
         self._session_kwargs = dict(voice=voice, instructions=instructions, sampling=sampling)
+        self._instructions = instructions
+        self._tools = ToolCalls(self)
+        # the system prompt (instructions and tools) the model last heard as a system turn; another is
+        # due before the next reply (the session's own, before the first)
+        self._said = instructions or ""
         self._respond_kwargs = dict(
             max_output_tokens=max_output_tokens, max_audio_frames=max_audio_frames, ignore_eos=ignore_eos
         )
@@ -230,28 +258,40 @@ class OmniRtService(AIService):
                 self._respond(None)
         elif isinstance(frame, LLMRunFrame):
             self._respond(None)
-        elif isinstance(frame, LLMContextFrame) and not self._context_seen:
-            await self._first_context(frame)
-        elif isinstance(frame, LLMUpdateSettingsFrame) and frame.service in (None, self):
-            await self._update_llm_settings(frame)
+        elif isinstance(frame, LLMContextFrame):
+            await self._on_context(frame, direction)
+        elif isinstance(frame, LLMUpdateSettingsFrame) and frame.service not in (None, self):
+            return  # another service's: LLMService passed it on
         elif isinstance(frame, LLMMessagesUpdateFrame):
             await self.push_error(
                 "omni_rt cannot replace the conversation the model has heard (its caches cannot be "
                 "rewound): LLMMessagesUpdateFrame is ignored; add messages with LLMMessagesAppendFrame"
             )
         elif isinstance(frame, LLMSetToolsFrame):
-            await self.push_error("omni_rt has no tool calling: LLMSetToolsFrame is ignored")
+            # a continuous session gets no context frame per turn: the handlers follow the tools here too
+            self._sync_registered_tool_handlers(frame.tools)
+            await self._tools.set_tools(frame.tools)
         elif isinstance(frame, InputImageRawFrame) and not self._video_refused:
             self._video_refused = True  # said once: a camera sends many
             await self.push_error("omni_rt takes no video input: image frames pass through unread")
         await self.push_frame(frame, direction)
 
-    async def _first_context(self, frame: LLMContextFrame) -> None:
+    async def _on_context(self, frame: LLMContextFrame, direction: FrameDirection) -> None:
         """A context aggregator in front turns the app's LLMRunFrame (or an LLMMessagesAppendFrame that asks
         to run) into LLMContextFrames. As pipecat's own realtime services do, the first one starts the
         conversation with its messages when nothing was said yet; later ones (the aggregator's record of
-        each turn) start nothing: the conversation lives in the omni_rt session."""
-        self._context_seen = True
+        each turn) start nothing: the conversation lives in the omni_rt session. Each carries the tools;
+        one coming back upstream from the assistant aggregator once tool results arrived asks for the
+        reply to them (as OpenAI's realtime service takes it)."""
+        await self._tools.set_context(frame.context)
+        if not self._context_seen:
+            self._context_seen = True
+            await self._first_context(frame)
+        elif direction == FrameDirection.UPSTREAM and self._tools.results_waiting:
+            self._tools.results_waiting = False
+            self._respond(None)
+
+    async def _first_context(self, frame: LLMContextFrame) -> None:
         if self._replies or self._turn.open or self._session is None or self._session.conversation:
             return  # the conversation started without it (the user spoke first)
         if await self._append(frame.context.get_messages()):
@@ -274,25 +314,31 @@ class OmniRtService(AIService):
         self._messages += added
         return True
 
-    async def _update_llm_settings(self, frame: LLMUpdateSettingsFrame) -> None:
-        """system_instruction: the session's system turn before anything is said, later a system turn
-        ahead of the next reply; max_tokens: each reply's text limit. Others change nothing (a warning)."""
-        delta = frame.delta
-        given = (
-            {} if delta is None else {k: v for k, v in vars(delta).items() if is_given(v) and k != "extra"}
-        )
-        given |= frame.settings or {}  # pipecat's deprecated dict form
+    async def _update_settings(self, delta: LLMSettings) -> dict[str, Any]:
+        """LLMUpdateSettingsFrame (LLMService reads the frame, its deprecated dict form too):
+        system_instruction is the system prompt from the next reply on (the session's system turn before
+        anything is said, later a system turn ahead of the next reply); max_tokens each reply's text limit.
+        Others change nothing (a warning)."""
+        given = {k: v for k, v in vars(delta).items() if is_given(v) and k != "extra"}
         if "max_tokens" in given:
             self._respond_kwargs["max_output_tokens"] = given.pop("max_tokens")
         if "system_instruction" in given:
-            text = given.pop("system_instruction")
-            if self._session is not None and not self._session.conversation and not self._replies:
-                self._session_kwargs["instructions"] = text
-                await self._session.close()
-                self._session = self.engine.session(output_sample_rate=self._out_rate, **self._session_kwargs)
-            elif text:
-                self._messages.append(("system", text))
+            self._instructions = given.pop("system_instruction")
         self._warn_unhandled_updated_settings(given)
+        return {}
+
+    async def _system_turn(self) -> list[tuple[str, str]]:
+        """The system turn the next reply starts with (`system_turn`); before anything was said a new
+        system prompt opens the session anew, as its instructions."""
+        system = self._tools.system_prompt(self._instructions)
+        turn = system_turn(self._session, system, self._said)
+        if turn is not None:
+            return turn
+        await self._session.close()
+        kwargs = self._session_kwargs | {"instructions": system or None}
+        self._session = self.engine.session(output_sample_rate=self._out_rate, **kwargs)
+        self._said = system
+        return []
 
     async def _on_audio(self, frame: InputAudioRawFrame) -> None:
         pcm = self._input.push(frame.audio, frame.sample_rate, frame.num_channels)
@@ -359,9 +405,11 @@ class OmniRtService(AIService):
         await self.start_ttfb_metrics(start_time=t0)
         await self.start_processing_metrics(start_time=t0)
         await self.push_frame(LLMFullResponseStartFrame())
+        system = await self._system_turn()
         session = self._session  # the reply's own: a cancel whose interrupt failed closes the service first
-        prompt = reply_prompt(session, self.engine.tokenizer, reply.messages, reply.audio)
+        prompt = reply_prompt(session, self.engine.tokenizer, system + reply.messages, reply.audio)
         heard = len(session.conversation)
+        calls = self._tools.parser()  # None: no tools offered
         stream = session.respond(**prompt, **self._respond_kwargs)
         async for ev in stream:
             if ev.type == "response.created":
@@ -369,12 +417,27 @@ class OmniRtService(AIService):
                 if reply.interrupted:  # interrupted while its spoken turn was being encoded
                     await session.cancel()
             elif ev.type == "response.done":
-                if ev.status == "failed" and len(session.conversation) == heard:  # the model heard none of it
+                if len(session.conversation) > heard:
+                    self._said = system[0][1] if system else self._said
+                elif ev.status == "failed":  # the model heard none of it
                     self._unheard[:0] = [] if reply.audio is None else [reply.audio]
                     self._messages[:0] = users_words(reply.messages)
+                if calls is not None and not reply.interrupted and ev.status != "cancelled":
+                    for bad in calls.end():  # a call left open by the model, not one cut by a stop
+                        await self._bad_call(bad)
                 await self._finish(reply, ev)
             elif reply.interrupted:
                 continue  # the engine is stopping it: drop what was already on its way
+            elif ev.type == "response.output_text.delta":
+                speak, found = calls.feed(ev.delta, ev.token_ids) if calls is not None else (ev.delta, [])
+                for call in found:
+                    await (self._bad_call(call) if isinstance(call, BadToolCall) else self._tools.run(call))
+                if speak:
+                    text = LLMTextFrame(speak)
+                    text.append_to_context = False  # the spoken transcript (TTSTextFrame) is what was said
+                    await self.push_frame(text)
+            elif calls is not None and calls.calling:
+                continue  # from a <tool_call> on nothing more of the reply is spoken
             elif ev.type == "response.output_audio.delta":
                 if not reply.started:
                     reply.started = True
@@ -386,14 +449,23 @@ class OmniRtService(AIService):
                 )  # fmt: skip
                 await self.process_ttfa_metrics(out)
                 await self.push_frame(out)
-            elif ev.type == "response.output_text.delta" and ev.delta:
-                text = LLMTextFrame(ev.delta)
-                text.append_to_context = False  # the spoken transcript (TTSTextFrame) is what was said
-                await self.push_frame(text)
             elif ev.type == "response.output_audio_transcript.delta":
                 spoken = TTSTextFrame(ev.delta, text_type=TextType.TOKEN, context_id=reply.response_id)
                 spoken.includes_inter_frame_spaces = True  # deltas carry their own spaces
                 await self.push_frame(spoken)
+
+    async def _bad_call(self, bad: BadToolCall) -> None:
+        """A malformed call (not JSON, an unknown tool, left open): nothing is run; the reply says nothing
+        more, as with a good one, and the error says why."""
+        await self.push_error(f"omni_rt: the model made a malformed tool call: {bad.message}")
+
+    async def push_frame(self, frame: Frame, direction: FrameDirection = FrameDirection.DOWNSTREAM) -> None:
+        """A function call's result (LLMService broadcasts it; the downstream copy is taken here, as
+        OpenAI's realtime service takes it) joins the next reply's prompt as a tool response."""
+        if direction == FrameDirection.DOWNSTREAM and isinstance(frame, FunctionCallResultFrame):
+            if (turn := self._tools.result(frame)) is not None:
+                self._messages.append(turn)
+        await super().push_frame(frame, direction)
 
     async def _finish(self, reply: _Reply, done: Any) -> None:
         if reply.started:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from omni_rt import tools as template
 from omni_rt import wire
 from omni_rt.errors import OmniRtError
 from omni_rt.server import protocol, tools, webrtc
@@ -300,7 +301,7 @@ class Peer:
         self._session_stack = stack
 
     def _system_prompt(self) -> str:
-        return tools.system_prompt(self.instructions, self.tools, self.tool_choice)
+        return template.system_prompt(self.instructions, self.tools, self.tool_choice)
 
     def session_object(self) -> dict[str, Any]:
         session = wire.session_object(
@@ -574,10 +575,8 @@ class Peer:
         limits = self._limits(self._max_tokens(), text, clip, None)
         self.speculator.start(self.session, (text, clip, limits), **limits)
 
-    def _tool_parser(self) -> tools.ToolCallParser | None:
-        if not self.tools or self.tool_choice == "none":
-            return None
-        return tools.ToolCallParser(frozenset(t.name for t in self.tools))
+    def _tool_parser(self) -> template.ToolCallParser | None:
+        return template.tool_parser(self.tools, self.tool_choice)
 
     def _prompt(self, messages: list[tuple[str, str]]) -> list[int]:
         """The prompt of a reply whose new turns the Session's `text=` cannot say (system or assistant

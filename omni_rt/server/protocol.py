@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from omni_rt import wire
 from omni_rt.errors import OmniRtError, SessionLimitError
-from omni_rt.server.tools import ToolChoice, Tools, tool_call_text, tool_response
+from omni_rt.server.tools import ToolChoice, Tools
+from omni_rt.tools import tool_call_text, tool_response
 
 INPUT_SAMPLE_RATE = wire.INPUT_SAMPLE_RATE
 # Audio in one append: clients stream 20-100 ms at a time, but OpenAI takes up to 15 MiB in one and

@@ -25,8 +25,8 @@ from typing import Any, Literal
 
 from omni_rt import wire
 from omni_rt.server import protocol
-from omni_rt.server.tools import BadToolCall, ToolCallParser
 from omni_rt.server.turns import SpokenTurnClock
+from omni_rt.tools import BadToolCall, ToolCallParser
 
 CancelReason = Literal["client_cancelled", "turn_detected"]
 

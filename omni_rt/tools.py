@@ -89,6 +89,16 @@ def system_prompt(instructions: str, tools: Sequence[Signature], choice: str | N
     return f"{instructions}\n\n{text}" if instructions else text
 
 
+def system_due(conversation: Sequence[Any], tokenizer: Any, system: str) -> str | None:
+    """The system prompt a reply adds as a turn of its own once the conversation has begun: `system` where
+    it is not the conversation's last system turn (instructions or tools changed since, or a truncation
+    dropped the turn that said them), else None; None before anything was said too, when the session's
+    first turn says its own instructions. The server and the framework adapters both ask this."""
+    if not conversation:
+        return None
+    return None if system == (tokenizer.last_turn(conversation, "system") or "") else system
+
+
 def tool_parser(tools: Sequence[Signature], choice: str | Named = "auto") -> ToolCallParser | None:
     """One reply's parser of `<tool_call>`s; None when no tools are offered (the reply is all speech)."""
     if not tools or choice == "none":

@@ -356,6 +356,9 @@ class RecordingEngine:
             kwargs["sampling"] = self.sampling
         return _RecordingSession(self, self.engine.session(**kwargs))
 
+    def __getattr__(self, name):
+        return getattr(self.engine, name)  # the rest of the Engine's API (its tokenizer, ...), as it is
+
 
 class _RecordingSession:
     def __init__(self, owner: RecordingEngine, inner):

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from omni_rt.integrations._audio import SPEECH_RATE
+from omni_rt.tools import system_due
 
 # the frameworks' message roles as chat-template roles (OpenAI's "developer" is a system turn)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -35,15 +36,16 @@ def reply_prompt(
     return dict(input_ids=tokenizer.chat_prompt(messages))
 
 
-def system_turn(session: Any, system: str, said: str) -> list[tuple[str, str]] | None:
+def system_turn(session: Any, tokenizer: Any, system: str) -> list[tuple[str, str]] | None:
     """The system turn the next reply starts with, where the system prompt (instructions, tools) changed:
-    [] when the model last heard `system` (`said`); [("system", system)] once the conversation has begun
-    (nothing heard can be rewritten: the new prompt is a turn of its own, as `omni-rt serve` adds it);
-    None before anything was said, when the session's own instructions are not `system`: the caller then
-    opens the session anew with it, and its first turn says it."""
+    [] when the model last heard `system`; [("system", system)] once the conversation has begun (nothing
+    heard can be rewritten: the new prompt is a turn of its own, `omni_rt.tools.system_due`, as
+    `omni-rt serve` adds it); None before anything was said, when the session's own instructions are not
+    `system`: the caller then opens the session anew with it, and its first turn says it."""
     if not session.conversation:
         return [] if system == (session.settings.instructions or "") else None
-    return [("system", system)] if system != said else []
+    due = system_due(session.conversation, tokenizer, system)
+    return [] if due is None else [("system", due)]
 
 
 def users_words(messages: list[tuple[str, str]]) -> list[tuple[str, str]]:

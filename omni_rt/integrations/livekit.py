@@ -183,9 +183,6 @@ class RealtimeSession(llm.RealtimeSession):
         self._buffer = None if detect else TurnBuffer(preroll_ms=0, always_open=True)
         self._instructions: str | None = model._session_kwargs["instructions"]
         self._tools = SessionTools()
-        # the system prompt (instructions and tools) the model last heard as a system turn; another is
-        # due before the next reply (the session's own, before the first)
-        self._said = self._instructions or ""
         self._committed: list[np.ndarray] = []  # spoken turns the next reply answers
         self._pending: list[tuple[str, str]] = []  # (role, text) the next reply's prompt carries
         self._pending_ids: set[str] = set()
@@ -428,10 +425,10 @@ class RealtimeSession(llm.RealtimeSession):
         session is opened anew with it, as its own instructions (its first turn says them)."""
         session = await self._ready()
         system = self._tools.system_prompt(self._instructions)
-        turn = system_turn(session, system, self._said)
+        turn = system_turn(session, self._model.engine.tokenizer, system)
         if turn is None:
             await session.close()
-            self._session, self._said = None, system
+            self._session = None
             self._opening = asyncio.ensure_future(self._model._open(system or None))
             return await self._ready(), []
         return session, turn
@@ -462,9 +459,7 @@ class RealtimeSession(llm.RealtimeSession):
                 finally:
                     gen.close()
                     gen.done.set()
-                if len(session.conversation) > heard:
-                    self._said = system[0][1] if system else self._said
-                elif done is not None and done.status == "failed":
+                if len(session.conversation) == heard and done is not None and done.status == "failed":
                     self._committed[:0] = [] if audio is None else [audio]  # the model heard none of it
                     self._pending[:0] = users_words(pending)
         except Exception as e:  # the caller's future or an error event: never a reply that silently hangs

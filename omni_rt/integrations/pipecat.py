@@ -149,9 +149,6 @@ class OmniRtService(LLMService):
         self._session_kwargs = dict(voice=voice, instructions=instructions, sampling=sampling)
         self._instructions = instructions
         self._tools = ToolCalls(self)
-        # the system prompt (instructions and tools) the model last heard as a system turn; another is
-        # due before the next reply (the session's own, before the first)
-        self._said = instructions or ""
         self._respond_kwargs = dict(
             max_output_tokens=max_output_tokens, max_audio_frames=max_audio_frames, ignore_eos=ignore_eos
         )
@@ -331,13 +328,12 @@ class OmniRtService(LLMService):
         """The system turn the next reply starts with (`system_turn`); before anything was said a new
         system prompt opens the session anew, as its instructions."""
         system = self._tools.system_prompt(self._instructions)
-        turn = system_turn(self._session, system, self._said)
+        turn = system_turn(self._session, self.engine.tokenizer, system)
         if turn is not None:
             return turn
         await self._session.close()
         kwargs = self._session_kwargs | {"instructions": system or None}
         self._session = self.engine.session(output_sample_rate=self._out_rate, **kwargs)
-        self._said = system
         return []
 
     async def _on_audio(self, frame: InputAudioRawFrame) -> None:
@@ -417,9 +413,7 @@ class OmniRtService(LLMService):
                 if reply.interrupted:  # interrupted while its spoken turn was being encoded
                     await session.cancel()
             elif ev.type == "response.done":
-                if len(session.conversation) > heard:
-                    self._said = system[0][1] if system else self._said
-                elif ev.status == "failed":  # the model heard none of it
+                if len(session.conversation) == heard and ev.status == "failed":  # the model heard none of it
                     self._unheard[:0] = [] if reply.audio is None else [reply.audio]
                     self._messages[:0] = users_words(reply.messages)
                 if calls is not None and not reply.interrupted and ev.status != "cancelled":

@@ -369,10 +369,8 @@ class Peer:
         nothing said is lost; a new voice is each reply's own (`_limits`)."""
         voice = s.voice or (s.audio.output.voice if s.audio and s.audio.output else None)
         if voice is not None:
-            try:
-                voice = protocol.model_voice(
-                    self.engine, voice
-                )  # checked before the current session is given up
+            try:  # checked before the current session is given up
+                voice = protocol.model_voice(self.engine, voice)
             except ProtocolError as exc:
                 exc.param, exc.event_id = "session.audio.output.voice", event_id
                 raise
@@ -546,14 +544,10 @@ class Peer:
         return limits
 
     def _system_due(self) -> str | None:
-        """The system prompt the next reply adds as a turn of its own: the session's, where it is not
-        the conversation's last system turn (instructions or tools changed after the conversation began,
-        or a truncation dropped the turn that said them). None before the first turn, which says it."""
-        conversation = self.session.conversation if self.session is not None else None
-        if not conversation:
+        """The system prompt the next reply adds as a turn of its own (`omni_rt.tools.system_due`)."""
+        if self.session is None:
             return None
-        system = self._system_prompt()
-        return None if system == (self.engine.tokenizer.last_turn(conversation, "system") or "") else system
+        return template.system_due(self.session.conversation, self.engine.tokenizer, self._system_prompt())
 
     def _on_pause(self, pause_clip: Any) -> None:
         """A pause that may end the turn: start the reply its end would start (server/speculative.py),

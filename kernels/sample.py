@@ -33,12 +33,6 @@ HASH32 = False
 # reduction over the row, and with one warp a reduction needs no shared memory or barrier; swept by
 # scripts/gpu_code_frame.py, not yet measured.
 SAMPLE_WARPS: int | None = None
-# Threshold searches R bits a pass (0: one bit a pass, bisection). A pass counts the keys against all 2**R
-# candidates of the next R bits in one reduction of a [V, 2**R] block, so a 16-bit search is 16 / R
-# reductions, not 16: fewer barriers, more arithmetic per pass. The same thresholds (top-p's masses are
-# summed in another order, so a boundary within an fp32 ulp may move). Swept by scripts/gpu_code_frame.py,
-# not yet measured.
-RADIX_BITS = 0
 # Not a programmatic dependent launch: in the code-predictor frame at batch 1 it was no faster (2.05 ms
 # sampled with it, 2.01 without, H200).
 
@@ -111,34 +105,6 @@ if triton is not None:
         return hi
 
     @triton.jit
-    def _kth_largest_key_radix(key, k, lo, bits, R: tl.constexpr):
-        """_kth_largest_key over [lo, lo + 2**bits), R bits a pass (R divides bits)."""
-        j = tl.arange(0, 2**R).to(tl.int64)
-        key32 = key.to(tl.int32)  # keys and candidates lie in int32's range: half the compare work
-        base = lo  # count(key >= base) >= k holds throughout
-        for p in range(bits // R):
-            s = (bits - R * (p + 1)).to(tl.int64)
-            cand = (base + (j << s)).to(tl.int32)  # [2**R]; candidate 0, base itself, always passes
-            n = tl.sum((key32[:, None] >= cand[None, :]).to(tl.int32), axis=0)  # [2**R], non-increasing
-            base += (tl.sum((n >= k).to(tl.int64), axis=0) - 1) << s
-        return base
-
-    @triton.jit
-    def _top_p_key_radix(key, prob, limit, lo, hi, bits, R: tl.constexpr):
-        """_top_p_key over [lo, hi] with hi < lo + 2**bits, R bits a pass: the largest t whose mass at or
-        below it stays <= limit, plus one, capped at hi. If lo's mass exceeds limit already, the first pass
-        steps below lo, where no key lies (mass 0 <= limit), and the search ends at lo - 1: lo, as wanted."""
-        j = tl.arange(0, 2**R).to(tl.int64)
-        key32 = key.to(tl.int32)
-        base = lo
-        for p in range(bits // R):
-            s = (bits - R * (p + 1)).to(tl.int64)
-            cand = (base + (j << s)).to(tl.int32)
-            mass = tl.sum(tl.where(key32[:, None] <= cand[None, :], prob[:, None], 0.0), axis=0)
-            base += (tl.sum((mass <= limit).to(tl.int64), axis=0) - 1) << s
-        return tl.minimum(base + 1, hi)
-
-    @triton.jit
     def _sample(
         logits_ptr,  # [B, V] any float dtype
         slots_ptr,  # [B] int64
@@ -162,7 +128,6 @@ if triton is not None:
         PRECISE: tl.constexpr,
         KEY16: tl.constexpr,  # bf16 logits, no penalty: search 16-bit keys where exact (SHORT_KEYS)
         U32: tl.constexpr,  # the per-id hash in uint32 (HASH32)
-        RADIX: tl.constexpr,  # threshold searches RADIX bits a pass; 0: bisection (RADIX_BITS)
     ):
         row = tl.program_id(0).to(tl.int64)
         slot = tl.load(slots_ptr + row)
@@ -201,11 +166,7 @@ if triton is not None:
         k = tl.load(topk_ptr + slot)
         if do_sample & (k > 0) & (k < V):
             key = tl.where(short, _order_key16(x), _order_key(w)).to(tl.int64)
-            if RADIX:
-                kth = _kth_largest_key_radix(key, k, lo0, bits, RADIX)
-            else:
-                kth = _kth_largest_key(key, k, lo0, hi0, bits)
-            w = tl.where(key < kth, float("-inf"), w)
+            w = tl.where(key < _kth_largest_key(key, k, lo0, hi0, bits), float("-inf"), w)
         # top-p, transformers' rule on the ascending order (drop while the cumulative mass <= 1 - p):
         # keep the scores whose mass at or below them exceeds 1 - p, ties together; the top always stays
         p = tl.load(topp_ptr + slot)
@@ -214,11 +175,7 @@ if triton is not None:
             prob = tl.div_rn(ex, tl.sum(ex, axis=0))
             kept = tl.where(w == float("-inf"), float("-inf"), x)  # x as bf16 where w still stands
             key = tl.where(short, _order_key16(kept), _order_key(w)).to(tl.int64)
-            if RADIX:
-                cut = _top_p_key_radix(key, prob, 1 - p, lo0, tl.max(key, axis=0), bits, RADIX)
-            else:
-                cut = _top_p_key(key, prob, 1 - p, lo0, tl.max(key, axis=0), bits)
-            w = tl.where(key < cut, float("-inf"), w)
+            w = tl.where(key < _top_p_key(key, prob, 1 - p, lo0, tl.max(key, axis=0), bits), float("-inf"), w)
 
         # the keyed race: argmax(w - log E), E = -log U, U from (seed, stage, key, vocab id)
         seed = tl.load(seed_ptr + slot)
@@ -277,7 +234,7 @@ def fused_choose(
         vocab, logits.stride(0), key_offset,
         STAGE=sampler.stage, HAS_SEEN=seen is not None, HAS_SUPP=supp is not None,
         BLOCK_V=block, PRECISE=precise(),
-        KEY16=SHORT_KEYS and logits.dtype == torch.bfloat16 and seen is None, U32=HASH32, RADIX=RADIX_BITS,
+        KEY16=SHORT_KEYS and logits.dtype == torch.bfloat16 and seen is None, U32=HASH32,
         num_warps=SAMPLE_WARPS or (4 if block <= 2048 else 8),
     )  # fmt: skip
     return out

@@ -244,14 +244,13 @@ def main(argv=None) -> int:
             )
         res["kind_sweep"]["best"] = dict(code_frame.GEMV_KIND_BLOCKS)
         code_frame.GEMV_KIND_BLOCKS.clear()
-        # the sampler's variants (kernels/sample.py): 16-bit keys or 32, the hash in uint32, its warps, the
-        # threshold searches' bits a pass; on the per-linear sweep's batch-1 inputs
+        # the sampler's variants (kernels/sample.py): 16-bit keys or 32, the hash in uint32, its warps; on the
+        # per-linear sweep's batch-1 inputs
         res["sampler_variants"] = []
-        knobs = ("SHORT_KEYS", "HASH32", "SAMPLE_WARPS", "RADIX_BITS")
+        knobs = ("SHORT_KEYS", "HASH32", "SAMPLE_WARPS")
         saved = {k: getattr(sample_kernel, k) for k in knobs}
         variants = [{}, {"SHORT_KEYS": False}, {"HASH32": True}, {"SAMPLE_WARPS": 1}, {"SAMPLE_WARPS": 2},
-                    {"SAMPLE_WARPS": 8}, {"HASH32": True, "SAMPLE_WARPS": 1}, {"HASH32": True, "SAMPLE_WARPS": 2},
-                    {"RADIX_BITS": 2}, {"RADIX_BITS": 4}, {"RADIX_BITS": 4, "SAMPLE_WARPS": 8}]  # fmt: skip
+                    {"SAMPLE_WARPS": 8}, {"HASH32": True, "SAMPLE_WARPS": 1}, {"HASH32": True, "SAMPLE_WARPS": 2}]  # fmt: skip
         for variant in variants:
             for k in knobs:
                 setattr(sample_kernel, k, variant.get(k, saved[k]))

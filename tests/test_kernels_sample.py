@@ -68,16 +68,12 @@ def test_fused_frame_draws_vary_by_group():
     assert len(set(codes)) > 5
 
 
-@pytest.mark.parametrize("radix", [0, 2, 4])  # bisection, or 2 / 4 key bits a pass (RADIX_BITS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_thresholds_keep_the_plain_candidates(dtype, radix, monkeypatch):
-    # The top-k / top-p thresholds are found by searches over integer keys: 32-bit keys of the scores,
+def test_thresholds_keep_the_plain_candidates(dtype):
+    # The top-k / top-p thresholds are found by bisection over integer keys: 32-bit keys of the scores,
     # or for bf16 logits the logits' own 16 bits. Either must keep exactly the plain path's candidates.
     # Hot temperatures spread the draws over the kept set, so a threshold one candidate off changes some
     # of the 64 draws.
-    from omni_rt.kernels import sample as sample_kernel
-
-    monkeypatch.setattr(sample_kernel, "RADIX_BITS", radix)
     vocab = 256
     cases = [
         StageSampling(temperature=2.0, top_k=k, top_p=p) for k in (1, 2, 7, 50, 255) for p in (1.0, 0.9, 0.3)

@@ -539,8 +539,10 @@ class Peer:
             limits |= {"audio": audio, "audio_sample_rate": SPEECH_RATE}
         if prompt is not None:
             limits["input_ids"] = prompt  # with the due system turn in it (`_prompt`)
-        elif parts := [p for p in (self._system_due(),) if p is not None] + list(system):
-            limits["instructions"] = "\n\n".join(parts)
+        else:
+            due = self._system_due()
+            if parts := ([] if due is None else [due]) + list(system):
+                limits["instructions"] = "\n\n".join(parts)
         return limits
 
     def _system_due(self) -> str | None:

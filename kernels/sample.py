@@ -83,10 +83,10 @@ if triton is not None:
         return h ^ ((h >> 15) & 0x7FFF)
 
     @triton.jit
-    def _kth_largest_key(key, k, lo, hi, iters):
+    def _kth_largest_key(key, k, lo, hi):
         """The largest t in [lo, hi] with count(key >= t) >= k (k >= 1, count(key >= lo) >= k): the k-th
-        largest key, by bisection (`iters` halvings cover hi - lo + 1 <= 2**iters)."""
-        for _ in range(iters):
+        largest key, by bisection. A halving per bit of hi - lo: the caller narrows the range first."""
+        while lo < hi:
             mid = (lo + hi + 1) >> 1
             enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= k
             lo = tl.where(enough, mid, lo)
@@ -94,10 +94,10 @@ if triton is not None:
         return lo
 
     @triton.jit
-    def _top_p_key(key, prob, limit, lo, hi, iters):
+    def _top_p_key(key, prob, limit, lo, hi):
         """The smallest t in [lo, hi] whose mass at or below it, sum(prob[key <= t]), exceeds `limit`
-        (= 1 - p); hi (the largest key) if none does."""
-        for _ in range(iters):
+        (= 1 - p); hi (the largest key) if none does. The mass below lo must not exceed `limit`."""
+        while lo < hi:
             mid = (lo + hi) >> 1
             over = tl.sum(tl.where(key <= mid, prob, 0.0), axis=0) > limit
             hi = tl.where(over, mid, hi)
@@ -159,23 +159,28 @@ if triton is not None:
             )
         else:
             short = False
-        bits = tl.where(short, 16, 32)
-        lo0 = tl.where(short, -(2**15), -(2**31)).to(tl.int64)
-        hi0 = tl.where(short, 2**15 - 1, 2**31 - 1).to(tl.int64)
-        # top-k: scores below the k-th largest go (k = 0: off; k >= V keeps all)
+        # top-k: scores below the k-th largest go (k = 0: off; k >= V keeps all). The search runs
+        # between the row's smallest and largest keys, not over the whole key space: every halving saved
+        # is a reduction over the row.
         k = tl.load(topk_ptr + slot)
         if do_sample & (k > 0) & (k < V):
             key = tl.where(short, _order_key16(x), _order_key(w)).to(tl.int64)
-            w = tl.where(key < _kth_largest_key(key, k, lo0, hi0, bits), float("-inf"), w)
+            w = tl.where(
+                key < _kth_largest_key(key, k, tl.min(key, axis=0), tl.max(key, axis=0)), float("-inf"), w
+            )
         # top-p, transformers' rule on the ascending order (drop while the cumulative mass <= 1 - p):
-        # keep the scores whose mass at or below them exceeds 1 - p, ties together; the top always stays
+        # keep the scores whose mass at or below them exceeds 1 - p, ties together; the top always stays.
+        # The threshold lies between the smallest and largest keys still standing (below the smallest,
+        # the mass is 0): after top-k 50 of bf16 scores that is a few binades, ~8 halvings, not 16.
         p = tl.load(topp_ptr + slot)
         if do_sample & (p < 1.0):
             ex = exp_f32(w - tl.max(w, axis=0), PRECISE)
             prob = tl.div_rn(ex, tl.sum(ex, axis=0))
             kept = tl.where(w == float("-inf"), float("-inf"), x)  # x as bf16 where w still stands
             key = tl.where(short, _order_key16(kept), _order_key(w)).to(tl.int64)
-            w = tl.where(key < _top_p_key(key, prob, 1 - p, lo0, tl.max(key, axis=0), bits), float("-inf"), w)
+            top = tl.max(key, axis=0)
+            low = tl.min(tl.where(w == float("-inf"), top, key), axis=0)
+            w = tl.where(key < _top_p_key(key, prob, 1 - p, low, top), float("-inf"), w)
 
         # the keyed race: argmax(w - log E), E = -log U, U from (seed, stage, key, vocab id)
         seed = tl.load(seed_ptr + slot)

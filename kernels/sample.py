@@ -160,14 +160,18 @@ if triton is not None:
         else:
             short = False
         # top-k: scores below the k-th largest go (k = 0: off; k >= V keeps all). The search runs
-        # between the row's smallest and largest keys, not over the whole key space: every halving saved
-        # is a reduction over the row.
+        # between the row's smallest and largest keys, not over the whole key space, and first asks one
+        # count whether the k-th lies within a binade of the largest score (128 16-bit keys, 2**23
+        # 32-bit ones; top-50 of 2048 near-normal scores does): then 7 halvings, not ~15. Every halving
+        # saved is a reduction over the row.
         k = tl.load(topk_ptr + slot)
         if do_sample & (k > 0) & (k < V):
             key = tl.where(short, _order_key16(x), _order_key(w)).to(tl.int64)
-            w = tl.where(
-                key < _kth_largest_key(key, k, tl.min(key, axis=0), tl.max(key, axis=0)), float("-inf"), w
-            )
+            top = tl.max(key, axis=0)
+            lo = tl.min(key, axis=0)
+            near = top - tl.where(short, 128, 2**23).to(tl.int64)
+            lo = tl.where((near > lo) & (tl.sum((key >= near).to(tl.int32), axis=0) >= k), near, lo)
+            w = tl.where(key < _kth_largest_key(key, k, lo, top), float("-inf"), w)
         # top-p, transformers' rule on the ascending order (drop while the cumulative mass <= 1 - p):
         # keep the scores whose mass at or below them exceeds 1 - p, ties together; the top always stays.
         # The threshold lies between the smallest and largest keys still standing (below the smallest,

@@ -51,8 +51,13 @@ def test_fused_sampler_makes_the_plain_draws(vocab, suppress, history, hash32, m
     n = len(SETTINGS)
     slots = torch.arange(n)
     g = torch.Generator().manual_seed(1)
-    for step in range(2):
-        logits = (torch.randn(n, vocab, generator=g) * 3).to(torch.bfloat16)  # as a bf16 lm_head gives
+    for step in range(4):
+        logits = torch.randn(n, vocab, generator=g) * 3  # as a bf16 lm_head gives (below)
+        if step == 2:  # a few far above the rest: the k-th largest is binades below the top
+            logits[:, :8] = 40.0 + 4.0 * torch.arange(8)
+        if step == 3:  # all negative
+            logits = -logits.abs() - 2.0
+        logits = logits.to(torch.bfloat16)
         keys = torch.full((n,), 40 + step) + slots
         want, got = plain(logits, slots, keys), fused(logits, slots, keys)
         assert got.tolist() == want.tolist()

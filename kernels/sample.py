@@ -142,71 +142,70 @@ if triton is not None:
         if HAS_SUPP:
             supp = tl.load(supp_ptr + slot * V + v, mask=vm, other=0) != 0
             x = tl.where(supp, float("-inf"), x)
-        greedy = tl.argmax(x, axis=0, tie_break_left=True)
+        # A greedy row takes the argmax and nothing else; a sampled row none of it (a reduction saved)
+        if tl.load(dos_ptr + slot) != 0:
+            t = tl.load(temp_ptr + slot)
+            w = tl.div_rn(x, t)
+            # Thresholds by bisection over the scores' order-preserving integer keys, not by sorting: two
+            # bitonic sorts of a 2048-wide row were ~70 us per call on an H200, 1.1 ms of a sampled
+            # code-predictor frame (docs/performance.md). Each halving is one reduction over the row, so
+            # fewer key bits mean a faster search: bf16 logits with no penalty have 16 bits, and w = x / t
+            # orders as x does (t > 0) unless the division overflows or leaves fp32's normal range.
+            if KEY16:
+                aw = tl.where(x == 0.0, 1.0, tl.abs(w))
+                short = (tl.max(tl.where(aw == float("inf"), 0.0, aw), axis=0) < 1e38) & (
+                    tl.min(aw, axis=0) > 1e-36
+                )
+            else:
+                short = False
+            # top-k: scores below the k-th largest go (k = 0: off; k >= V keeps all). The search runs
+            # between the row's smallest and largest keys, not over the whole key space, and first asks one
+            # count whether the k-th lies within a binade of the largest score (128 16-bit keys, 2**23
+            # 32-bit ones; top-50 of 2048 near-normal scores does): then 7 halvings, not ~15. Every halving
+            # saved is a reduction over the row.
+            k = tl.load(topk_ptr + slot)
+            if (k > 0) & (k < V):
+                key = tl.where(short, _order_key16(x), _order_key(w)).to(tl.int64)
+                top = tl.max(key, axis=0)
+                lo = tl.min(key, axis=0)
+                near = top - tl.where(short, 128, 2**23).to(tl.int64)
+                lo = tl.where((near > lo) & (tl.sum((key >= near).to(tl.int32), axis=0) >= k), near, lo)
+                w = tl.where(key < _kth_largest_key(key, k, lo, top), float("-inf"), w)
+            # top-p, transformers' rule on the ascending order (drop while the cumulative mass <= 1 - p):
+            # keep the scores whose mass at or below them exceeds 1 - p, ties together; the top always stays.
+            # The threshold lies between the smallest and largest keys still standing (below the smallest,
+            # the mass is 0): after top-k 50 of bf16 scores that is a few binades, ~8 halvings, not 16.
+            p = tl.load(topp_ptr + slot)
+            if p < 1.0:
+                ex = exp_f32(w - tl.max(w, axis=0), PRECISE)
+                prob = tl.div_rn(ex, tl.sum(ex, axis=0))
+                kept = tl.where(w == float("-inf"), float("-inf"), x)  # x as bf16 where w still stands
+                key = tl.where(short, _order_key16(kept), _order_key(w)).to(tl.int64)
+                top = tl.max(key, axis=0)
+                low = tl.min(tl.where(w == float("-inf"), top, key), axis=0)
+                w = tl.where(key < _top_p_key(key, prob, 1 - p, low, top), float("-inf"), w)
 
-        do_sample = tl.load(dos_ptr + slot) != 0
-        t = tl.where(do_sample, tl.load(temp_ptr + slot), 1.0)
-        w = tl.div_rn(x, t)
-        # Thresholds by bisection over the scores' order-preserving integer keys, not by sorting: two
-        # bitonic sorts of a 2048-wide row were ~70 us per call on an H200, 1.1 ms of a sampled
-        # code-predictor frame (docs/performance.md). Each halving is one reduction over the row, so
-        # fewer key bits mean a faster search: bf16 logits with no penalty have 16 bits, and w = x / t
-        # orders as x does (t > 0) unless the division overflows or leaves fp32's normal range.
-        if KEY16:
-            aw = tl.where(x == 0.0, 1.0, tl.abs(w))
-            short = (tl.max(tl.where(aw == float("inf"), 0.0, aw), axis=0) < 1e38) & (
-                tl.min(aw, axis=0) > 1e-36
-            )
+            # the keyed race: argmax(w - log E), E = -log U, U from (seed, stage, key, vocab id)
+            seed = tl.load(seed_ptr + slot)
+            m32 = _c(0xFFFFFFFF)
+            h = _mix32((seed & m32) ^ _c(0x9E3779B9))
+            h = _mix32(h ^ ((seed >> 32) & m32))
+            h = _mix32(h ^ ((_c(0x632BE5AB) * (STAGE + 1)) & m32))
+            h = _mix32(h ^ (step_key & m32))
+            h = _mix32(h ^ ((step_key >> 32) & m32))
+            if U32:
+                hu = h.to(tl.uint32)
+                u = _mix32_u32(hu ^ (v.to(tl.uint32) * tl.full((), 0x9E3779B9, tl.uint32)))
+                u = _mix32_u32(u ^ tl.full((), 0x85EBCA77, tl.uint32))
+            else:
+                u = _mix32(h ^ ((v.to(tl.int64) * _c(0x9E3779B9)) & m32))
+                u = _mix32(u ^ _c(0x85EBCA77))
+            uf = ((u >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+            score = w - log_f32(-log_f32(uf, PRECISE), PRECISE)
+            score = tl.where(vm, score, float("-inf"))
+            choice = tl.argmax(score, axis=0, tie_break_left=True).to(tl.int64)
         else:
-            short = False
-        # top-k: scores below the k-th largest go (k = 0: off; k >= V keeps all). The search runs
-        # between the row's smallest and largest keys, not over the whole key space, and first asks one
-        # count whether the k-th lies within a binade of the largest score (128 16-bit keys, 2**23
-        # 32-bit ones; top-50 of 2048 near-normal scores does): then 7 halvings, not ~15. Every halving
-        # saved is a reduction over the row.
-        k = tl.load(topk_ptr + slot)
-        if do_sample & (k > 0) & (k < V):
-            key = tl.where(short, _order_key16(x), _order_key(w)).to(tl.int64)
-            top = tl.max(key, axis=0)
-            lo = tl.min(key, axis=0)
-            near = top - tl.where(short, 128, 2**23).to(tl.int64)
-            lo = tl.where((near > lo) & (tl.sum((key >= near).to(tl.int32), axis=0) >= k), near, lo)
-            w = tl.where(key < _kth_largest_key(key, k, lo, top), float("-inf"), w)
-        # top-p, transformers' rule on the ascending order (drop while the cumulative mass <= 1 - p):
-        # keep the scores whose mass at or below them exceeds 1 - p, ties together; the top always stays.
-        # The threshold lies between the smallest and largest keys still standing (below the smallest,
-        # the mass is 0): after top-k 50 of bf16 scores that is a few binades, ~8 halvings, not 16.
-        p = tl.load(topp_ptr + slot)
-        if do_sample & (p < 1.0):
-            ex = exp_f32(w - tl.max(w, axis=0), PRECISE)
-            prob = tl.div_rn(ex, tl.sum(ex, axis=0))
-            kept = tl.where(w == float("-inf"), float("-inf"), x)  # x as bf16 where w still stands
-            key = tl.where(short, _order_key16(kept), _order_key(w)).to(tl.int64)
-            top = tl.max(key, axis=0)
-            low = tl.min(tl.where(w == float("-inf"), top, key), axis=0)
-            w = tl.where(key < _top_p_key(key, prob, 1 - p, low, top), float("-inf"), w)
-
-        # the keyed race: argmax(w - log E), E = -log U, U from (seed, stage, key, vocab id)
-        seed = tl.load(seed_ptr + slot)
-        m32 = _c(0xFFFFFFFF)
-        h = _mix32((seed & m32) ^ _c(0x9E3779B9))
-        h = _mix32(h ^ ((seed >> 32) & m32))
-        h = _mix32(h ^ ((_c(0x632BE5AB) * (STAGE + 1)) & m32))
-        h = _mix32(h ^ (step_key & m32))
-        h = _mix32(h ^ ((step_key >> 32) & m32))
-        if U32:
-            hu = h.to(tl.uint32)
-            u = _mix32_u32(hu ^ (v.to(tl.uint32) * tl.full((), 0x9E3779B9, tl.uint32)))
-            u = _mix32_u32(u ^ tl.full((), 0x85EBCA77, tl.uint32))
-        else:
-            u = _mix32(h ^ ((v.to(tl.int64) * _c(0x9E3779B9)) & m32))
-            u = _mix32(u ^ _c(0x85EBCA77))
-        uf = ((u >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-        score = w - log_f32(-log_f32(uf, PRECISE), PRECISE)
-        score = tl.where(vm, score, float("-inf"))
-        sampled = tl.argmax(score, axis=0, tie_break_left=True)
-
-        choice = tl.where(do_sample, sampled, greedy).to(tl.int64)
+            choice = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64)
         tl.store(out_ptr + row, choice)
         if HAS_SEEN:
             tl.store(seen_ptr + slot * V + choice, 1)

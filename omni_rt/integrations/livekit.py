@@ -46,14 +46,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 from livekit import rtc
-from livekit.agents import llm, utils
-from livekit.agents.metrics import RealtimeModelMetrics
-from livekit.agents.metrics.base import Metadata
+from livekit.agents import llm
 from livekit.agents.types import NOT_GIVEN, NotGivenOr
 from livekit.agents.utils import is_given
 from livekit.agents.voice.generation import remove_instructions
@@ -63,12 +60,12 @@ from omni_rt.config import Sampling
 from omni_rt.errors import OmniRtError
 from omni_rt.integrations._audio import SPEECH_RATE, InputAudio, TurnBuffer
 from omni_rt.integrations._prompt import ROLES, reply_prompt, system_turn, users_words
+from omni_rt.integrations.livekit_generation import Generation, created_event, reply_metrics
 from omni_rt.integrations.livekit_tools import SessionTools
 from omni_rt.tools import BadToolCall
 
 __all__ = ["RealtimeModel", "RealtimeSession"]
 
-FRAME_MS = 80  # audio of one codec frame; the Talker speaks one text token per frame
 KEPT_GENERATIONS = 64  # replies truncate() can still shorten, newest kept
 
 
@@ -147,33 +144,6 @@ class RealtimeModel(llm.RealtimeModel):
         return self.engine.session(**(self._session_kwargs | {"instructions": instructions}))
 
 
-@dataclass(eq=False)
-class _Generation:
-    """One reply as the framework sees it; `interrupted` is set first thing by `interrupt()`."""
-
-    message_id: str = field(default_factory=lambda: utils.shortuuid("item_"))
-    audio: utils.aio.Chan = field(default_factory=utils.aio.Chan)
-    text: utils.aio.Chan = field(default_factory=utils.aio.Chan)
-    functions: utils.aio.Chan = field(default_factory=utils.aio.Chan)  # llm.FunctionCall
-    response_id: str | None = None
-    interrupted: bool = False
-    samples: int = 0  # audio handed to the framework, at the session's output rate
-    transcript_deltas: list[str] = field(default_factory=list)  # delta k is spoken from k * FRAME_MS
-    truncated: str | None = None  # the item's text after truncate()
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def close(self) -> None:
-        self.audio.close()
-        self.text.close()
-        self.functions.close()
-
-    def transcript(self, until_ms: float | None = None) -> str:
-        """The transcript, or the part of it whose audio starts before `until_ms` (the Talker takes one
-        text token per codec frame; a delta that held back part of a character counts as one token)."""
-        deltas = self.transcript_deltas
-        return "".join(deltas if until_ms is None else deltas[: max(0, -(-int(until_ms) // FRAME_MS))])
-
-
 class RealtimeSession(llm.RealtimeSession):
     def __init__(self, model: RealtimeModel, *, detect: bool = True) -> None:
         super().__init__(model)
@@ -188,8 +158,8 @@ class RealtimeSession(llm.RealtimeSession):
         self._pending_ids: set[str] = set()
         self._chat_ctx = llm.ChatContext.empty()
         self._lock = asyncio.Lock()  # one reply at a time, in the order asked
-        self._current: _Generation | None = None
-        self._generations: dict[str, _Generation] = {}  # the latest replies, by message id (truncate)
+        self._current: Generation | None = None
+        self._generations: dict[str, Generation] = {}  # the latest replies, by message id (truncate)
         self._tasks: set[asyncio.Task] = set()
         self._owed: set[asyncio.Future] = set()  # generate_reply futures not resolved yet
         self._closed = False
@@ -283,7 +253,7 @@ class RealtimeSession(llm.RealtimeSession):
                 )
             elif isinstance(ev, Turn):
                 self._commit(ev.audio)
-                self._spawn(self._reply(_Generation(), None, user_initiated=False, instructions=None))
+                self._spawn(self._reply(Generation(), None, user_initiated=False, instructions=None))
 
     def push_video(self, frame: rtc.VideoFrame) -> None:
         if not self._video_refused:
@@ -340,7 +310,7 @@ class RealtimeSession(llm.RealtimeSession):
         if self._closed:
             fut.set_exception(llm.RealtimeError("generate_reply: the realtime session is closed"))
             return fut
-        gen = _Generation()
+        gen = Generation()
         self._owed.add(fut)
         fut.add_done_callback(self._owed.discard)
         # the framework cancels the future of a reply interrupted before it came (OpenAI's plugin then
@@ -354,7 +324,7 @@ class RealtimeSession(llm.RealtimeSession):
         if self._current is not None:
             self._stop(self._current)
 
-    def _stop(self, gen: _Generation) -> None:
+    def _stop(self, gen: Generation) -> None:
         """Stop one reply, made or not yet made (then it never is)."""
         if gen.done.is_set() or gen.interrupted:
             return
@@ -440,7 +410,7 @@ class RealtimeSession(llm.RealtimeSession):
         return audio, pending
 
     async def _reply(
-        self, gen: _Generation, fut: asyncio.Future | None, *, user_initiated: bool, instructions: str | None
+        self, gen: Generation, fut: asyncio.Future | None, *, user_initiated: bool, instructions: str | None
     ) -> None:
         try:
             async with self._lock:
@@ -471,7 +441,7 @@ class RealtimeSession(llm.RealtimeSession):
             if not known:
                 raise
 
-    async def _stream(self, session, gen: _Generation, fut, user_initiated: bool, prompt: dict) -> Any:
+    async def _stream(self, session, gen: Generation, fut, user_initiated: bool, prompt: dict) -> Any:
         """Run one reply; its response.done (None if it never came)."""
         t_created = time.time()
         item = done = None
@@ -488,7 +458,7 @@ class RealtimeSession(llm.RealtimeSession):
                 while len(self._generations) > KEPT_GENERATIONS:
                     self._generations.pop(next(iter(self._generations)))
                 self._add_item(item)
-                created = _created_event(gen, user_initiated)
+                created = created_event(gen, user_initiated)
                 self.emit("generation_created", created)
                 if fut is not None and not fut.done():
                     fut.set_result(created)
@@ -501,7 +471,7 @@ class RealtimeSession(llm.RealtimeSession):
                 if item is not None:
                     item.content = [gen.truncated if gen.truncated is not None else gen.transcript()]
                     item.interrupted = ev.status == "cancelled" or gen.truncated is not None
-                self.emit("metrics_collected", self._metrics(ev, t_created))
+                self.emit("metrics_collected", reply_metrics(ev, t_created, self._model))
                 if ev.status == "failed":
                     msg = ev.error.message if ev.error is not None else "the response failed"
                     if fut is not None and not fut.done():
@@ -526,7 +496,7 @@ class RealtimeSession(llm.RealtimeSession):
                 gen.text.send_nowait(ev.delta)
         return done
 
-    def _function_call(self, gen: _Generation, call: llm.FunctionCall) -> None:
+    def _function_call(self, gen: Generation, call: llm.FunctionCall) -> None:
         """A call the model made: in the chat context (announced, as OpenAI's plugin announces the server's
         function_call item), and on the generation's function stream, for the framework to run."""
         self._add_item(call)
@@ -536,57 +506,6 @@ class RealtimeSession(llm.RealtimeSession):
         """A malformed call (not JSON, an unknown tool, left open): nothing is run; the reply says nothing
         more, as with a good one, and the error says why."""
         self._error(llm.RealtimeError(f"omni_rt: the model made a malformed tool call: {bad.message}"))
-
-    def _metrics(self, done: Any, t_created: float) -> RealtimeModelMetrics:
-        m, u = done.metrics, done.usage
-        duration = (m.total_ms or 0.0) / 1000
-        return RealtimeModelMetrics(
-            label=self._model.label,
-            request_id=done.response_id,
-            timestamp=t_created,
-            duration=duration,
-            ttft=m.ttfa_ms / 1000 if m.ttfa_ms is not None else -1,
-            cancelled=done.status == "cancelled",
-            input_tokens=u.input_tokens + u.cached_tokens,
-            output_tokens=u.output_tokens + u.audio_frames,
-            total_tokens=u.input_tokens + u.cached_tokens + u.output_tokens + u.audio_frames,
-            tokens_per_second=m.text_tokens_per_s or 0.0,
-            input_token_details=RealtimeModelMetrics.InputTokenDetails(
-                text_tokens=u.input_tokens, cached_tokens=u.cached_tokens
-            ),
-            output_token_details=RealtimeModelMetrics.OutputTokenDetails(
-                text_tokens=u.output_tokens, audio_tokens=u.audio_frames
-            ),
-            metadata=Metadata(model_name=self._model.model, model_provider=self._model.provider),
-        )
-
-
-def _created_event(gen: _Generation, user_initiated: bool) -> llm.GenerationCreatedEvent:
-    modalities: asyncio.Future = asyncio.get_running_loop().create_future()
-    modalities.set_result(["audio", "text"])
-    messages: utils.aio.Chan = utils.aio.Chan()
-    messages.send_nowait(
-        llm.MessageGeneration(
-            message_id=gen.message_id,
-            text_stream=_until_interrupted(gen.text, gen),
-            audio_stream=_until_interrupted(gen.audio, gen),
-            modalities=modalities,
-        )  # fmt: skip
-    )
-    messages.close()
-    return llm.GenerationCreatedEvent(
-        message_stream=messages, function_stream=gen.functions, user_initiated=user_initiated,
-        response_id=gen.response_id,
-    )  # fmt: skip
-
-
-async def _until_interrupted(chan: utils.aio.Chan, gen: _Generation) -> Any:
-    """The channel's items until it closes, or at once nothing more once the reply is interrupted (what
-    was made before the interrupt but not read yet is dropped too: it must not play after it)."""
-    async for x in chan:
-        if gen.interrupted:
-            return
-        yield x
 
 
 def _turn_audio(turn: Turn | None) -> np.ndarray | None:

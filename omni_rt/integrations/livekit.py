@@ -38,6 +38,14 @@ Each `RealtimeSession` holds one omni_rt `Session` (one cache slot of the engine
   an output for a call the model did not make, or a second one, is a `RealtimeError`. A reply's own
   tools or tool choice are not supported (`per_response_tool_choice=False`: the framework sets them on
   the session).
+- the user's transcript (`user_transcription=True`, the default, as OpenAI's plugin transcribes by default;
+  `omni_rt.transcribe`): each spoken turn, once committed, is transcribed by the Thinker in a short-lived
+  session of its own (one engine slot while it runs), never before the reply that answers it has its
+  first audio (or ended): `input_audio_transcription_completed` with the text so far as it comes
+  (`is_final=False`), then `llm.InputTranscriptionCompleted(item_id=<the user item announced>,
+  is_final=True)`, so `AgentSession` fires `user_input_transcribed` and the agent's chat context holds the
+  text. A turn no reply answers yet waits for the next reply. A transcription that cannot run (no free
+  session slot, the engine stopped) is an `error` event (recoverable); the conversation goes on.
 Not supported (a `RealtimeError`, or an `error` event for the streaming calls): video input, `say`.
 """
 
@@ -63,6 +71,7 @@ from omni_rt.integrations._prompt import ROLES, reply_prompt, system_turn, users
 from omni_rt.integrations.livekit_generation import Generation, created_event, reply_metrics
 from omni_rt.integrations.livekit_tools import SessionTools
 from omni_rt.tools import BadToolCall
+from omni_rt.transcribe import Transcriber, Transcript
 
 __all__ = ["RealtimeModel", "RealtimeSession"]
 
@@ -88,12 +97,13 @@ class RealtimeModel(llm.RealtimeModel):
         max_output_tokens: int | None = None,
         max_audio_frames: int | None = None,
         ignore_eos: bool = False,
+        user_transcription: bool = True,
     ) -> None:
         super().__init__(
             capabilities=llm.RealtimeCapabilities(
                 message_truncation=True,
                 turn_detection=True,
-                user_transcription=False,  # omni_rt hears the audio itself; it writes no transcript of it
+                user_transcription=user_transcription,  # the Thinker's own, after the reply's first audio
                 # the framework runs the tools, hands back their outputs and asks for the reply
                 auto_tool_reply_generation=False,
                 audio_output=True,
@@ -110,6 +120,7 @@ class RealtimeModel(llm.RealtimeModel):
         )
         self.engine = engine
         self.vad = vad
+        self.user_transcription = user_transcription
         self._session_kwargs = dict(
             voice=voice, instructions=instructions, sampling=sampling, output_sample_rate=output_sample_rate
         )
@@ -166,6 +177,12 @@ class RealtimeSession(llm.RealtimeSession):
         self._session: Any = None
         self._opening = asyncio.ensure_future(model._open(self._instructions))
         self._video_refused = False
+        self._transcriber = (
+            Transcriber(model.engine, lambda coro, _name: self._spawn(coro), on_done=self._transcribed,
+                        on_delta=self._transcribing)
+            if model.user_transcription else None
+        )  # fmt: skip
+        self._transcripts: dict[str, str] = {}  # the text so far of the turn being transcribed, by item id
 
     # -- state -----------------------------------------------------------------------------------------
 
@@ -249,7 +266,8 @@ class RealtimeSession(llm.RealtimeSession):
                 self.interrupt()  # the user talks over the reply: stop it, as server VAD does
             elif isinstance(ev, SpeechStopped):
                 self.emit(
-                    "input_speech_stopped", llm.InputSpeechStoppedEvent(user_transcription_enabled=False)
+                    "input_speech_stopped",
+                    llm.InputSpeechStoppedEvent(user_transcription_enabled=self._transcriber is not None),
                 )
             elif isinstance(ev, Turn):
                 self._commit(ev.audio)
@@ -277,7 +295,56 @@ class RealtimeSession(llm.RealtimeSession):
         self._committed.append(audio)
         pcm = (np.clip(audio, -1.0, 1.0) * 32767.0).astype(np.int16)
         frame = rtc.AudioFrame(pcm.tobytes(), SPEECH_RATE, 1, len(pcm))
-        self._add_item(llm.ChatMessage(role="user", content=[llm.AudioContent(frame=[frame])]))
+        item = llm.ChatMessage(role="user", content=[llm.AudioContent(frame=[frame])])
+        self._add_item(item)
+        if self._transcriber is not None:
+            self._transcriber.add(item.id, audio)
+        self._gate()
+
+    # -- the user's transcript -------------------------------------------------------------------------
+
+    def _gate(self) -> None:
+        """Transcripts wait while speech is committed that no reply has taken yet, and while a reply is
+        getting under way (until its first audio, or its end): they never delay the answer."""
+        if self._transcriber is None:
+            return
+        gen = self._current
+        starting = gen is not None and not gen.done.is_set() and gen.samples == 0
+        if self._committed or starting:
+            self._transcriber.hold()
+        else:
+            self._transcriber.release()
+
+    async def _transcribing(self, item_id: str, delta: str) -> None:
+        text = self._transcripts[item_id] = self._transcripts.get(item_id, "") + delta
+        self.emit(
+            "input_audio_transcription_completed",
+            llm.InputTranscriptionCompleted(item_id=item_id, transcript=text, is_final=False),
+        )
+
+    async def _transcribed(self, t: Transcript) -> None:
+        """The turn's transcript, as OpenAI's plugin hands over the server's: the user item gets the text and
+        the framework its final `InputTranscriptionCompleted` (it replaces the agent's item by id)."""
+        self._transcripts.pop(t.item_id, None)
+        if t.error is not None:
+            code, message = t.error
+            self._error(
+                llm.RealtimeError(
+                    f"omni_rt could not transcribe the user's turn {t.item_id} ({code}): {message}"
+                )
+            )
+            return
+        item = self._chat_ctx.get_by_id(t.item_id)
+        if item is not None and t.text:
+            item.content.append(t.text)
+        self.emit(
+            "input_audio_transcription_completed",
+            llm.InputTranscriptionCompleted(
+                item_id=t.item_id, transcript=t.text, is_final=True,
+                # when the turn's audio began: the framework dates the message by it, before its reply
+                turn_started_at=item.created_at - t.seconds if item is not None else None,
+            ),
+        )  # fmt: skip
 
     def _add_item(self, item: llm.ChatMessage) -> None:
         """An item the model made or heard on its own, announced as OpenAI's plugin announces the server's:
@@ -376,10 +443,11 @@ class RealtimeSession(llm.RealtimeSession):
             session = await self._ready()
             await session.close()
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _error(self, exc: Exception, recoverable: bool = True) -> None:
         self.emit(
@@ -429,8 +497,10 @@ class RealtimeSession(llm.RealtimeSession):
                 finally:
                     gen.close()
                     gen.done.set()
+                    self._gate()
                 if len(session.conversation) == heard and done is not None and done.status == "failed":
                     self._committed[:0] = [] if audio is None else [audio]  # the model heard none of it
+                    self._gate()
                     self._pending[:0] = users_words(pending)
         except Exception as e:  # the caller's future or an error event: never a reply that silently hangs
             known = isinstance(e, OmniRtError | llm.RealtimeError)
@@ -491,6 +561,8 @@ class RealtimeSession(llm.RealtimeSession):
             elif ev.type == "response.output_audio.delta":
                 gen.audio.send_nowait(rtc.AudioFrame(ev.pcm.tobytes(), ev.sample_rate, 1, len(ev.pcm)))
                 gen.samples += len(ev.pcm)
+                if gen.samples == len(ev.pcm):  # its first audio: the transcripts may run
+                    self._gate()
             elif ev.type == "response.output_audio_transcript.delta":
                 gen.transcript_deltas.append(ev.delta)
                 gen.text.send_nowait(ev.delta)

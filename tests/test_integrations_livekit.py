@@ -182,8 +182,9 @@ async def test_server_vad_turns_and_chat_context(engine) -> None:
             ids = tok.encode(text)
             assert any(conversation[i : i + len(ids)] == ids for i in range(len(conversation))), text
         # chat context out: the text item, then the spoken turn, then the reply
-        said = [(i.role, i.text_content) for i in rt.chat_ctx.items]
-        assert said[:2] == [("user", "My name is Ada."), ("user", None)]
+        items = rt.chat_ctx.items
+        assert (items[0].role, items[0].text_content) == ("user", "My name is Ada.")
+        assert items[1].role == "user" and isinstance(items[1].content[0], llm.AudioContent)  # (+ transcript)
         assert rt.chat_ctx.items[2].role == "assistant" and rt.chat_ctx.items[2].text_content
         with pytest.raises(llm.RealtimeError):
             await rt.update_chat_ctx(llm.ChatContext.empty())  # the model has heard these

@@ -38,6 +38,14 @@ Each `RealtimeSession` holds one omni_rt `Session` (one cache slot of the engine
   an output for a call the model did not make, or a second one, is a `RealtimeError`. A reply's own
   tools or tool choice are not supported (`per_response_tool_choice=False`: the framework sets them on
   the session).
+- the user's transcript (`user_transcription=True`, the default, as OpenAI's plugin transcribes by default;
+  `omni_rt.transcribe`): each spoken turn, once committed, is transcribed by the Thinker in a short-lived
+  session of its own (one engine slot while it runs), never before the reply that answers it has its
+  first audio (or ended): `input_audio_transcription_completed` with the text so far as it comes
+  (`is_final=False`), then `llm.InputTranscriptionCompleted(item_id=<the user item announced>,
+  is_final=True)`, so `AgentSession` fires `user_input_transcribed` and the agent's chat context holds the
+  text. A turn no reply answers yet waits for the next reply. A transcription that cannot run (no free
+  session slot, the engine stopped) is an `error` event (recoverable); the conversation goes on.
 Not supported (a `RealtimeError`, or an `error` event for the streaming calls): video input, `say`.
 """
 
@@ -46,14 +54,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 from livekit import rtc
-from livekit.agents import llm, utils
-from livekit.agents.metrics import RealtimeModelMetrics
-from livekit.agents.metrics.base import Metadata
+from livekit.agents import llm
 from livekit.agents.types import NOT_GIVEN, NotGivenOr
 from livekit.agents.utils import is_given
 from livekit.agents.voice.generation import remove_instructions
@@ -63,12 +68,13 @@ from omni_rt.config import Sampling
 from omni_rt.errors import OmniRtError
 from omni_rt.integrations._audio import SPEECH_RATE, InputAudio, TurnBuffer
 from omni_rt.integrations._prompt import ROLES, reply_prompt, system_turn, users_words
+from omni_rt.integrations.livekit_generation import Generation, created_event, reply_metrics
 from omni_rt.integrations.livekit_tools import SessionTools
 from omni_rt.tools import BadToolCall
+from omni_rt.transcribe import Transcriber, Transcript
 
 __all__ = ["RealtimeModel", "RealtimeSession"]
 
-FRAME_MS = 80  # audio of one codec frame; the Talker speaks one text token per frame
 KEPT_GENERATIONS = 64  # replies truncate() can still shorten, newest kept
 
 
@@ -91,12 +97,13 @@ class RealtimeModel(llm.RealtimeModel):
         max_output_tokens: int | None = None,
         max_audio_frames: int | None = None,
         ignore_eos: bool = False,
+        user_transcription: bool = True,
     ) -> None:
         super().__init__(
             capabilities=llm.RealtimeCapabilities(
                 message_truncation=True,
                 turn_detection=True,
-                user_transcription=False,  # omni_rt hears the audio itself; it writes no transcript of it
+                user_transcription=user_transcription,  # the Thinker's own, after the reply's first audio
                 # the framework runs the tools, hands back their outputs and asks for the reply
                 auto_tool_reply_generation=False,
                 audio_output=True,
@@ -113,6 +120,7 @@ class RealtimeModel(llm.RealtimeModel):
         )
         self.engine = engine
         self.vad = vad
+        self.user_transcription = user_transcription
         self._session_kwargs = dict(
             voice=voice, instructions=instructions, sampling=sampling, output_sample_rate=output_sample_rate
         )
@@ -147,33 +155,6 @@ class RealtimeModel(llm.RealtimeModel):
         return self.engine.session(**(self._session_kwargs | {"instructions": instructions}))
 
 
-@dataclass(eq=False)
-class _Generation:
-    """One reply as the framework sees it; `interrupted` is set first thing by `interrupt()`."""
-
-    message_id: str = field(default_factory=lambda: utils.shortuuid("item_"))
-    audio: utils.aio.Chan = field(default_factory=utils.aio.Chan)
-    text: utils.aio.Chan = field(default_factory=utils.aio.Chan)
-    functions: utils.aio.Chan = field(default_factory=utils.aio.Chan)  # llm.FunctionCall
-    response_id: str | None = None
-    interrupted: bool = False
-    samples: int = 0  # audio handed to the framework, at the session's output rate
-    transcript_deltas: list[str] = field(default_factory=list)  # delta k is spoken from k * FRAME_MS
-    truncated: str | None = None  # the item's text after truncate()
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def close(self) -> None:
-        self.audio.close()
-        self.text.close()
-        self.functions.close()
-
-    def transcript(self, until_ms: float | None = None) -> str:
-        """The transcript, or the part of it whose audio starts before `until_ms` (the Talker takes one
-        text token per codec frame; a delta that held back part of a character counts as one token)."""
-        deltas = self.transcript_deltas
-        return "".join(deltas if until_ms is None else deltas[: max(0, -(-int(until_ms) // FRAME_MS))])
-
-
 class RealtimeSession(llm.RealtimeSession):
     def __init__(self, model: RealtimeModel, *, detect: bool = True) -> None:
         super().__init__(model)
@@ -188,14 +169,20 @@ class RealtimeSession(llm.RealtimeSession):
         self._pending_ids: set[str] = set()
         self._chat_ctx = llm.ChatContext.empty()
         self._lock = asyncio.Lock()  # one reply at a time, in the order asked
-        self._current: _Generation | None = None
-        self._generations: dict[str, _Generation] = {}  # the latest replies, by message id (truncate)
+        self._current: Generation | None = None
+        self._generations: dict[str, Generation] = {}  # the latest replies, by message id (truncate)
         self._tasks: set[asyncio.Task] = set()
         self._owed: set[asyncio.Future] = set()  # generate_reply futures not resolved yet
         self._closed = False
         self._session: Any = None
         self._opening = asyncio.ensure_future(model._open(self._instructions))
         self._video_refused = False
+        self._transcriber = (
+            Transcriber(model.engine, lambda coro, _name: self._spawn(coro), on_done=self._transcribed,
+                        on_delta=self._transcribing)
+            if model.user_transcription else None
+        )  # fmt: skip
+        self._transcripts: dict[str, str] = {}  # the text so far of the turn being transcribed, by item id
 
     # -- state -----------------------------------------------------------------------------------------
 
@@ -279,11 +266,12 @@ class RealtimeSession(llm.RealtimeSession):
                 self.interrupt()  # the user talks over the reply: stop it, as server VAD does
             elif isinstance(ev, SpeechStopped):
                 self.emit(
-                    "input_speech_stopped", llm.InputSpeechStoppedEvent(user_transcription_enabled=False)
+                    "input_speech_stopped",
+                    llm.InputSpeechStoppedEvent(user_transcription_enabled=self._transcriber is not None),
                 )
             elif isinstance(ev, Turn):
                 self._commit(ev.audio)
-                self._spawn(self._reply(_Generation(), None, user_initiated=False, instructions=None))
+                self._spawn(self._reply(Generation(), None, user_initiated=False, instructions=None))
 
     def push_video(self, frame: rtc.VideoFrame) -> None:
         if not self._video_refused:
@@ -307,7 +295,56 @@ class RealtimeSession(llm.RealtimeSession):
         self._committed.append(audio)
         pcm = (np.clip(audio, -1.0, 1.0) * 32767.0).astype(np.int16)
         frame = rtc.AudioFrame(pcm.tobytes(), SPEECH_RATE, 1, len(pcm))
-        self._add_item(llm.ChatMessage(role="user", content=[llm.AudioContent(frame=[frame])]))
+        item = llm.ChatMessage(role="user", content=[llm.AudioContent(frame=[frame])])
+        self._add_item(item)
+        if self._transcriber is not None:
+            self._transcriber.add(item.id, audio)
+        self._gate()
+
+    # -- the user's transcript -------------------------------------------------------------------------
+
+    def _gate(self) -> None:
+        """Transcripts wait while speech is committed that no reply has taken yet, and while a reply is
+        getting under way (until its first audio, or its end): they never delay the answer."""
+        if self._transcriber is None:
+            return
+        gen = self._current
+        starting = gen is not None and not gen.done.is_set() and gen.samples == 0
+        if self._committed or starting:
+            self._transcriber.hold()
+        else:
+            self._transcriber.release()
+
+    async def _transcribing(self, item_id: str, delta: str) -> None:
+        text = self._transcripts[item_id] = self._transcripts.get(item_id, "") + delta
+        self.emit(
+            "input_audio_transcription_completed",
+            llm.InputTranscriptionCompleted(item_id=item_id, transcript=text, is_final=False),
+        )
+
+    async def _transcribed(self, t: Transcript) -> None:
+        """The turn's transcript, as OpenAI's plugin hands over the server's: the user item gets the text and
+        the framework its final `InputTranscriptionCompleted` (it replaces the agent's item by id)."""
+        self._transcripts.pop(t.item_id, None)
+        if t.error is not None:
+            code, message = t.error
+            self._error(
+                llm.RealtimeError(
+                    f"omni_rt could not transcribe the user's turn {t.item_id} ({code}): {message}"
+                )
+            )
+            return
+        item = self._chat_ctx.get_by_id(t.item_id)
+        if item is not None and t.text:
+            item.content.append(t.text)
+        self.emit(
+            "input_audio_transcription_completed",
+            llm.InputTranscriptionCompleted(
+                item_id=t.item_id, transcript=t.text, is_final=True,
+                # when the turn's audio began: the framework dates the message by it, before its reply
+                turn_started_at=item.created_at - t.seconds if item is not None else None,
+            ),
+        )  # fmt: skip
 
     def _add_item(self, item: llm.ChatMessage) -> None:
         """An item the model made or heard on its own, announced as OpenAI's plugin announces the server's:
@@ -340,7 +377,7 @@ class RealtimeSession(llm.RealtimeSession):
         if self._closed:
             fut.set_exception(llm.RealtimeError("generate_reply: the realtime session is closed"))
             return fut
-        gen = _Generation()
+        gen = Generation()
         self._owed.add(fut)
         fut.add_done_callback(self._owed.discard)
         # the framework cancels the future of a reply interrupted before it came (OpenAI's plugin then
@@ -354,7 +391,7 @@ class RealtimeSession(llm.RealtimeSession):
         if self._current is not None:
             self._stop(self._current)
 
-    def _stop(self, gen: _Generation) -> None:
+    def _stop(self, gen: Generation) -> None:
         """Stop one reply, made or not yet made (then it never is)."""
         if gen.done.is_set() or gen.interrupted:
             return
@@ -406,10 +443,11 @@ class RealtimeSession(llm.RealtimeSession):
             session = await self._ready()
             await session.close()
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _error(self, exc: Exception, recoverable: bool = True) -> None:
         self.emit(
@@ -440,7 +478,7 @@ class RealtimeSession(llm.RealtimeSession):
         return audio, pending
 
     async def _reply(
-        self, gen: _Generation, fut: asyncio.Future | None, *, user_initiated: bool, instructions: str | None
+        self, gen: Generation, fut: asyncio.Future | None, *, user_initiated: bool, instructions: str | None
     ) -> None:
         try:
             async with self._lock:
@@ -459,8 +497,10 @@ class RealtimeSession(llm.RealtimeSession):
                 finally:
                     gen.close()
                     gen.done.set()
+                    self._gate()
                 if len(session.conversation) == heard and done is not None and done.status == "failed":
                     self._committed[:0] = [] if audio is None else [audio]  # the model heard none of it
+                    self._gate()
                     self._pending[:0] = users_words(pending)
         except Exception as e:  # the caller's future or an error event: never a reply that silently hangs
             known = isinstance(e, OmniRtError | llm.RealtimeError)
@@ -471,7 +511,7 @@ class RealtimeSession(llm.RealtimeSession):
             if not known:
                 raise
 
-    async def _stream(self, session, gen: _Generation, fut, user_initiated: bool, prompt: dict) -> Any:
+    async def _stream(self, session, gen: Generation, fut, user_initiated: bool, prompt: dict) -> Any:
         """Run one reply; its response.done (None if it never came)."""
         t_created = time.time()
         item = done = None
@@ -488,7 +528,7 @@ class RealtimeSession(llm.RealtimeSession):
                 while len(self._generations) > KEPT_GENERATIONS:
                     self._generations.pop(next(iter(self._generations)))
                 self._add_item(item)
-                created = _created_event(gen, user_initiated)
+                created = created_event(gen, user_initiated)
                 self.emit("generation_created", created)
                 if fut is not None and not fut.done():
                     fut.set_result(created)
@@ -501,7 +541,7 @@ class RealtimeSession(llm.RealtimeSession):
                 if item is not None:
                     item.content = [gen.truncated if gen.truncated is not None else gen.transcript()]
                     item.interrupted = ev.status == "cancelled" or gen.truncated is not None
-                self.emit("metrics_collected", self._metrics(ev, t_created))
+                self.emit("metrics_collected", reply_metrics(ev, t_created, self._model))
                 if ev.status == "failed":
                     msg = ev.error.message if ev.error is not None else "the response failed"
                     if fut is not None and not fut.done():
@@ -521,12 +561,14 @@ class RealtimeSession(llm.RealtimeSession):
             elif ev.type == "response.output_audio.delta":
                 gen.audio.send_nowait(rtc.AudioFrame(ev.pcm.tobytes(), ev.sample_rate, 1, len(ev.pcm)))
                 gen.samples += len(ev.pcm)
+                if gen.samples == len(ev.pcm):  # its first audio: the transcripts may run
+                    self._gate()
             elif ev.type == "response.output_audio_transcript.delta":
                 gen.transcript_deltas.append(ev.delta)
                 gen.text.send_nowait(ev.delta)
         return done
 
-    def _function_call(self, gen: _Generation, call: llm.FunctionCall) -> None:
+    def _function_call(self, gen: Generation, call: llm.FunctionCall) -> None:
         """A call the model made: in the chat context (announced, as OpenAI's plugin announces the server's
         function_call item), and on the generation's function stream, for the framework to run."""
         self._add_item(call)
@@ -536,57 +578,6 @@ class RealtimeSession(llm.RealtimeSession):
         """A malformed call (not JSON, an unknown tool, left open): nothing is run; the reply says nothing
         more, as with a good one, and the error says why."""
         self._error(llm.RealtimeError(f"omni_rt: the model made a malformed tool call: {bad.message}"))
-
-    def _metrics(self, done: Any, t_created: float) -> RealtimeModelMetrics:
-        m, u = done.metrics, done.usage
-        duration = (m.total_ms or 0.0) / 1000
-        return RealtimeModelMetrics(
-            label=self._model.label,
-            request_id=done.response_id,
-            timestamp=t_created,
-            duration=duration,
-            ttft=m.ttfa_ms / 1000 if m.ttfa_ms is not None else -1,
-            cancelled=done.status == "cancelled",
-            input_tokens=u.input_tokens + u.cached_tokens,
-            output_tokens=u.output_tokens + u.audio_frames,
-            total_tokens=u.input_tokens + u.cached_tokens + u.output_tokens + u.audio_frames,
-            tokens_per_second=m.text_tokens_per_s or 0.0,
-            input_token_details=RealtimeModelMetrics.InputTokenDetails(
-                text_tokens=u.input_tokens, cached_tokens=u.cached_tokens
-            ),
-            output_token_details=RealtimeModelMetrics.OutputTokenDetails(
-                text_tokens=u.output_tokens, audio_tokens=u.audio_frames
-            ),
-            metadata=Metadata(model_name=self._model.model, model_provider=self._model.provider),
-        )
-
-
-def _created_event(gen: _Generation, user_initiated: bool) -> llm.GenerationCreatedEvent:
-    modalities: asyncio.Future = asyncio.get_running_loop().create_future()
-    modalities.set_result(["audio", "text"])
-    messages: utils.aio.Chan = utils.aio.Chan()
-    messages.send_nowait(
-        llm.MessageGeneration(
-            message_id=gen.message_id,
-            text_stream=_until_interrupted(gen.text, gen),
-            audio_stream=_until_interrupted(gen.audio, gen),
-            modalities=modalities,
-        )  # fmt: skip
-    )
-    messages.close()
-    return llm.GenerationCreatedEvent(
-        message_stream=messages, function_stream=gen.functions, user_initiated=user_initiated,
-        response_id=gen.response_id,
-    )  # fmt: skip
-
-
-async def _until_interrupted(chan: utils.aio.Chan, gen: _Generation) -> Any:
-    """The channel's items until it closes, or at once nothing more once the reply is interrupted (what
-    was made before the interrupt but not read yet is dropped too: it must not play after it)."""
-    async for x in chan:
-        if gen.interrupted:
-            return
-        yield x
 
 
 def _turn_audio(turn: Turn | None) -> np.ndarray | None:

@@ -38,6 +38,18 @@ next reply's `<tool_response>` user turn; that reply is made when the assistant 
 for it (its `LLMContextFrame` upstream), as with pipecat's OpenAI realtime service. A malformed call is an
 `ErrorFrame` and runs nothing.
 
+The user's transcript (`user_transcription=True`; off by default: it arrives while the reply plays, and
+pipecat's default user-turn start strategies, `TranscriptionUserTurnStartStrategy` in a `UserTurnProcessor`,
+take a transcript then for a barge-in; the context aggregator pair in realtime mode drops that strategy
+itself; `omni_rt.transcribe`): each spoken turn is
+transcribed by the Thinker in a short-lived session of its own (one engine slot while it runs), started
+at the first audio of the reply that answers it (or at its end), never before. Its text goes upstream, as
+pipecat's speech-to-speech services send theirs, to the user context aggregator: `InterimTranscriptionFrame`s
+(the text so far), then one `TranscriptionFrame` (`user_id`, `timestamp`, `finalized`; `result` is the
+`omni_rt.transcribe.Transcript`). The reply's `LLMFullResponseEndFrame` waits for it (not for an
+interrupted reply), so the aggregator writes the user's message ahead of the reply's. A transcription that
+cannot run (no free session slot, the engine stopped) is a non-fatal `ErrorFrame`; the reply is unaffected.
+
 An `InterruptionFrame` cancels the reply before the service passes the frame on: the engine stops it
 within one codec frame, and no audio of it is pushed after, so nothing of it is queued behind the
 interruption that the output transport clears. A `CancelFrame` stops the reply the same way and gives the
@@ -60,6 +72,7 @@ from pipecat.frames.frames import (
     FunctionCallResultFrame,
     InputAudioRawFrame,
     InputImageRawFrame,
+    InterimTranscriptionFrame,
     InterruptionFrame,
     LLMContextFrame,
     LLMFullResponseEndFrame,
@@ -71,6 +84,7 @@ from pipecat.frames.frames import (
     LLMSetToolsFrame,
     LLMTextFrame,
     LLMUpdateSettingsFrame,
+    TranscriptionFrame,
     TTSAudioRawFrame,
     TTSStartedFrame,
     TTSStoppedFrame,
@@ -85,6 +99,7 @@ from pipecat.services.llm_service import LLMService
 from pipecat.services.settings import LLMSettings, is_given
 from pipecat.turns.user_turn_strategies import ExternalUserTurnStrategies
 from pipecat.utils.text.base_text_aggregator import TextType
+from pipecat.utils.time import time_now_iso8601
 
 from omni_rt.audio.vad import SpeechStarted, Turn, TurnSegmenter, VadConfig
 from omni_rt.config import OUTPUT_SAMPLE_RATES, Sampling
@@ -93,13 +108,14 @@ from omni_rt.integrations._audio import InputAudio, TurnBuffer
 from omni_rt.integrations._prompt import ROLES, reply_prompt, system_turn, users_words
 from omni_rt.integrations.pipecat_tools import ToolCalls
 from omni_rt.tools import BadToolCall
+from omni_rt.transcribe import Transcriber, Transcript
 
 __all__ = ["OmniRtService"]
 
 
 @dataclass(eq=False)
 class _Reply:
-    audio: Any  # the spoken turn it answers (16 kHz mono), or None
+    turns: list[np.ndarray]  # the spoken turns it answers (16 kHz mono), in order: one, or none
     messages: list[tuple[str, str]]  # (role, text) added since the last reply, after the speech
     task: asyncio.Task | None = None  # held here: a task nobody references can be collected mid-run
     response_id: str | None = None
@@ -107,6 +123,12 @@ class _Reply:
     ran: bool = False  # sent to the engine (else an interruption dropped it first)
     started: bool = False  # TTSStartedFrame pushed
     done: asyncio.Event = field(default_factory=asyncio.Event)  # set when its task ends, however it ends
+    cut: asyncio.Event = field(default_factory=asyncio.Event)  # set with `interrupted`
+    transcripts: list[asyncio.Future] | None = None  # its turns' transcriptions, once started
+
+    @property
+    def audio(self) -> np.ndarray | None:
+        return np.concatenate(self.turns) if self.turns else None
 
 
 class OmniRtService(LLMService):
@@ -129,6 +151,8 @@ class OmniRtService(LLMService):
         max_output_tokens: int | None = None,
         max_audio_frames: int | None = None,
         ignore_eos: bool = False,
+        user_transcription: bool = False,
+        user_id: str = "",
         **kwargs: Any,
     ) -> None:
         if turn_detection not in ("pipecat", "omni_rt"):
@@ -162,7 +186,16 @@ class OmniRtService(LLMService):
         self._messages: list[tuple[str, str]] = []  # (role, text) the next reply's prompt carries
         self._video_refused = False
         self._context_seen = False  # the first LLMContextFrame may start the conversation; later ones not
-        self._unheard: list[np.ndarray] = []  # speech of dropped replies: the next reply answers it first
+        self._unheard: list[np.ndarray] = []  # turns of dropped replies: the next reply answers them first
+        self.user_transcription = user_transcription
+        self.user_id = user_id  # on its TranscriptionFrames
+        self._transcriber = (
+            Transcriber(engine, self._spawn_transcription, on_done=self._transcribed, on_delta=self._transcribing)
+            if user_transcription else None
+        )  # fmt: skip
+        self._transcription_task: asyncio.Task | None = None
+        self._transcripts: dict[str, str] = {}  # the text so far of the turn being transcribed, by its id
+        self._turn_ids = 0
         # on_response_done(service, ev): each reply's omni_rt `response.done` (status, usage, metrics)
         self._register_event_handler("on_response_done")
 
@@ -220,6 +253,8 @@ class OmniRtService(LLMService):
                 if reply.task is not None:
                     await self.cancel_task(reply.task)
             self._replies = []
+            if self._transcription_task is not None:
+                await self.cancel_task(self._transcription_task)
             await self._close()
         finally:
             await super().cleanup()
@@ -358,11 +393,8 @@ class OmniRtService(LLMService):
         turn that ends while a reply runs is answered after it."""
         self._replies = [r for r in self._replies if not r.done.is_set()]
         previous = self._replies[-1] if self._replies else None
-        if self._unheard:
-            audio = np.concatenate([*self._unheard, *([] if audio is None else [audio])])
-            self._unheard = []
-        reply = _Reply(audio, self._messages)
-        self._messages = []
+        reply = _Reply([*self._unheard, *([] if audio is None else [audio])], self._messages)
+        self._unheard, self._messages = [], []
         reply.task = self.create_task(self._run(reply, previous), name="omni_rt_reply")
         # a task cancelled before it ran never runs its body: the callback is what always runs
         reply.task.add_done_callback(lambda _task: reply.done.set())
@@ -376,6 +408,7 @@ class OmniRtService(LLMService):
             return
         for r in pending:
             r.interrupted = True
+            r.cut.set()
         if self._session is not None:
             await self._session.cancel()  # returns once the engine has stopped it (within a codec frame)
         for r in pending:
@@ -384,7 +417,7 @@ class OmniRtService(LLMService):
         # next reply answers it (before anything added since)
         dropped = [r for r in pending if not r.ran]
         self._messages[:0] = [m for r in dropped for m in r.messages]
-        self._unheard[:0] = [r.audio for r in dropped if r.audio is not None]
+        self._unheard[:0] = [turn for r in dropped for turn in r.turns]
 
     async def _run(self, reply: _Reply, previous: _Reply | None) -> None:
         try:
@@ -414,7 +447,10 @@ class OmniRtService(LLMService):
                     await session.cancel()
             elif ev.type == "response.done":
                 if len(session.conversation) == heard and ev.status == "failed":  # the model heard none of it
-                    self._unheard[:0] = [] if reply.audio is None else [reply.audio]
+                    self._unheard[:0], reply.turns = (
+                        reply.turns,
+                        [],
+                    )  # the next reply answers (and transcribes) it
                     self._messages[:0] = users_words(reply.messages)
                 if calls is not None and not reply.interrupted and ev.status != "cancelled":
                     for bad in calls.end():  # a call left open by the model, not one cut by a stop
@@ -435,6 +471,7 @@ class OmniRtService(LLMService):
             elif ev.type == "response.output_audio.delta":
                 if not reply.started:
                     reply.started = True
+                    self._transcribe(reply)  # from its first audio on: the transcripts never delay it
                     await self.stop_ttfb_metrics()
                     await self.push_frame(TTSStartedFrame(context_id=reply.response_id))
                 out = TTSAudioRawFrame(
@@ -464,6 +501,8 @@ class OmniRtService(LLMService):
     async def _finish(self, reply: _Reply, done: Any) -> None:
         if reply.started:
             await self.push_frame(TTSStoppedFrame(context_id=reply.response_id))
+        self._transcribe(reply)
+        await self._transcribed_or_cut(reply)
         await self.push_frame(LLMFullResponseEndFrame())
         await self.cancel_ttfb_metrics()  # a reply that made no audio has no time to first audio
         await self.stop_processing_metrics()
@@ -480,3 +519,49 @@ class OmniRtService(LLMService):
         await self._call_event_handler("on_response_done", done)
         if done.status == "failed" and done.error is not None:
             await self.push_error(f"omni_rt response failed: {done.error.message}")
+
+    # -- the user's transcript -------------------------------------------------------------------------
+
+    def _spawn_transcription(self, coro: Any, name: str) -> asyncio.Task:
+        self._transcription_task = self.create_task(coro, name=name)
+        return self._transcription_task
+
+    def _transcribe(self, reply: _Reply) -> None:
+        """Start transcribing the turns `reply` answers (once): at its first audio, or at its end."""
+        if self._transcriber is not None and reply.transcripts is None:
+            reply.transcripts = []
+            for turn in reply.turns:
+                self._turn_ids += 1
+                reply.transcripts.append(self._transcriber.add(f"turn_{self._turn_ids}", turn))
+
+    async def _transcribed_or_cut(self, reply: _Reply) -> None:
+        """Wait for the reply's transcripts (the aggregator then writes the user's message first), unless it
+        is interrupted: an interruption never waits for a transcript."""
+        if not reply.transcripts or reply.interrupted:
+            return
+        cut = asyncio.ensure_future(reply.cut.wait())
+        try:
+            for transcript in reply.transcripts:
+                await asyncio.wait({transcript, cut}, return_when=asyncio.FIRST_COMPLETED)
+                if cut.done():
+                    return
+        finally:
+            cut.cancel()
+
+    async def _transcribing(self, turn_id: str, delta: str) -> None:
+        text = self._transcripts[turn_id] = self._transcripts.get(turn_id, "") + delta
+        await self.push_frame(
+            InterimTranscriptionFrame(text=text, user_id=self.user_id, timestamp=time_now_iso8601()),
+            FrameDirection.UPSTREAM,
+        )
+
+    async def _transcribed(self, t: Transcript) -> None:
+        self._transcripts.pop(t.item_id, None)
+        if t.error is not None:
+            code, message = t.error
+            await self.push_error(f"omni_rt could not transcribe the user's turn ({code}): {message}")
+            return
+        frame = TranscriptionFrame(
+            text=t.text, user_id=self.user_id, timestamp=time_now_iso8601(), result=t, finalized=True
+        )
+        await self.push_frame(frame, FrameDirection.UPSTREAM)

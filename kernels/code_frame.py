@@ -316,8 +316,15 @@ GEMV_BLOCKS = {"BM": 4, "BN": 4, "BK": 2048, "num_warps": 4}
 DOT_BLOCKS = {"BM": 16, "BN": 32, "BK": 256, "num_warps": 4}
 # GEMV_BLOCKS' entries overridden for one linear of the step ("qkv", "o_proj", "gate_up", "down",
 # "head"): their shapes differ (N 1024 to 6144, K 1024 to 3072), and the batch-1 sweep above tried one
-# shape for all five. Empty until scripts/gpu_code_frame.py's per-linear sweep has run on a GPU.
-GEMV_KIND_BLOCKS: dict[str, dict[str, int]] = {}
+# shape for all five. scripts/gpu_code_frame.py's per-linear sweep on an H100 (2026-12-05, with
+# programmatic launches; frame 1.956 ms greedy with none of these): down_proj's K of 3072 in one tile
+# 1.854 (its weights then load before the programmatic wait, as the one-tile GEMVs' do), o_proj in
+# narrower programs 1.905, q/k/v in wider ones 1.929; the three together with the head's (noise) 1.793.
+GEMV_KIND_BLOCKS: dict[str, dict[str, int]] = {
+    "qkv": {"BN": 8, "num_warps": 4},
+    "o_proj": {"BN": 2, "num_warps": 2},
+    "down": {"BK": 4096, "num_warps": 4},
+}
 # Programmatic dependent launches (`_triton.pdl_runs`) on the few-rows path only: on the tl.dot path
 # they cost time (batch 8 went 3.09 -> 3.38 ms with them on an H200).
 

@@ -30,9 +30,10 @@ SHORT_KEYS = True
 # (scripts/gpu_code_frame.py's sampler variants); the interpreter tests check the bits either way.
 HASH32 = False
 # Warps of the one program per row; None: 4 up to 2048 ids, 8 above. Each threshold halving is one
-# reduction over the row, and with one warp a reduction needs no shared memory or barrier; swept by
-# scripts/gpu_code_frame.py, not yet measured.
-SAMPLE_WARPS: int | None = None
+# reduction over the row plus a pass over each thread's share of it: 8 warps took the sampled frame
+# (programmatic launches on) from 1.823 to 1.796 ms on an H200, 2.135 -> 2.116 on an H100; 1 and 2 warps
+# were far slower (3.0, 2.2 ms), 16 no better (1.805). scripts/gpu_code_frame.py, docs/performance.md.
+SAMPLE_WARPS: int | None = 8
 # Not a programmatic dependent launch: in the code-predictor frame at batch 1 it was no faster (2.05 ms
 # sampled with it, 2.01 without, H200).
 

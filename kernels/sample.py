@@ -154,10 +154,12 @@ if triton is not None:
             # fewer key bits mean a faster search: bf16 logits with no penalty have 16 bits, and w = x / t
             # orders as x does (t > 0) unless the division overflows or leaves fp32's normal range.
             if KEY16:
-                aw = tl.where(x == 0.0, 1.0, tl.abs(w))
-                short = (tl.max(tl.where(aw == float("inf"), 0.0, aw), axis=0) < 1e38) & (
-                    tl.min(aw, axis=0) > 1e-36
-                )
+                short = t == 1.0  # w is x (the code predictor's default): no check, two reductions saved
+                if t != 1.0:
+                    aw = tl.where(x == 0.0, 1.0, tl.abs(w))
+                    short = (tl.max(tl.where(aw == float("inf"), 0.0, aw), axis=0) < 1e38) & (
+                        tl.min(aw, axis=0) > 1e-36
+                    )
             else:
                 short = False
             # top-k: scores below the k-th largest go (k = 0: off; k >= V keeps all). The search runs
@@ -166,13 +168,17 @@ if triton is not None:
             # 32-bit ones; top-50 of 2048 near-normal scores does): then 7 halvings, not ~15. Every halving
             # saved is a reduction over the row.
             k = tl.load(topk_ptr + slot)
-            if (k > 0) & (k < V):
+            cut = (k > 0) & (k < V)
+            top = tl.full((), 0, tl.int64)  # the largest key, and the smallest left standing (top-p's range)
+            low = tl.full((), 0, tl.int64)
+            if cut:
                 key = tl.where(short, _order_key16(x), _order_key(w)).to(tl.int64)
                 top = tl.max(key, axis=0)
                 lo = tl.min(key, axis=0)
                 near = top - tl.where(short, 128, 2**23).to(tl.int64)
                 lo = tl.where((near > lo) & (tl.sum((key >= near).to(tl.int32), axis=0) >= k), near, lo)
-                w = tl.where(key < _kth_largest_key(key, k, lo, top), float("-inf"), w)
+                low = _kth_largest_key(key, k, lo, top)  # an element's key: the smallest left standing
+                w = tl.where(key < low, float("-inf"), w)
             # top-p, transformers' rule on the ascending order (drop while the cumulative mass <= 1 - p):
             # keep the scores whose mass at or below them exceeds 1 - p, ties together; the top always stays.
             # The threshold lies between the smallest and largest keys still standing (below the smallest,
@@ -183,8 +189,10 @@ if triton is not None:
                 prob = tl.div_rn(ex, tl.sum(ex, axis=0))
                 kept = tl.where(w == float("-inf"), float("-inf"), x)  # x as bf16 where w still stands
                 key = tl.where(short, _order_key16(kept), _order_key(w)).to(tl.int64)
-                top = tl.max(key, axis=0)
-                low = tl.min(tl.where(w == float("-inf"), top, key), axis=0)
+                # after top-k the range is known: its largest key stays, its k-th is the least standing
+                if (k <= 0) | (k >= V):
+                    top = tl.max(key, axis=0)
+                    low = tl.min(tl.where(w == float("-inf"), top, key), axis=0)
                 w = tl.where(key < _top_p_key(key, prob, 1 - p, low, top), float("-inf"), w)
 
             # the keyed race: argmax(w - log E), E = -log U, U from (seed, stage, key, vocab id)

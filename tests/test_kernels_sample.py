@@ -19,6 +19,7 @@ SETTINGS = [
     Sampling().code_predictor,  # top-k 50, top-p 0.8
     StageSampling(temperature=1.4, top_p=0.7, repetition_penalty=1.3),
     StageSampling(temperature=0.5, top_k=3),
+    StageSampling(temperature=0.7, top_k=20, top_p=0.9),  # both filters at another temperature
     StageSampling(top_k=5000),  # above the vocabulary: no filter
     StageSampling(do_sample=False, repetition_penalty=1.2),  # greedy after penalty and suppression
 ]

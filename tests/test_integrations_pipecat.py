@@ -495,6 +495,10 @@ async def test_function_calls_run_through_register_function_and_their_results_ar
         else service.FUNCTION_CALL_ERROR_MESSAGE_TEMPLATE.format(function_name="lookup")
     )
     assert holds(second, tok.encode(tool_response(result)))
+    # the answer says the tools once, in the first turn (the special tokens of the template's text made
+    # the prompt look changed: every later reply repeated the whole system prompt as a turn of its own)
+    system_turn = [tok.ids.im_start, tok.ids.system]
+    assert sum(second[i : i + 2] == system_turn for i in range(len(second))) == 1
     assert "".join(tap.text) == "Let me check.It is sunny."  # the text: nothing of the call
     errors = [f.error for f in up if isinstance(f, ErrorFrame)]
     assert errors == ([] if city == "Paris" else [errors[0]]) and all("no such city" in e for e in errors)

@@ -403,6 +403,36 @@ async def test_a_reply_refused_as_too_long_keeps_the_users_speech_for_the_next(e
     assert audio_start not in said[0][1] and audio_start in said[1][1]
 
 
+async def test_words_refused_twice_are_dropped_not_kept_for_every_reply(engine) -> None:
+    """A user message too long for the context was kept for the next reply each time it was refused, so
+    every reply after it failed, whatever the user said next. Kept once: refused again, it is dropped, and
+    what the user said beside it is answered."""
+    service = OmniRtService(engine, **REPLY)
+    said: list[tuple[str, list[int]]] = []
+    service.add_event_handler(
+        "on_response_done", lambda svc, ev: said.append((ev.status, list(svc.session.conversation)))
+    )
+    tap = Tap()
+
+    def user(text: str) -> LLMMessagesAppendFrame:
+        return LLMMessagesAppendFrame(messages=[{"role": "user", "content": text}], run_llm=True)
+
+    frames = [
+        user("Hello. " * 20000),
+        Await(tap.ended[0], "the refused reply's end"),
+        user("My name is Ada."),
+        Await(tap.ended[1], "the second reply's end"),
+        user("Thanks."),
+        Await(tap.ended[2], "the third reply's end"),
+    ]
+    async with engine:
+        down, up = await run_pipeline(Pipeline([service, tap]), frames)
+    assert [s for s, _ in said] == ["failed", "failed", "completed"]
+    # the words refused beside the long message, then the new ones
+    ada = engine.tokenizer.chat_prompt([("user", "My name is Ada."), ("user", "Thanks.")])
+    assert holds(said[2][1], ada[:-3]) and not holds(said[2][1], engine.tokenizer.encode("Hello. " * 4))
+
+
 async def test_video_input_is_one_clear_error_and_passes_on(engine) -> None:
     """omni_rt hears no video: the first image frame is an ErrorFrame upstream (once, not per frame), and
     the frames go on to the rest of the pipeline."""

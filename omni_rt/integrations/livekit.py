@@ -167,6 +167,7 @@ class RealtimeSession(llm.RealtimeSession):
         self._committed: list[np.ndarray] = []  # spoken turns the next reply answers
         self._pending: list[tuple[str, str]] = []  # (role, text) the next reply's prompt carries
         self._pending_ids: set[str] = set()
+        self._refused: list[tuple[str, str]] = []  # the user's words a refused reply kept (`users_words`)
         self._chat_ctx = llm.ChatContext.empty()
         self._lock = asyncio.Lock()  # one reply at a time, in the order asked
         self._current: Generation | None = None
@@ -501,7 +502,8 @@ class RealtimeSession(llm.RealtimeSession):
                 if len(session.conversation) == heard and done is not None and done.status == "failed":
                     self._committed[:0] = [] if audio is None else [audio]  # the model heard none of it
                     self._gate()
-                    self._pending[:0] = users_words(pending)
+                    self._refused = users_words(pending, self._refused)
+                    self._pending[:0] = self._refused
         except Exception as e:  # the caller's future or an error event: never a reply that silently hangs
             known = isinstance(e, OmniRtError | llm.RealtimeError)
             if fut is not None and not fut.done():

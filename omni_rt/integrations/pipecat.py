@@ -187,6 +187,7 @@ class OmniRtService(LLMService):
         self._video_refused = False
         self._context_seen = False  # the first LLMContextFrame may start the conversation; later ones not
         self._unheard: list[np.ndarray] = []  # turns of dropped replies: the next reply answers them first
+        self._refused: list[tuple[str, str]] = []  # the user's words a refused reply kept (`users_words`)
         self.user_transcription = user_transcription
         self.user_id = user_id  # on its TranscriptionFrames
         self._transcriber = (
@@ -451,7 +452,8 @@ class OmniRtService(LLMService):
                         reply.turns,
                         [],
                     )  # the next reply answers (and transcribes) it
-                    self._messages[:0] = users_words(reply.messages)
+                    self._refused = users_words(reply.messages, self._refused)
+                    self._messages[:0] = self._refused
                 if calls is not None and not reply.interrupted and ev.status != "cancelled":
                     for bad in calls.end():  # a call left open by the model, not one cut by a stop
                         await self._bad_call(bad)

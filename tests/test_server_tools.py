@@ -116,6 +116,43 @@ async def test_a_malformed_tool_call_fails_closed(served, body):
     assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["output"] == []
 
 
+class Pulled(list):
+    """A script that says when the Thinker took its delta `at`: the ones before it have been handled."""
+
+    def __init__(self, deltas, at: int, reached: asyncio.Event | None = None) -> None:
+        super().__init__(deltas)
+        self.at, self.reached = at, reached or asyncio.Event()
+
+    def __getitem__(self, index):
+        if not isinstance(index, slice):
+            return super().__getitem__(index)
+        return Pulled(super().__getitem__(index), self.at, self.reached)
+
+    def __iter__(self):
+        for i, delta in enumerate(super().__iter__()):
+            if i == self.at:
+                self.reached.set()
+            yield delta
+
+
+async def test_a_reply_cancelled_inside_a_tool_call_is_cancelled_not_a_malformed_call(served):
+    """response.cancel while the model was writing a call: the reply was cut, not malformed. It was an
+    `invalid_tool_call` error ("the reply ended inside a <tool_call>") beside the cancelled response, as
+    if the model had left the call open (the adapters tell the two apart)."""
+    engine, ws = served
+    body = '{"name": "get_weather", "arguments": {"city": "' + "x" * 200 + '"}}'
+    engine.script = Pulled(call_script(body), at=3)
+    await ws.send(json.dumps(user_message("Weather?")))
+    await ws.send(json.dumps({"type": "response.create"}))
+    assert (await recv(ws))["type"] == "conversation.item.added"
+    await until(ws, "response.created")
+    await asyncio.wait_for(engine.script.reached.wait(), 5)  # inside the call
+    await ws.send(json.dumps({"type": "response.cancel"}))
+    events = await until(ws, "response.done")
+    assert [e for e in events if e["type"] == "error"] == []
+    assert events[-1]["response"]["status"] == "cancelled" and events[-1]["response"]["output"] == []
+
+
 def test_the_parser_speaks_text_before_a_call_and_nothing_after():
     parser = ToolCallParser(frozenset({"f"}))
     assert parser.feed("Let me check.", [1]) == ("Let me check.", [])

@@ -416,6 +416,23 @@ async def test_a_reply_refused_as_too_long_keeps_the_users_speech_for_the_next(e
         await model.aclose()
 
 
+async def test_a_replys_instructions_come_before_a_text_turn_as_before_a_spoken_one(engine) -> None:
+    """generate_reply(instructions=) is a system turn before the user turn, spoken or text (the docs): with
+    a text message from the chat context they came after it."""
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        rt = model.session(turn_detection_disabled=True)
+        ctx = rt.chat_ctx
+        ctx.add_message(role="user", content="Hello.")
+        await rt.update_chat_ctx(ctx)
+        created = await asyncio.wait_for(rt.generate_reply(instructions="In French."), WAIT_S)
+        assert [f async for f in (await message(created)).audio_stream]
+        said = engine.tokenizer.chat_prompt([("system", "In French."), ("user", "Hello.")])
+        assert holds(rt.omni_session.conversation, said)
+        await rt.aclose()
+        await model.aclose()
+
+
 async def test_words_refused_twice_are_dropped_not_kept_for_every_reply(engine) -> None:
     """A user message too long for the context was kept for the next reply each time it was refused, so
     every reply after it failed. Kept once: refused again, it is dropped, and the words beside it are

@@ -271,6 +271,21 @@ async def test_new_instructions_and_tools_mid_conversation_keep_the_conversation
     assert len(engine.sessions) == opened
 
 
+async def test_response_instructions_come_before_a_text_turn_as_before_a_spoken_one(served):
+    """docs/protocol.md: response.instructions are a system turn just before the user's turn, text or
+    spoken. With speech they were; with a text message they came after it (the reply's prompt was the
+    user's turn, then the instructions), so the same request placed them by how the user spoke."""
+    engine, ws = served
+    await ws.send(json.dumps(user_message("Hello.")))
+    await ws.send(json.dumps({"type": "response.create", "response": {"instructions": "In French."}}))
+    assert (await until(ws, "response.done"))[-1]["response"]["status"] == "completed"
+    assert engine.requests[-1] == "Hello." and engine.turn_instructions[-1] == "In French."
+    # with no new input (a greeting) they are the turn the reply answers
+    await ws.send(json.dumps({"type": "response.create", "response": {"instructions": "Greet."}}))
+    assert (await until(ws, "response.done"))[-1]["response"]["status"] == "completed"
+    assert engine.requests[-1][-2:] == [("system", "Greet."), ("assistant", "")]
+
+
 def test_the_template_rules_import_without_torch_or_the_server():
     """The framework adapters use the template's tool rules without the server extra (aiortc, websockets)."""
     import subprocess

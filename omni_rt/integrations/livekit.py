@@ -490,7 +490,7 @@ class RealtimeSession(llm.RealtimeSession):
                 audio, pending = self._take()
                 prompt = reply_prompt(
                     session, self._model.engine.tokenizer,
-                    system + pending + ([("system", instructions)] if instructions else []), audio,
+                    system + ([("system", instructions)] if instructions else []) + pending, audio,
                 )  # fmt: skip
                 heard = len(session.conversation)
                 try:

@@ -486,16 +486,15 @@ class Peer:
         speech in one user turn; system and assistant messages as their own turns), or nothing new."""
         fields = fields or protocol.ResponseFields()
         messages, audio = self.conversation.take()
-        if fields.instructions:  # a system turn just before the reply (it stays in the context)
-            messages.append(("system", fields.instructions))
+        said = [("system", fields.instructions)] if fields.instructions else []  # kept in the context
         text = prompt = None
         system: list[str] = []
         if audio is not None or (messages and all(role == "user" for role, _ in messages)):
-            # the Session adds the chat template: system text as a turn before the (spoken) user turn
-            system = [t for role, t in messages if role == "system"]
+            # the Session adds the chat template: system text as a turn before the user turn, text or spoken
+            system = [t for role, t in messages + said if role == "system"]
             text = "\n".join(t for role, t in messages if role != "system") or None
-        else:
-            prompt = self._prompt(messages)
+        else:  # system and assistant messages as their own turns, then the instructions
+            prompt = self._prompt(messages + said)
         self.replies.respond_when_idle = False
         limits = self._limits(self._max_tokens(fields.max_output_tokens), text, audio, prompt, system)
         if fields.voice is not None:  # this reply's own voice (already a model voice, see above)

@@ -89,6 +89,17 @@ def system_prompt(instructions: str, tools: Sequence[Signature], choice: str | N
     return f"{instructions}\n\n{text}" if instructions else text
 
 
+def duplicate_names(tools: Sequence[Signature]) -> str | None:
+    """Why `tools` cannot be offered together, or None: two of one name (a call of it would run either)."""
+    names = [t.name for t in tools]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    return (
+        f"tool names must be unique: {', '.join(map(repr, twice))[:200]} given more than once"
+        if twice
+        else None
+    )
+
+
 def system_due(conversation: Sequence[Any], tokenizer: Any, system: str) -> str | None:
     """The system prompt a reply adds as a turn of its own once the conversation has begun: `system` where
     it is not the conversation's last system turn (instructions or tools changed since, or a truncation

@@ -565,3 +565,26 @@ async def test_a_malformed_tool_call_is_an_error_and_runs_nothing() -> None:
     assert "".join(tap.text) == "Fine."
     errors = [f.error for f in up if isinstance(f, ErrorFrame)]
     assert len(errors) == 1 and "malformed tool call" in errors[0] and "rm_rf" in errors[0], errors
+
+
+async def test_tools_with_one_name_twice_are_an_error_and_change_nothing() -> None:
+    """Two tools of one name (a call of it would run either): an ErrorFrame, and the tools stay as they
+    were; they were both offered."""
+    tok = Tokenizer.tiny(preset("tiny").ids)
+    engine = scripted_engine(tok.encode("Fine."))
+    service = OmniRtService(engine)
+    lookup = FunctionSchema(name="lookup", description="The weather.", properties={}, required=[])
+    other = FunctionSchema(name="lookup", description="The news.", properties={}, required=[])
+    tap = Tap()
+    frames = [
+        LLMSetToolsFrame(tools=ToolsSchema([lookup])),
+        LLMSetToolsFrame(tools=ToolsSchema([lookup, other])),
+        LLMMessagesAppendFrame(messages=[{"role": "user", "content": "Hi."}], run_llm=True),
+        Await(tap.ended[0], "the reply"),
+    ]
+    async with engine:
+        down, up = await run_pipeline(Pipeline([service, tap]), frames)
+    errors = [f.error for f in up if isinstance(f, ErrorFrame)]
+    assert len(errors) == 1 and "unique" in errors[0] and "'lookup'" in errors[0], errors
+    system = tok.last_turn(engine.prompts[0], "system")
+    assert "The weather." in system and "The news." not in system

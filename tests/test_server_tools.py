@@ -166,6 +166,18 @@ def test_the_parser_speaks_text_before_a_call_and_nothing_after():
     assert [type(b).__name__ for b in parser.end()] == ["BadToolCall"]  # left open
 
 
+async def test_tools_with_one_name_twice_are_invalid_and_change_nothing(served):
+    """Two tools of one name (a call of it would run either) were both offered: now invalid_value."""
+    engine, ws = served
+    news = {**WEATHER, "description": "The news."}
+    await ws.send(json.dumps({"type": "session.update", "session": {"tools": [WEATHER, news]}}))
+    error = (await recv(ws))["error"]
+    assert (error["code"], error["param"]) == ("invalid_value", "session.tools")
+    assert "'get_weather'" in error["message"]
+    await ws.send(json.dumps({"type": "session.update", "session": {}}))
+    assert (await recv(ws))["session"]["tools"] == [WEATHER]
+
+
 async def test_items_are_retrieved_and_unanswered_ones_deleted(served):
     engine, ws = served
     await ws.send(json.dumps(user_message("first")))

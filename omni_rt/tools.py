@@ -144,6 +144,7 @@ class ToolCallParser:
     calling: bool = False  # a <tool_call> came: nothing more of this reply is spoken
     _open: list[str] | None = None  # the text of the call being read
     _chars: int = 0
+    _overlong: bool = False  # the call being read was too long: already an error, its close none
 
     def feed(self, delta: str, token_ids: list[int]) -> tuple[str, list[ToolCall | BadToolCall]]:
         """One text delta → (the text of it to speak, calls completed in it). A delta holds one token
@@ -154,7 +155,7 @@ class ToolCallParser:
             if self._open is not None:
                 self._chars += len(delta)
                 if self._chars > MAX_CALL_CHARS:
-                    self._open = None
+                    self._open, self._overlong = None, True
                     out.append(BadToolCall(f"a tool call longer than {MAX_CALL_CHARS} characters"))
                 else:
                     self._open.append(delta)
@@ -166,10 +167,12 @@ class ToolCallParser:
                 self.calling = True
                 if self._open is not None:
                     out.append(BadToolCall("a <tool_call> inside another"))
-                self._open, self._chars = [], 0
+                self._open, self._chars, self._overlong = [], 0, False
             elif token == TOOL_CALL_END:
                 if self._open is None:
-                    out.append(BadToolCall("a </tool_call> without its <tool_call>"))
+                    if not self._overlong:
+                        out.append(BadToolCall("a </tool_call> without its <tool_call>"))
+                    self._overlong = False
                 else:
                     out.append(self._parse("".join(self._open)))
                     self._open = None

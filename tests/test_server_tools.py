@@ -178,6 +178,22 @@ async def test_tools_with_one_name_twice_are_invalid_and_change_nothing(served):
     assert (await recv(ws))["session"]["tools"] == [WEATHER]
 
 
+def test_a_call_too_long_is_one_malformed_call_not_two():
+    """Past MAX_CALL_CHARS the call is malformed; its closing token then was a second error ("a
+    </tool_call> without its <tool_call>") for the same call."""
+    from omni_rt.tools import MAX_CALL_CHARS
+
+    parser = ToolCallParser(frozenset({"f"}))
+    parser.feed("", [TOOL_CALL])
+    bad = [c for _ in range(MAX_CALL_CHARS // 100 + 2) for c in parser.feed("x" * 100, [2])[1]]
+    assert len(bad) == 1 and "longer" in bad[0].message
+    assert parser.feed("", [TOOL_CALL_END]) == ("", []) and parser.end() == []
+    parser.feed("", [TOOL_CALL])  # a call after it is read as any other
+    assert [c.name for c in parser.feed('{"name": "f"}', [3])[1] + parser.feed("", [TOOL_CALL_END])[1]] == [
+        "f"
+    ]
+
+
 async def test_items_are_retrieved_and_unanswered_ones_deleted(served):
     engine, ws = served
     await ws.send(json.dumps(user_message("first")))

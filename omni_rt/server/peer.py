@@ -471,19 +471,17 @@ class Peer:
                     param=f"response.{name}",
                     event_id=event.event_id,
                 )
-        turns, speech = self.conversation.waiting()
-        if speech and any(role == "assistant" for role, _ in turns):
-            raise ProtocolError(
-                "invalid_value",
-                "a spoken turn is answered with the user text beside it and the system messages before "
-                "it; assistant messages cannot join it: send response.create before adding them",
-                event_id=event.event_id,
-            )
+        if (refused := self.conversation.unanswerable(event.event_id)) is not None:
+            raise refused
         self._start_response(fields)
 
     def _start_response(self, fields: protocol.ResponseFields | None = None) -> None:
         """Answer the conversation as it stands: what was added since the last response (user text and
         speech in one user turn; system and assistant messages as their own turns), or nothing new."""
+        if (refused := self.conversation.unanswerable()) is not None:  # a reply server VAD asked for
+            self.replies.respond_when_idle = False
+            self.send(protocol.error(refused))  # the input waits: the client deletes what cannot join
+            return
         fields = fields or protocol.ResponseFields()
         messages, audio = self.conversation.take()
         said = [("system", fields.instructions)] if fields.instructions else []  # kept in the context

@@ -433,6 +433,31 @@ async def test_a_replys_instructions_come_before_a_text_turn_as_before_a_spoken_
         await model.aclose()
 
 
+async def test_a_session_opened_with_no_free_slot_opens_at_the_next_reply(engine) -> None:
+    """Every engine slot taken when the realtime session opened: its omni_rt session failed to open, and
+    every reply after that failed with the same error, even once slots were free (the failed open was
+    kept). A reply then is a clear error; the next one, with a slot free, opens the session and is made."""
+    from omni_rt.errors import SessionLimitError
+
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        taken = []
+        with pytest.raises(SessionLimitError):
+            while True:
+                taken.append(engine.session(voice="ethan"))
+        rt = model.session(turn_detection_disabled=True)
+        say_and_commit(rt)
+        with pytest.raises(llm.RealtimeError, match="session"):
+            await asyncio.wait_for(rt.generate_reply(), WAIT_S)
+        for s in taken:
+            await s.close()
+        created = await asyncio.wait_for(rt.generate_reply(), WAIT_S)
+        assert [f async for f in (await message(created)).audio_stream]
+        assert AUDIO_START in rt.omni_session.conversation  # the speech committed before is answered
+        await rt.aclose()
+        await model.aclose()
+
+
 async def test_words_refused_twice_are_dropped_not_kept_for_every_reply(engine) -> None:
     """A user message too long for the context was kept for the next reply each time it was refused, so
     every reply after it failed. Kept once: refused again, it is dropped, and the words beside it are

@@ -201,6 +201,12 @@ class RealtimeSession(llm.RealtimeSession):
         return self._session
 
     async def _ready(self) -> Any:
+        opening = self._opening
+        if self._session is None and opening.done() and not opening.cancelled() and opening.exception():
+            # that open failed (no free slot, ...) and its error went to the reply that met it: try again
+            self._opening = asyncio.ensure_future(
+                self._model._open(self._tools.system_prompt(self._instructions) or None)
+            )
         if self._session is None:
             self._session = await self._opening
         return self._session
@@ -441,7 +447,7 @@ class RealtimeSession(llm.RealtimeSession):
             if not fut.done():
                 fut.set_exception(llm.RealtimeError("generate_reply: the realtime session is closed"))
         with contextlib.suppress(Exception):  # a session that never opened has nothing to close
-            session = await self._ready()
+            session = self._session or await self._opening  # (never a new one, as _ready opens)
             await session.close()
 
     def _spawn(self, coro: Any) -> asyncio.Task:

@@ -588,3 +588,53 @@ async def test_tools_with_one_name_twice_are_an_error_and_change_nothing() -> No
     assert len(errors) == 1 and "unique" in errors[0] and "'lookup'" in errors[0], errors
     system = tok.last_turn(engine.prompts[0], "system")
     assert "The weather." in system and "The news." not in system
+
+
+async def test_a_pipeline_started_with_no_free_slot_says_so_and_opens_at_a_later_reply(engine) -> None:
+    """Every engine slot taken when the pipeline started: the service's session failed to open in its
+    StartFrame (pipecat only logged it), and every reply after was dropped without a frame, even once
+    slots were free. Now such a reply is an ErrorFrame that says why, and a later one opens the session."""
+    from omni_rt.errors import SessionLimitError
+
+    service = OmniRtService(engine, **REPLY)
+    said: list[tuple[str, list[int]]] = []
+    service.add_event_handler(
+        "on_response_done", lambda svc, ev: said.append((ev.status, list(svc.session.conversation)))
+    )
+    tap, count = Tap(), Count()
+    taken: list = []
+    freed = asyncio.Event()
+
+    async def free() -> None:
+        for s in taken:
+            await s.close()
+        freed.set()
+
+    class Refused(FrameProcessor):
+        """Frees the slots once the service's error for the first reply has gone upstream past it."""
+
+        async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+            await super().process_frame(frame, direction)
+            if isinstance(frame, ErrorFrame) and not freed.is_set():
+                await free()
+            await self.push_frame(frame, direction)
+
+    def user(text: str) -> LLMMessagesAppendFrame:
+        return LLMMessagesAppendFrame(messages=[{"role": "user", "content": text}], run_llm=True)
+
+    async with engine:
+        with pytest.raises(SessionLimitError):
+            while True:
+                taken.append(engine.session(voice="ethan"))
+        frames = [
+            user("Hello."),
+            Await(freed, "the first reply's error"),
+            user("Hi."),
+            Await(tap.ended[0], "the reply"),
+        ]
+        down, up = await run_pipeline(Pipeline([Refused(), service, tap, count]), frames)
+    errors = [f.error for f in up if isinstance(f, ErrorFrame)]
+    assert len(errors) == 1 and "session slots" in errors[0], errors
+    assert [s for s, _ in said] == ["completed"]  # what the refused reply answered waited for this one
+    hello = engine.tokenizer.chat_prompt([("user", "Hello."), ("user", "Hi.")])[:-3]
+    assert holds(said[0][1], hello)

@@ -265,13 +265,14 @@ class Tokenizer:
 
     def last_turn(self, ids: Sequence[int], role: str) -> str | None:
         """The text of the last `role` turn in chat-formatted `ids` (as `chat_prompt` writes turns; an open
-        turn reads to the end), or None when there is none."""
+        turn reads to the end), or None when there is none. Special tokens are read as their text: a
+        system prompt with tools holds the template's `<tool_call>`, and must read back as it was written."""
         i, head = self.ids, [self.ids.im_start, self.role_id(role), self.ids.newline]
         for start in range(len(ids) - 3, -1, -1):
             if list(ids[start : start + 3]) == head:
                 body = ids[start + 3 :]
                 end = next((n for n, t in enumerate(body) if t == i.im_end), len(body))
-                return self.decode(body[:end])
+                return self.decode(body[:end], skip_special_tokens=False)
         return None
 
 

@@ -89,6 +89,17 @@ def system_prompt(instructions: str, tools: Sequence[Signature], choice: str | N
     return f"{instructions}\n\n{text}" if instructions else text
 
 
+def duplicate_names(tools: Sequence[Signature]) -> str | None:
+    """Why `tools` cannot be offered together, or None: two of one name (a call of it would run either)."""
+    names = [t.name for t in tools]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    return (
+        f"tool names must be unique: {', '.join(map(repr, twice))[:200]} given more than once"
+        if twice
+        else None
+    )
+
+
 def system_due(conversation: Sequence[Any], tokenizer: Any, system: str) -> str | None:
     """The system prompt a reply adds as a turn of its own once the conversation has begun: `system` where
     it is not the conversation's last system turn (instructions or tools changed since, or a truncation
@@ -133,6 +144,7 @@ class ToolCallParser:
     calling: bool = False  # a <tool_call> came: nothing more of this reply is spoken
     _open: list[str] | None = None  # the text of the call being read
     _chars: int = 0
+    _overlong: bool = False  # the call being read was too long: already an error, its close none
 
     def feed(self, delta: str, token_ids: list[int]) -> tuple[str, list[ToolCall | BadToolCall]]:
         """One text delta → (the text of it to speak, calls completed in it). A delta holds one token
@@ -143,7 +155,7 @@ class ToolCallParser:
             if self._open is not None:
                 self._chars += len(delta)
                 if self._chars > MAX_CALL_CHARS:
-                    self._open = None
+                    self._open, self._overlong = None, True
                     out.append(BadToolCall(f"a tool call longer than {MAX_CALL_CHARS} characters"))
                 else:
                     self._open.append(delta)
@@ -155,10 +167,12 @@ class ToolCallParser:
                 self.calling = True
                 if self._open is not None:
                     out.append(BadToolCall("a <tool_call> inside another"))
-                self._open, self._chars = [], 0
+                self._open, self._chars, self._overlong = [], 0, False
             elif token == TOOL_CALL_END:
                 if self._open is None:
-                    out.append(BadToolCall("a </tool_call> without its <tool_call>"))
+                    if not self._overlong:
+                        out.append(BadToolCall("a </tool_call> without its <tool_call>"))
+                    self._overlong = False
                 else:
                     out.append(self._parse("".join(self._open)))
                     self._open = None

@@ -416,6 +416,72 @@ async def test_a_reply_refused_as_too_long_keeps_the_users_speech_for_the_next(e
         await model.aclose()
 
 
+async def test_a_replys_instructions_come_before_a_text_turn_as_before_a_spoken_one(engine) -> None:
+    """generate_reply(instructions=) is a system turn before the user turn, spoken or text (the docs): with
+    a text message from the chat context they came after it."""
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        rt = model.session(turn_detection_disabled=True)
+        ctx = rt.chat_ctx
+        ctx.add_message(role="user", content="Hello.")
+        await rt.update_chat_ctx(ctx)
+        created = await asyncio.wait_for(rt.generate_reply(instructions="In French."), WAIT_S)
+        assert [f async for f in (await message(created)).audio_stream]
+        said = engine.tokenizer.chat_prompt([("system", "In French."), ("user", "Hello.")])
+        assert holds(rt.omni_session.conversation, said)
+        await rt.aclose()
+        await model.aclose()
+
+
+async def test_a_session_opened_with_no_free_slot_opens_at_the_next_reply(engine) -> None:
+    """Every engine slot taken when the realtime session opened: its omni_rt session failed to open, and
+    every reply after that failed with the same error, even once slots were free (the failed open was
+    kept). A reply then is a clear error; the next one, with a slot free, opens the session and is made."""
+    from omni_rt.errors import SessionLimitError
+
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        taken = []
+        with pytest.raises(SessionLimitError):
+            while True:
+                taken.append(engine.session(voice="ethan"))
+        rt = model.session(turn_detection_disabled=True)
+        say_and_commit(rt)
+        with pytest.raises(llm.RealtimeError, match="session"):
+            await asyncio.wait_for(rt.generate_reply(), WAIT_S)
+        for s in taken:
+            await s.close()
+        created = await asyncio.wait_for(rt.generate_reply(), WAIT_S)
+        assert [f async for f in (await message(created)).audio_stream]
+        assert AUDIO_START in rt.omni_session.conversation  # the speech committed before is answered
+        await rt.aclose()
+        await model.aclose()
+
+
+async def test_words_refused_twice_are_dropped_not_kept_for_every_reply(engine) -> None:
+    """A user message too long for the context was kept for the next reply each time it was refused, so
+    every reply after it failed. Kept once: refused again, it is dropped, and the words beside it are
+    answered."""
+    async with engine:
+        model = RealtimeModel(engine, **REPLY)
+        rt = model.session(turn_detection_disabled=True)
+        rec = Recorder(rt)
+        for n, text in enumerate(("Hello. " * 20000, "My name is Ada.", "Thanks.")):
+            ctx = rt.chat_ctx
+            ctx.add_message(role="user", content=text)
+            await rt.update_chat_ctx(ctx)
+            created = await asyncio.wait_for(rt.generate_reply(), WAIT_S)
+            if n < 2:
+                assert "context" in str((await rec.wait("error", n + 1))[-1].error)
+        assert [f async for f in (await message(created)).audio_stream]
+        tok = engine.tokenizer
+        said = tok.chat_prompt([("user", "My name is Ada."), ("user", "Thanks.")])[:-3]
+        assert holds(rt.omni_session.conversation, said)
+        assert not holds(rt.omni_session.conversation, tok.encode("Hello. " * 4))
+        await rt.aclose()
+        await model.aclose()
+
+
 async def test_an_agent_handoff_gives_the_new_agent_its_own_conversation(engine, caplog) -> None:
     """`session.update_agent(...)`: omni_rt cannot delete what its model heard, so it says its chat context
     is not mutable and the framework opens a new session for a new agent with another context (instead of

@@ -403,6 +403,36 @@ async def test_a_reply_refused_as_too_long_keeps_the_users_speech_for_the_next(e
     assert audio_start not in said[0][1] and audio_start in said[1][1]
 
 
+async def test_words_refused_twice_are_dropped_not_kept_for_every_reply(engine) -> None:
+    """A user message too long for the context was kept for the next reply each time it was refused, so
+    every reply after it failed, whatever the user said next. Kept once: refused again, it is dropped, and
+    what the user said beside it is answered."""
+    service = OmniRtService(engine, **REPLY)
+    said: list[tuple[str, list[int]]] = []
+    service.add_event_handler(
+        "on_response_done", lambda svc, ev: said.append((ev.status, list(svc.session.conversation)))
+    )
+    tap = Tap()
+
+    def user(text: str) -> LLMMessagesAppendFrame:
+        return LLMMessagesAppendFrame(messages=[{"role": "user", "content": text}], run_llm=True)
+
+    frames = [
+        user("Hello. " * 20000),
+        Await(tap.ended[0], "the refused reply's end"),
+        user("My name is Ada."),
+        Await(tap.ended[1], "the second reply's end"),
+        user("Thanks."),
+        Await(tap.ended[2], "the third reply's end"),
+    ]
+    async with engine:
+        down, up = await run_pipeline(Pipeline([service, tap]), frames)
+    assert [s for s, _ in said] == ["failed", "failed", "completed"]
+    # the words refused beside the long message, then the new ones
+    ada = engine.tokenizer.chat_prompt([("user", "My name is Ada."), ("user", "Thanks.")])
+    assert holds(said[2][1], ada[:-3]) and not holds(said[2][1], engine.tokenizer.encode("Hello. " * 4))
+
+
 async def test_video_input_is_one_clear_error_and_passes_on(engine) -> None:
     """omni_rt hears no video: the first image frame is an ErrorFrame upstream (once, not per frame), and
     the frames go on to the rest of the pipeline."""
@@ -495,6 +525,10 @@ async def test_function_calls_run_through_register_function_and_their_results_ar
         else service.FUNCTION_CALL_ERROR_MESSAGE_TEMPLATE.format(function_name="lookup")
     )
     assert holds(second, tok.encode(tool_response(result)))
+    # the answer says the tools once, in the first turn (the special tokens of the template's text made
+    # the prompt look changed: every later reply repeated the whole system prompt as a turn of its own)
+    system_turn = [tok.ids.im_start, tok.ids.system]
+    assert sum(second[i : i + 2] == system_turn for i in range(len(second))) == 1
     assert "".join(tap.text) == "Let me check.It is sunny."  # the text: nothing of the call
     errors = [f.error for f in up if isinstance(f, ErrorFrame)]
     assert errors == ([] if city == "Paris" else [errors[0]]) and all("no such city" in e for e in errors)
@@ -531,3 +565,76 @@ async def test_a_malformed_tool_call_is_an_error_and_runs_nothing() -> None:
     assert "".join(tap.text) == "Fine."
     errors = [f.error for f in up if isinstance(f, ErrorFrame)]
     assert len(errors) == 1 and "malformed tool call" in errors[0] and "rm_rf" in errors[0], errors
+
+
+async def test_tools_with_one_name_twice_are_an_error_and_change_nothing() -> None:
+    """Two tools of one name (a call of it would run either): an ErrorFrame, and the tools stay as they
+    were; they were both offered."""
+    tok = Tokenizer.tiny(preset("tiny").ids)
+    engine = scripted_engine(tok.encode("Fine."))
+    service = OmniRtService(engine)
+    lookup = FunctionSchema(name="lookup", description="The weather.", properties={}, required=[])
+    other = FunctionSchema(name="lookup", description="The news.", properties={}, required=[])
+    tap = Tap()
+    frames = [
+        LLMSetToolsFrame(tools=ToolsSchema([lookup])),
+        LLMSetToolsFrame(tools=ToolsSchema([lookup, other])),
+        LLMMessagesAppendFrame(messages=[{"role": "user", "content": "Hi."}], run_llm=True),
+        Await(tap.ended[0], "the reply"),
+    ]
+    async with engine:
+        down, up = await run_pipeline(Pipeline([service, tap]), frames)
+    errors = [f.error for f in up if isinstance(f, ErrorFrame)]
+    assert len(errors) == 1 and "unique" in errors[0] and "'lookup'" in errors[0], errors
+    system = tok.last_turn(engine.prompts[0], "system")
+    assert "The weather." in system and "The news." not in system
+
+
+async def test_a_pipeline_started_with_no_free_slot_says_so_and_opens_at_a_later_reply(engine) -> None:
+    """Every engine slot taken when the pipeline started: the service's session failed to open in its
+    StartFrame (pipecat only logged it), and every reply after was dropped without a frame, even once
+    slots were free. Now such a reply is an ErrorFrame that says why, and a later one opens the session."""
+    from omni_rt.errors import SessionLimitError
+
+    service = OmniRtService(engine, **REPLY)
+    said: list[tuple[str, list[int]]] = []
+    service.add_event_handler(
+        "on_response_done", lambda svc, ev: said.append((ev.status, list(svc.session.conversation)))
+    )
+    tap, count = Tap(), Count()
+    taken: list = []
+    freed = asyncio.Event()
+
+    async def free() -> None:
+        for s in taken:
+            await s.close()
+        freed.set()
+
+    class Refused(FrameProcessor):
+        """Frees the slots once the service's error for the first reply has gone upstream past it."""
+
+        async def process_frame(self, frame: Frame, direction: FrameDirection) -> None:
+            await super().process_frame(frame, direction)
+            if isinstance(frame, ErrorFrame) and not freed.is_set():
+                await free()
+            await self.push_frame(frame, direction)
+
+    def user(text: str) -> LLMMessagesAppendFrame:
+        return LLMMessagesAppendFrame(messages=[{"role": "user", "content": text}], run_llm=True)
+
+    async with engine:
+        with pytest.raises(SessionLimitError):
+            while True:
+                taken.append(engine.session(voice="ethan"))
+        frames = [
+            user("Hello."),
+            Await(freed, "the first reply's error"),
+            user("Hi."),
+            Await(tap.ended[0], "the reply"),
+        ]
+        down, up = await run_pipeline(Pipeline([Refused(), service, tap, count]), frames)
+    errors = [f.error for f in up if isinstance(f, ErrorFrame)]
+    assert len(errors) == 1 and "session slots" in errors[0], errors
+    assert [s for s, _ in said] == ["completed"]  # what the refused reply answered waited for this one
+    hello = engine.tokenizer.chat_prompt([("user", "Hello."), ("user", "Hi.")])[:-3]
+    assert holds(said[0][1], hello)

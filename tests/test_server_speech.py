@@ -603,3 +603,30 @@ async def test_a_long_append_is_heard_in_slices_with_the_loop_free_between():
         "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped", "input_audio_buffer.committed",
     ]  # fmt: skip
     assert turns == [1]
+
+
+async def test_a_spoken_turn_under_vad_does_not_take_a_waiting_assistant_message_for_the_users_words():
+    """An assistant message item waiting, then a turn that server VAD ends: the reply's text was the
+    assistant's words, sent to the model as the user's beside the speech (response.create refuses that
+    mix; the VAD's own reply did not ask). It is the same clear error, and the turn waits; once the
+    message is deleted, the next turn is answered with the speech alone."""
+    engine = FakeEngine(step_s=0.0, reply="ok")
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            await recv(ws)
+            said = {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "Welcome back."}],
+            }
+            await ws.send(json.dumps({"type": "conversation.item.create", "item": said}))
+            item = (await until(ws, "conversation.item.done"))[-1]["item"]
+            await append(ws, spoken_turn(RATE_IN))
+            error = (await until(ws, "error"))[-1]["error"]
+            assert error["code"] == "invalid_value" and "assistant" in error["message"]
+            assert engine.requests == []
+            await ws.send(json.dumps({"type": "conversation.item.delete", "item_id": item["id"]}))
+            await until(ws, "conversation.item.deleted")
+            await ws.send(json.dumps({"type": "response.create"}))
+            assert (await until(ws, "response.done"))[-1]["response"]["status"] == "completed"
+            assert engine.requests == [None] and len(engine.audio_requests) == 1

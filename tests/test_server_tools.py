@@ -116,6 +116,43 @@ async def test_a_malformed_tool_call_fails_closed(served, body):
     assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["output"] == []
 
 
+class Pulled(list):
+    """A script that says when the Thinker took its delta `at`: the ones before it have been handled."""
+
+    def __init__(self, deltas, at: int, reached: asyncio.Event | None = None) -> None:
+        super().__init__(deltas)
+        self.at, self.reached = at, reached or asyncio.Event()
+
+    def __getitem__(self, index):
+        if not isinstance(index, slice):
+            return super().__getitem__(index)
+        return Pulled(super().__getitem__(index), self.at, self.reached)
+
+    def __iter__(self):
+        for i, delta in enumerate(super().__iter__()):
+            if i == self.at:
+                self.reached.set()
+            yield delta
+
+
+async def test_a_reply_cancelled_inside_a_tool_call_is_cancelled_not_a_malformed_call(served):
+    """response.cancel while the model was writing a call: the reply was cut, not malformed. It was an
+    `invalid_tool_call` error ("the reply ended inside a <tool_call>") beside the cancelled response, as
+    if the model had left the call open (the adapters tell the two apart)."""
+    engine, ws = served
+    body = '{"name": "get_weather", "arguments": {"city": "' + "x" * 200 + '"}}'
+    engine.script = Pulled(call_script(body), at=3)
+    await ws.send(json.dumps(user_message("Weather?")))
+    await ws.send(json.dumps({"type": "response.create"}))
+    assert (await recv(ws))["type"] == "conversation.item.added"
+    await until(ws, "response.created")
+    await asyncio.wait_for(engine.script.reached.wait(), 5)  # inside the call
+    await ws.send(json.dumps({"type": "response.cancel"}))
+    events = await until(ws, "response.done")
+    assert [e for e in events if e["type"] == "error"] == []
+    assert events[-1]["response"]["status"] == "cancelled" and events[-1]["response"]["output"] == []
+
+
 def test_the_parser_speaks_text_before_a_call_and_nothing_after():
     parser = ToolCallParser(frozenset({"f"}))
     assert parser.feed("Let me check.", [1]) == ("Let me check.", [])
@@ -127,6 +164,34 @@ def test_the_parser_speaks_text_before_a_call_and_nothing_after():
     assert parser.feed(" more", [3]) == ("", [])  # after a call: not spoken
     parser.feed("", [TOOL_CALL])
     assert [type(b).__name__ for b in parser.end()] == ["BadToolCall"]  # left open
+
+
+async def test_tools_with_one_name_twice_are_invalid_and_change_nothing(served):
+    """Two tools of one name (a call of it would run either) were both offered: now invalid_value."""
+    engine, ws = served
+    news = {**WEATHER, "description": "The news."}
+    await ws.send(json.dumps({"type": "session.update", "session": {"tools": [WEATHER, news]}}))
+    error = (await recv(ws))["error"]
+    assert (error["code"], error["param"]) == ("invalid_value", "session.tools")
+    assert "'get_weather'" in error["message"]
+    await ws.send(json.dumps({"type": "session.update", "session": {}}))
+    assert (await recv(ws))["session"]["tools"] == [WEATHER]
+
+
+def test_a_call_too_long_is_one_malformed_call_not_two():
+    """Past MAX_CALL_CHARS the call is malformed; its closing token then was a second error ("a
+    </tool_call> without its <tool_call>") for the same call."""
+    from omni_rt.tools import MAX_CALL_CHARS
+
+    parser = ToolCallParser(frozenset({"f"}))
+    parser.feed("", [TOOL_CALL])
+    bad = [c for _ in range(MAX_CALL_CHARS // 100 + 2) for c in parser.feed("x" * 100, [2])[1]]
+    assert len(bad) == 1 and "longer" in bad[0].message
+    assert parser.feed("", [TOOL_CALL_END]) == ("", []) and parser.end() == []
+    parser.feed("", [TOOL_CALL])  # a call after it is read as any other
+    assert [c.name for c in parser.feed('{"name": "f"}', [3])[1] + parser.feed("", [TOOL_CALL_END])[1]] == [
+        "f"
+    ]
 
 
 async def test_items_are_retrieved_and_unanswered_ones_deleted(served):
@@ -232,6 +297,21 @@ async def test_new_instructions_and_tools_mid_conversation_keep_the_conversation
         ("assistant", ""),
     ]
     assert len(engine.sessions) == opened
+
+
+async def test_response_instructions_come_before_a_text_turn_as_before_a_spoken_one(served):
+    """docs/protocol.md: response.instructions are a system turn just before the user's turn, text or
+    spoken. With speech they were; with a text message they came after it (the reply's prompt was the
+    user's turn, then the instructions), so the same request placed them by how the user spoke."""
+    engine, ws = served
+    await ws.send(json.dumps(user_message("Hello.")))
+    await ws.send(json.dumps({"type": "response.create", "response": {"instructions": "In French."}}))
+    assert (await until(ws, "response.done"))[-1]["response"]["status"] == "completed"
+    assert engine.requests[-1] == "Hello." and engine.turn_instructions[-1] == "In French."
+    # with no new input (a greeting) they are the turn the reply answers
+    await ws.send(json.dumps({"type": "response.create", "response": {"instructions": "Greet."}}))
+    assert (await until(ws, "response.done"))[-1]["response"]["status"] == "completed"
+    assert engine.requests[-1][-2:] == [("system", "Greet."), ("assistant", "")]
 
 
 def test_the_template_rules_import_without_torch_or_the_server():

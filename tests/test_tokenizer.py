@@ -238,3 +238,14 @@ def test_last_turn_reads_the_last_turn_of_a_role(tiny):
     assert tiny.last_turn(ids, "system") == "two" and tiny.last_turn(ids, "user") == "there"
     assert tiny.last_turn(ids, "assistant") == ""  # the generation prompt's header: a turn just opened
     assert tiny.last_turn(ids[:-3], "assistant") is None and tiny.last_turn([], "system") is None
+
+
+def test_last_turn_reads_a_system_prompt_with_tools_back_as_written(tiny):
+    """The template's `<tool_call>` is a special token: read back without it, a system prompt with tools
+    never matched itself, and `system_due` found it due before every reply."""
+    from omni_rt.tools import Function, system_due, system_prompt
+
+    system = system_prompt("Be brief.", [Function("lookup", "The weather.")])
+    ids = tiny.chat_prompt([("system", system), ("user", "hi")])
+    assert tiny.last_turn(ids, "system") == system
+    assert system_due(ids, tiny, system) is None and system_due(ids, tiny, "Be long.") == "Be long."

@@ -48,8 +48,10 @@ def system_turn(session: Any, tokenizer: Any, system: str) -> list[tuple[str, st
     return [] if due is None else [("system", due)]
 
 
-def users_words(messages: list[tuple[str, str]]) -> list[tuple[str, str]]:
+def users_words(messages: list[tuple[str, str]], refused: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """What of a refused reply's messages (one the model never heard: too long, ...) waits for the next
     reply beside the user's speech: the user's words. The instructions or context sent with them are not
-    kept: they may be what made it too long."""
-    return [m for m in messages if m[0] == "user"]
+    kept: they may be what made it too long; nor are the words `refused` already once (the words this
+    returned for the reply before, the very objects): refused twice, they are what does not fit, and kept
+    again they would fail every reply after them."""
+    return [m for m in messages if m[0] == "user" and not any(m is r for r in refused)]

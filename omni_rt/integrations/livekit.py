@@ -167,6 +167,7 @@ class RealtimeSession(llm.RealtimeSession):
         self._committed: list[np.ndarray] = []  # spoken turns the next reply answers
         self._pending: list[tuple[str, str]] = []  # (role, text) the next reply's prompt carries
         self._pending_ids: set[str] = set()
+        self._refused: list[tuple[str, str]] = []  # the user's words a refused reply kept (`users_words`)
         self._chat_ctx = llm.ChatContext.empty()
         self._lock = asyncio.Lock()  # one reply at a time, in the order asked
         self._current: Generation | None = None
@@ -200,6 +201,12 @@ class RealtimeSession(llm.RealtimeSession):
         return self._session
 
     async def _ready(self) -> Any:
+        opening = self._opening
+        if self._session is None and opening.done() and not opening.cancelled() and opening.exception():
+            # that open failed (no free slot, ...) and its error went to the reply that met it: try again
+            self._opening = asyncio.ensure_future(
+                self._model._open(self._tools.system_prompt(self._instructions) or None)
+            )
         if self._session is None:
             self._session = await self._opening
         return self._session
@@ -440,7 +447,7 @@ class RealtimeSession(llm.RealtimeSession):
             if not fut.done():
                 fut.set_exception(llm.RealtimeError("generate_reply: the realtime session is closed"))
         with contextlib.suppress(Exception):  # a session that never opened has nothing to close
-            session = await self._ready()
+            session = self._session or await self._opening  # (never a new one, as _ready opens)
             await session.close()
 
     def _spawn(self, coro: Any) -> asyncio.Task:
@@ -489,7 +496,7 @@ class RealtimeSession(llm.RealtimeSession):
                 audio, pending = self._take()
                 prompt = reply_prompt(
                     session, self._model.engine.tokenizer,
-                    system + pending + ([("system", instructions)] if instructions else []), audio,
+                    system + ([("system", instructions)] if instructions else []) + pending, audio,
                 )  # fmt: skip
                 heard = len(session.conversation)
                 try:
@@ -501,7 +508,8 @@ class RealtimeSession(llm.RealtimeSession):
                 if len(session.conversation) == heard and done is not None and done.status == "failed":
                     self._committed[:0] = [] if audio is None else [audio]  # the model heard none of it
                     self._gate()
-                    self._pending[:0] = users_words(pending)
+                    self._refused = users_words(pending, self._refused)
+                    self._pending[:0] = self._refused
         except Exception as e:  # the caller's future or an error event: never a reply that silently hangs
             known = isinstance(e, OmniRtError | llm.RealtimeError)
             if fut is not None and not fut.done():

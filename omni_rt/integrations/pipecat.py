@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+from loguru import logger
 from pipecat.frames.frames import (
     CancelFrame,
     EndFrame,
@@ -103,7 +104,7 @@ from pipecat.utils.time import time_now_iso8601
 
 from omni_rt.audio.vad import SpeechStarted, Turn, TurnSegmenter, VadConfig
 from omni_rt.config import OUTPUT_SAMPLE_RATES, Sampling
-from omni_rt.errors import ConfigError
+from omni_rt.errors import ConfigError, OmniRtError
 from omni_rt.integrations._audio import InputAudio, TurnBuffer
 from omni_rt.integrations._prompt import ROLES, reply_prompt, system_turn, users_words
 from omni_rt.integrations.pipecat_tools import ToolCalls
@@ -181,12 +182,14 @@ class OmniRtService(LLMService):
         self._segmenter = TurnSegmenter(vad) if turn_detection == "omni_rt" else None
         self._out_rate = 24000
         self._session: Any = None
+        self._ended = False  # the pipeline ended: its session is closed for good
         self._owns_engine = False
         self._replies: list[_Reply] = []  # replies not done yet: the running one, then those waiting
         self._messages: list[tuple[str, str]] = []  # (role, text) the next reply's prompt carries
         self._video_refused = False
         self._context_seen = False  # the first LLMContextFrame may start the conversation; later ones not
         self._unheard: list[np.ndarray] = []  # turns of dropped replies: the next reply answers them first
+        self._refused: list[tuple[str, str]] = []  # the user's words a refused reply kept (`users_words`)
         self.user_transcription = user_transcription
         self.user_id = user_id  # on its TranscriptionFrames
         self._transcriber = (
@@ -228,7 +231,10 @@ class OmniRtService(LLMService):
         if not self.engine.running:
             await self.engine.start()
             self._owns_engine = True
-        self._session = self.engine.session(output_sample_rate=self._out_rate, **self._session_kwargs)
+        try:
+            self._session = self.engine.session(output_sample_rate=self._out_rate, **self._session_kwargs)
+        except OmniRtError:  # no free slot now: the first reply opens it, or says why it cannot
+            logger.warning(f"{self}: the omni_rt session did not open at the start; the first reply opens it")
 
     async def stop(self, frame: EndFrame) -> None:
         """At the pipeline's end a reply still being made is finished, as everything queued before it is."""
@@ -260,6 +266,7 @@ class OmniRtService(LLMService):
             await super().cleanup()
 
     async def _close(self) -> None:
+        self._ended = True  # no reply opens a session any more
         session, self._session = self._session, None  # taken first: a cleanup during a cancel closes it once
         try:
             if session is not None:
@@ -324,7 +331,7 @@ class OmniRtService(LLMService):
             self._respond(None)
 
     async def _first_context(self, frame: LLMContextFrame) -> None:
-        if self._replies or self._turn.open or self._session is None or self._session.conversation:
+        if self._replies or self._turn.open or (self._session is not None and self._session.conversation):
             return  # the conversation started without it (the user spoke first)
         if await self._append(frame.context.get_messages()):
             self._respond(None)
@@ -363,10 +370,12 @@ class OmniRtService(LLMService):
         """The system turn the next reply starts with (`system_turn`); before anything was said a new
         system prompt opens the session anew, as its instructions."""
         system = self._tools.system_prompt(self._instructions)
-        turn = system_turn(self._session, self.engine.tokenizer, system)
-        if turn is not None:
-            return turn
-        await self._session.close()
+        if self._session is not None:  # else its open failed (no free slot): it opens now
+            turn = system_turn(self._session, self.engine.tokenizer, system)
+            if turn is not None:
+                return turn
+            session, self._session = self._session, None
+            await session.close()
         kwargs = self._session_kwargs | {"instructions": system or None}
         self._session = self.engine.session(output_sample_rate=self._out_rate, **kwargs)
         return []
@@ -423,7 +432,7 @@ class OmniRtService(LLMService):
         try:
             if previous is not None:
                 await previous.done.wait()
-            if not reply.interrupted and self._session is not None:
+            if not reply.interrupted and not self._ended:
                 reply.ran = True
                 await self._stream(reply)
         except Exception as e:  # the reply's end reaches the pipeline as an error, never a silent stop
@@ -433,8 +442,13 @@ class OmniRtService(LLMService):
         t0 = time.time()
         await self.start_ttfb_metrics(start_time=t0)
         await self.start_processing_metrics(start_time=t0)
+        try:
+            system = await self._system_turn()
+        except OmniRtError:  # no session (no free slot): what the reply answers waits for the next
+            self._unheard[:0], reply.turns = reply.turns, []
+            self._messages[:0] = reply.messages
+            raise
         await self.push_frame(LLMFullResponseStartFrame())
-        system = await self._system_turn()
         session = self._session  # the reply's own: a cancel whose interrupt failed closes the service first
         prompt = reply_prompt(session, self.engine.tokenizer, system + reply.messages, reply.audio)
         heard = len(session.conversation)
@@ -451,7 +465,8 @@ class OmniRtService(LLMService):
                         reply.turns,
                         [],
                     )  # the next reply answers (and transcribes) it
-                    self._messages[:0] = users_words(reply.messages)
+                    self._refused = users_words(reply.messages, self._refused)
+                    self._messages[:0] = self._refused
                 if calls is not None and not reply.interrupted and ev.status != "cancelled":
                     for bad in calls.end():  # a call left open by the model, not one cut by a stop
                         await self._bad_call(bad)

@@ -52,6 +52,9 @@ class ToolCalls:
         if len(functions) > template.MAX_TOOLS:
             await self._service.push_error(f"omni_rt offers at most {template.MAX_TOOLS} tools")
             return
+        if duplicate := template.duplicate_names(functions):
+            await self._service.push_error(f"omni_rt: {duplicate}; the tools are unchanged")
+            return
         self.functions = functions
 
     async def set_context(self, context: LLMContext) -> None:

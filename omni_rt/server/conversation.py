@@ -110,6 +110,19 @@ class Conversation:
         """(the text turns waiting, whether speech waits too)."""
         return list(self._text.values()), bool(self._speech)
 
+    def unanswerable(self, event_id: str | None = None) -> ProtocolError | None:
+        """Why the input waiting cannot be one reply's, or None: an assistant message cannot join a spoken
+        turn (its words would be heard as the user's, beside the speech)."""
+        if self._speech and any(role == "assistant" for role, _ in self._text.values()):
+            return ProtocolError(
+                "invalid_value",
+                "a spoken turn is answered with the user text beside it and the system messages before "
+                "it; assistant messages cannot join it: send response.create before adding them, or "
+                "delete them",
+                event_id=event_id,
+            )
+        return None
+
     def take(self) -> tuple[list[tuple[str, str]], Any]:
         """What the next response reads: the text turns in order, the speech as one clip (the item's
         encoding made while it was spoken when one item waits, else the samples of all of them)."""

@@ -471,31 +471,28 @@ class Peer:
                     param=f"response.{name}",
                     event_id=event.event_id,
                 )
-        turns, speech = self.conversation.waiting()
-        if speech and any(role == "assistant" for role, _ in turns):
-            raise ProtocolError(
-                "invalid_value",
-                "a spoken turn is answered with the user text beside it and the system messages before "
-                "it; assistant messages cannot join it: send response.create before adding them",
-                event_id=event.event_id,
-            )
+        if (refused := self.conversation.unanswerable(event.event_id)) is not None:
+            raise refused
         self._start_response(fields)
 
     def _start_response(self, fields: protocol.ResponseFields | None = None) -> None:
         """Answer the conversation as it stands: what was added since the last response (user text and
         speech in one user turn; system and assistant messages as their own turns), or nothing new."""
+        if (refused := self.conversation.unanswerable()) is not None:  # a reply server VAD asked for
+            self.replies.respond_when_idle = False
+            self.send(protocol.error(refused))  # the input waits: the client deletes what cannot join
+            return
         fields = fields or protocol.ResponseFields()
         messages, audio = self.conversation.take()
-        if fields.instructions:  # a system turn just before the reply (it stays in the context)
-            messages.append(("system", fields.instructions))
+        said = [("system", fields.instructions)] if fields.instructions else []  # kept in the context
         text = prompt = None
         system: list[str] = []
         if audio is not None or (messages and all(role == "user" for role, _ in messages)):
-            # the Session adds the chat template: system text as a turn before the (spoken) user turn
-            system = [t for role, t in messages if role == "system"]
+            # the Session adds the chat template: system text as a turn before the user turn, text or spoken
+            system = [t for role, t in messages + said if role == "system"]
             text = "\n".join(t for role, t in messages if role != "system") or None
-        else:
-            prompt = self._prompt(messages)
+        else:  # system and assistant messages as their own turns, then the instructions
+            prompt = self._prompt(messages + said)
         self.replies.respond_when_idle = False
         limits = self._limits(self._max_tokens(fields.max_output_tokens), text, audio, prompt, system)
         if fields.voice is not None:  # this reply's own voice (already a model voice, see above)

@@ -124,8 +124,9 @@ class Response:
     def done(self, ev: Any) -> None:
         """The session's response.done: close what is open, then the response, with its outcome."""
         if self.tools is not None:
-            for bad in self.tools.end():
-                self._call(bad)
+            for bad in self.tools.end():  # a call left open by the model, not one cut by a cancel
+                if ev.status != "cancelled":
+                    self._call(bad)
         status, details = self._outcome(ev)
         if status == "completed" and not self.calls:
             self._open_item()  # an empty reply is still the assistant's turn

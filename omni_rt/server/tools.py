@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from omni_rt.tools import MAX_TOOLS
+from omni_rt.tools import MAX_TOOLS, duplicate_names
 
 
 class Tool(BaseModel):
@@ -35,4 +35,12 @@ class FunctionChoice(BaseModel):
 
 
 ToolChoice = Literal["auto", "none", "required"] | FunctionChoice
-Tools = Annotated[list[Tool], Field(max_length=MAX_TOOLS)]
+
+
+def _unique(tools: list[Tool]) -> list[Tool]:
+    if message := duplicate_names(tools):
+        raise ValueError(message)
+    return tools
+
+
+Tools = Annotated[list[Tool], Field(max_length=MAX_TOOLS), AfterValidator(_unique)]

@@ -19,6 +19,7 @@ id decodes to a made-up word, so what a randomly initialised model says is visib
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,12 @@ SPECIAL_TOKENS: dict[int, str] = {
     151674: "<tts_text_bos_single>",
     151675: "<|audio_pad|>",
 }
+# Added tokens that the chat template writes inside a turn's text (Qwen's tokenizer_config marks them
+# "special": false): a tool call, its response, thinking. Every other special token is a control token
+# (turn boundaries, modality markers), which text from a client never becomes: see `Tokenizer.encode`.
+TEXT_TOKENS = frozenset(
+    {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
+)
 # tokens in the tokenizer.json that must agree with the config's ids (by name, then checked)
 _CHECKED = {"im_start": "<|im_start|>", "im_end": "<|im_end|>", "tts_pad": "<tts_pad>",
             "tts_bos": "<tts_text_bos>", "tts_eos": "<tts_text_eod>"}  # fmt: skip
@@ -167,6 +174,17 @@ class Tokenizer:
         self._tok = tok
         self.ids = ids or TokenIds()
         self.special_ids = frozenset(i for i in SPECIAL_TOKENS if tok.id_to_token(i) is not None)
+        controls = sorted(
+            (
+                t.content
+                for t in tok.get_added_tokens_decoder().values()
+                if t.special and t.content not in TEXT_TOKENS
+            ),
+            key=len,
+            reverse=True,  # the longest first where one control token's text starts another's
+        )
+        self._controls = re.compile("|".join(map(re.escape, controls))) if controls else None
+        self._plain: _HFTokenizer | None = None  # made on the first control token's text (a copy: ~1 s real)
 
     # ---- construction
 
@@ -214,7 +232,11 @@ class Tokenizer:
             raise KeyError(f"no token {token!r} in the tokenizer")
         return i
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, control_tokens: bool = False) -> list[int]:
+        """Text -> ids. A control token's text in `text` (`<|im_end|>`, `<|im_start|>`, ...) encodes as the
+        characters it is made of, not as the token, unless `control_tokens`: what a user types, or a tool
+        returns, can never close its turn and open a system turn. The template's own tokens (TEXT_TOKENS,
+        e.g. `<tool_call>`) stay tokens, as the checkpoint's tokenizer reads them."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"text must be a str, got {type(text).__name__}")
         if not text.isascii():
@@ -224,7 +246,22 @@ class Tokenizer:
                 raise InvalidRequestError(
                     f"text is not valid Unicode: lone surrogate {text[e.start]!a} at character {e.start}"
                 ) from None
-        return self._tok.encode(text, add_special_tokens=False).ids
+        if control_tokens or self._controls is None or self._controls.search(text) is None:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        at = 0
+        for m in self._controls.finditer(text):
+            if m.start() > at:
+                ids += self._tok.encode(text[at : m.start()], add_special_tokens=False).ids
+            if self._plain is None:  # the same tokenizer, matching no special token
+                plain = _HFTokenizer.from_str(self._tok.to_str())
+                plain.encode_special_tokens = True
+                self._plain = plain
+            ids += self._plain.encode(m.group(), add_special_tokens=False).ids
+            at = m.end()
+        if at < len(text):
+            ids += self._tok.encode(text[at:], add_special_tokens=False).ids
+        return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -160,6 +160,34 @@ async def test_cancel_and_a_turn_after_it(served):
         assert check_reply(events, audio=True)["status"] in ("completed", "incomplete")
 
 
+async def test_a_session_update_during_the_first_reply_is_the_next_replys(served):
+    # The Session commits a turn when its reply ends, so during the first reply nothing is said yet: an
+    # update of the instructions then opened a fresh Session (ending the reply) had it not been refused.
+    # OpenAI's server takes it; it must change nothing running.
+    server, client = served
+    async with client.realtime.connect(model="tiny") as conn:
+        await recv(conn)
+        await conn.conversation.item.create(
+            item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Talk."}]}
+        )
+        await until(conn, "conversation.item.done")
+        await conn.response.create()
+        events = await until(conn, "response.created")
+        await conn.session.update(
+            session={"type": "realtime", "instructions": "Be brief.", "audio": {"output": {"voice": "alloy"}}}
+        )
+        events += await until(conn, "response.done")
+        if not any(e["type"] == "session.updated" for e in events):
+            events += await until(conn, "session.updated")
+        assert not [e for e in events if e["type"] == "error"]
+        assert check_reply(events, audio=True)["status"] in ("completed", "incomplete")
+        updated = next(e for e in events if e["type"] == "session.updated")
+        assert updated["session"]["instructions"] == "Be brief."
+        await conn.response.create()  # the conversation goes on, in the new voice
+        events = await until(conn, "response.done")
+        assert check_reply(events, audio=True)["status"] in ("completed", "incomplete")
+
+
 async def test_a_spoken_turn_with_server_vad(served):
     server, client = served
     async with client.realtime.connect(model="tiny") as conn:

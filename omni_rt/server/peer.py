@@ -365,8 +365,9 @@ class Peer:
     def configure(self, s: protocol.SessionFields, event_id: str | None = None) -> bool:
         """Apply a session configuration (all of it, or nothing: `ProtocolError`). True when the system
         prompt (instructions, tools) changed before the conversation began: the caller opens a new Session
-        with it. Once it has begun, the next reply adds the new one as a system turn (`_system_due`), so
-        nothing said is lost; a new voice is each reply's own (`_limits`)."""
+        with it. Once it has begun, or while a reply runs (as OpenAI's server, the change is the next
+        reply's; the running one keeps what it started with), the next reply adds the new one as a system
+        turn (`_system_due`), so nothing said is lost; a new voice is each reply's own (`_limits`)."""
         voice = s.voice or (s.audio.output.voice if s.audio and s.audio.output else None)
         if voice is not None:
             try:  # checked before the current session is given up
@@ -382,18 +383,6 @@ class Peer:
                 "invalid_value",
                 f"tool_choice names {choice.name!r}, which is not one of the session's tools",
                 param="session.tool_choice.name",
-                event_id=event_id,
-            )
-        changed = (
-            (voice is not None and voice != self.voice)
-            or (instructions is not None and instructions != self.instructions)
-            or new_tools != self.tools
-            or choice != self.tool_choice
-        )
-        if changed and self.replies.current is not None:
-            raise ProtocolError(
-                "conversation_already_has_active_response",
-                "voice, instructions and tools cannot change while a response is in progress",
                 event_id=event_id,
             )
         given, detection = protocol.turn_detection_of(s)
@@ -412,7 +401,9 @@ class Peer:
         self.voice = voice or self.voice
         self.instructions = instructions if instructions is not None else self.instructions
         self.tools, self.tool_choice = new_tools, choice
-        begun = self.session is not None and bool(self.session.conversation)
+        begun = (
+            self.session is not None and bool(self.session.conversation) or self.replies.current is not None
+        )
         return self._system_prompt() != system and not begun
 
     async def _on_session_update(self, event: protocol.SessionUpdate) -> None:

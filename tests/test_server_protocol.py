@@ -377,7 +377,9 @@ async def test_one_response_at_a_time_and_cancel(served):
     # a session update while a reply runs is the next reply's (OpenAI's server takes it; the pipecat and
     # LiveKit OpenAI services send one mid-reply): refused before, now it changes nothing running
     opened = len(engine.sessions)
-    await ws.send(json.dumps({"type": "session.update", "session": {"instructions": "new", "voice": "chelsie"}}))
+    await ws.send(
+        json.dumps({"type": "session.update", "session": {"instructions": "new", "voice": "chelsie"}})
+    )
     updated = (await until(ws, "session.updated"))[-1]["session"]
     assert updated["instructions"] == "new" and updated["audio"]["output"]["voice"] == "chelsie"
     assert engine.voices[-1] == "ethan"

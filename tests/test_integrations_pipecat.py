@@ -536,6 +536,20 @@ async def test_function_calls_run_through_register_function_and_their_results_ar
     assert [m["content"] for m in context.get_messages() if m.get("role") == "tool"] == [result]
 
 
+def test_a_call_with_no_result_is_answered_as_completed() -> None:
+    # pipecat's context aggregator records a falsy result as "COMPLETED" (and runs no reply for it); the
+    # model's next turn said "null"
+    from pipecat.frames.frames import FunctionCallResultFrame
+
+    from omni_rt.integrations.pipecat_tools import ToolCalls
+
+    calls = ToolCalls(service=None)
+    for result, said in ((None, "COMPLETED"), ("", "COMPLETED"), ({"ok": 1}, '{"ok": 1}')):
+        calls._open.add("call_1")
+        frame = FunctionCallResultFrame(function_name="f", tool_call_id="call_1", arguments={}, result=result)
+        assert calls.result(frame) == ("user", tool_response(said))
+
+
 async def test_a_malformed_tool_call_is_an_error_and_runs_nothing() -> None:
     """A call of a tool the service was not given (LLMSetToolsFrame, no aggregator): an ErrorFrame, no
     handler runs, nothing of it is shown; the next reply is made as usual."""

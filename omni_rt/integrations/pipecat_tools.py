@@ -100,5 +100,6 @@ class ToolCalls:
             return None
         self._open.discard(frame.tool_call_id)
         self.results_waiting = True
-        # as JSON, strings too: what pipecat's context aggregator records and its OpenAI realtime service sends
-        return "user", template.tool_response(json.dumps(frame.result, ensure_ascii=False))
+        # as JSON, strings too; no result "COMPLETED": what pipecat's context aggregator records for it
+        result = json.dumps(frame.result, ensure_ascii=False) if frame.result else "COMPLETED"
+        return "user", template.tool_response(result)

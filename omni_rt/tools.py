@@ -100,6 +100,22 @@ def duplicate_names(tools: Sequence[Signature]) -> str | None:
     )
 
 
+def choice_of(value: Any) -> str | Function:
+    """A framework's tool choice as the template takes it: "auto" (also None), "none", "required", or
+    OpenAI's `{"type": "function", "function": {"name": ...}}` (LiveKit's and pipecat's shape) as the one
+    function to call. Anything else: ValueError saying what is accepted."""
+    if value is None or (isinstance(value, str) and value in ("auto", "none", "required")):
+        return value or "auto"
+    function = value.get("function") if isinstance(value, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if isinstance(name, str) and name:
+        return Function(name)
+    raise ValueError(
+        f"unknown tool_choice {value!r:.200}: 'auto', 'none', 'required' or "
+        "{'type': 'function', 'function': {'name': ...}}"
+    )
+
+
 def system_due(conversation: Sequence[Any], tokenizer: Any, system: str) -> str | None:
     """The system prompt a reply adds as a turn of its own once the conversation has begun: `system` where
     it is not the conversation's last system turn (instructions or tools changed since, or a truncation

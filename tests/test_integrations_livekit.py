@@ -714,3 +714,18 @@ async def test_bad_tool_calls_and_outputs_are_clear_errors_and_new_tools_a_syste
         assert len(rec.of("error")) == 1
         await rt.aclose()
         await model.aclose()
+
+
+def test_a_malformed_tool_choice_is_a_realtime_error_and_changes_nothing():
+    # {"function": "lookup"} raised AttributeError out of update_options; now livekit's RealtimeError
+    from omni_rt.integrations.livekit_tools import SessionTools
+    from omni_rt.tools import Function
+
+    tools = SessionTools()
+    tools.set_choice({"type": "function", "function": {"name": "lookup"}})
+    for bad in ({"type": "function", "function": "lookup"}, "sometimes", {"type": "function"}):
+        with pytest.raises(llm.RealtimeError, match="unknown tool_choice"):
+            tools.set_choice(bad)
+        assert tools.choice == Function("lookup")
+    tools.set_choice(None)
+    assert tools.choice == "auto"

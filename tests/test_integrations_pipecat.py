@@ -58,7 +58,7 @@ from omni_rt.audio.resample import resample
 from omni_rt.integrations.pipecat import OmniRtService
 from omni_rt.model.config import preset
 from omni_rt.tokenizer import Tokenizer
-from omni_rt.tools import TOOL_CALL, TOOL_CALL_END, tool_response
+from omni_rt.tools import TOOL_CALL, TOOL_CALL_END, Function, tool_response
 
 # replies run to their limits (the tiny preset's random weights may say EOS at once): 32 codec frames, 2.56 s
 REPLY = dict(max_output_tokens=48, max_audio_frames=32, ignore_eos=True)
@@ -548,6 +548,28 @@ def test_a_call_with_no_result_is_answered_as_completed() -> None:
         calls._open.add("call_1")
         frame = FunctionCallResultFrame(function_name="f", tool_call_id="call_1", arguments={}, result=result)
         assert calls.result(frame) == ("user", tool_response(said))
+
+
+async def test_a_malformed_tool_choice_is_an_error_and_changes_nothing() -> None:
+    # {"function": "lookup"} (no name object) raised AttributeError out of the frame's processing; an
+    # unknown string was taken as it was
+    from omni_rt.integrations.pipecat_tools import ToolCalls
+
+    class Service:
+        errors: list[str] = []
+
+        async def push_error(self, message: str) -> None:
+            self.errors.append(message)
+
+    calls = ToolCalls(Service())
+    await calls.set_context(LLMContext(tool_choice={"type": "function", "function": {"name": "lookup"}}))
+    assert calls.choice == Function("lookup")
+    for bad in ({"type": "function", "function": "lookup"}, "sometimes", {"type": "function"}):
+        await calls.set_context(LLMContext(tool_choice=bad))
+        assert calls.choice == Function("lookup")
+    assert len(Service.errors) == 3 and all("unknown tool_choice" in e for e in Service.errors)
+    await calls.set_context(LLMContext(tool_choice="none"))
+    assert calls.choice == "none"
 
 
 async def test_a_malformed_tool_call_is_an_error_and_runs_nothing() -> None:

@@ -53,12 +53,10 @@ class SessionTools:
 
     def set_choice(self, choice: Any) -> None:
         """livekit's ToolChoice: "auto" (also None), "none", "required", or {"type": "function", ...}."""
-        if choice is None or choice in ("auto", "none", "required"):
-            self.choice = choice or "auto"
-        elif isinstance(choice, dict) and isinstance(name := choice.get("function", {}).get("name"), str):
-            self.choice = template.Function(name)
-        else:
-            raise llm.RealtimeError(f"omni_rt: unknown tool_choice {choice!r}")
+        try:
+            self.choice = template.choice_of(choice)
+        except ValueError as e:  # the choice stays as it was
+            raise llm.RealtimeError(f"omni_rt: {e}") from None
 
     def system_prompt(self, instructions: str | None) -> str:
         return template.system_prompt(instructions or "", self.functions, self.choice)

@@ -64,10 +64,10 @@ class ToolCalls:
             await self.set_tools(context.tools)
         choice = context.tool_choice
         if is_given(choice):
-            if isinstance(choice, dict):  # {"type": "function", "function": {"name": ...}}
-                self.choice = template.Function(choice.get("function", {}).get("name", ""))
-            else:
-                self.choice = choice or "auto"
+            try:
+                self.choice = template.choice_of(choice)
+            except ValueError as e:
+                await self._service.push_error(f"omni_rt: {e}; the tool choice is unchanged")
 
     def system_prompt(self, instructions: str | None) -> str:
         return template.system_prompt(instructions or "", self.functions, self.choice)

@@ -183,7 +183,8 @@ class Tokenizer:
             key=len,
             reverse=True,  # the longest first where one control token's text starts another's
         )
-        self._controls = re.compile("|".join(map(re.escape, controls))) if controls else None
+        # one group: re.split gives the text between control tokens and the tokens' text in turn
+        self._controls = re.compile("(" + "|".join(map(re.escape, controls)) + ")") if controls else None
         self._plain: _HFTokenizer | None = None  # made on the first control token's text (a copy: ~1 s real)
 
     # ---- construction
@@ -246,22 +247,21 @@ class Tokenizer:
                 raise InvalidRequestError(
                     f"text is not valid Unicode: lone surrogate {text[e.start]!a} at character {e.start}"
                 ) from None
-        if control_tokens or self._controls is None or self._controls.search(text) is None:
-            return self._tok.encode(text, add_special_tokens=False).ids
+        pieces = [text] if control_tokens or self._controls is None else self._controls.split(text)
         ids: list[int] = []
-        at = 0
-        for m in self._controls.finditer(text):
-            if m.start() > at:
-                ids += self._tok.encode(text[at : m.start()], add_special_tokens=False).ids
-            if self._plain is None:  # the same tokenizer, matching no special token
-                plain = _HFTokenizer.from_str(self._tok.to_str())
-                plain.encode_special_tokens = True
-                self._plain = plain
-            ids += self._plain.encode(m.group(), add_special_tokens=False).ids
-            at = m.end()
-        if at < len(text):
-            ids += self._tok.encode(text[at:], add_special_tokens=False).ids
+        for n, piece in enumerate(pieces):  # odd pieces: a control token's text
+            if piece:
+                tok = self._plain_tokenizer() if n % 2 else self._tok
+                ids += tok.encode(piece, add_special_tokens=False).ids
         return ids
+
+    def _plain_tokenizer(self) -> _HFTokenizer:
+        """The same tokenizer, matching no special token: a control token's text as its characters."""
+        if self._plain is None:
+            plain = _HFTokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

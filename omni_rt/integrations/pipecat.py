@@ -461,10 +461,8 @@ class OmniRtService(LLMService):
                     await session.cancel()
             elif ev.type == "response.done":
                 if len(session.conversation) == heard and ev.status == "failed":  # the model heard none of it
-                    self._unheard[:0], reply.turns = (
-                        reply.turns,
-                        [],
-                    )  # the next reply answers (and transcribes) it
+                    self._unheard[:0] = reply.turns  # the next reply answers (and transcribes) them
+                    reply.turns = []
                     self._refused = users_words(reply.messages, self._refused)
                     self._messages[:0] = self._refused
                 if calls is not None and not reply.interrupted and ev.status != "cancelled":

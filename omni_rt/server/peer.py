@@ -401,9 +401,8 @@ class Peer:
         self.voice = voice or self.voice
         self.instructions = instructions if instructions is not None else self.instructions
         self.tools, self.tool_choice = new_tools, choice
-        begun = (
-            self.session is not None and bool(self.session.conversation) or self.replies.current is not None
-        )
+        said = self.session is not None and bool(self.session.conversation)
+        begun = said or self.replies.current is not None  # a running reply commits its turn at its end
         return self._system_prompt() != system and not begun
 
     async def _on_session_update(self, event: protocol.SessionUpdate) -> None:

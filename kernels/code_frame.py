@@ -29,6 +29,8 @@ path's unless two logits are within such an ulp.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from omni_rt.kernels._common import FLOATS, mark, next_pow2, precise, require_triton, rnd
 from omni_rt.kernels.packed import pack_linears
@@ -391,11 +393,27 @@ class CodeFrame:
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
         self.rnd = rnd(head.dtype)
         self.eps = cfg.rms_norm_eps
-        self.pdl = programmatic_launch and pdl_runs(head.device)
+        self.pdl_runs = pdl_runs(head.device)
+        self.pdl = programmatic_launch and self.pdl_runs
         self.launch = {"launch_pdl": True} if self.pdl else {}
         # each layer's query heads' arrivals in the one-launch q/k/v + attention (`qkv_attention`)
         self.arrivals = torch.zeros(len(self.layers), cfg.num_attention_heads, dtype=torch.int32,
                                     device=head.device)  # fmt: skip
+
+    programmatic_rows = SMALL_M  # the frames whose rows all take programmatic launches (steps 1-14)
+
+    @contextlib.contextmanager
+    def programmatic(self):
+        """Within: the few-rows kernels as programmatic dependent launches, where the card runs them (yields
+        whether it does). For capturing a second set of frame graphs that the Talker's runner replays while
+        the Thinker has no work on the GPU (`EngineSettings.programmatic_launch` 'idle')."""
+        saved = self.pdl, self.launch
+        self.pdl = self.pdl_runs
+        self.launch = {"launch_pdl": True} if self.pdl else {}
+        try:
+            yield self.pdl
+        finally:
+            self.pdl, self.launch = saved
 
     @staticmethod
     def _blocks(kind: str, m: int) -> dict[str, int]:

@@ -16,7 +16,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from omni_rt.model.config import PRESETS
 
@@ -285,13 +285,17 @@ class EngineSettings(_Settings):
         "and SnakeBeta (omni_rt.kernels.fused). None: on where the model runs on a CUDA device and Triton "
         "imports; True: on, an error where they cannot run; False: off (plain PyTorch)",
     )
-    programmatic_launch: bool = Field(
-        False,
-        description="launch the code-predictor frame's few-rows kernels as programmatic dependent launches "
-        "(sm_90+: each kernel's launch and weight loads overlap the previous kernel's tail). Off: the frame at "
-        "batch 1 takes 1.69 ms greedy with them against 1.95 on an H200, but beside the other stages the "
-        "Thinker's decode step took 6.42 ms with them against 5.89, RTF 0.087 against 0.084, and 64 "
-        "conversations' TTFA p50 64 ms against 56-58 (2026-12-05 (fifth session), docs/performance.md)",
+    programmatic_launch: Literal["off", "idle", "always"] = Field(
+        "off",
+        description="the code-predictor frame's few-rows kernels as programmatic dependent launches (sm_90+: "
+        "each kernel's launch and weight loads overlap the previous kernel's tail). 'always': every frame; "
+        "'idle': frames of up to 4 rows while the Thinker has no work on the GPU (a second set of frame "
+        "graphs; the others as 'off'); 'off': none. Alone on an H200 the frame at batch 1 takes 1.69 ms "
+        "greedy with them against 1.95, but beside the other stages the Thinker's decode step took 6.42 ms "
+        "with them against 5.89, RTF 0.087 against 0.084, and 64 conversations' TTFA p50 64 ms against "
+        "56-58 (2026-12-05 (fifth session), docs/performance.md). 'idle' is the way to keep the first "
+        "without the second; not yet timed on a GPU, so not the default. True and False mean 'always' and "
+        "'off'",
     )
     fused_code2wav: bool = Field(
         True,
@@ -327,6 +331,12 @@ class EngineSettings(_Settings):
         "`engine_stalled`, new ones are refused, the server's /health says so (503) and the threads' stacks "
         "go to stderr (pipeline/watchdog.py); None: no watch",
     )
+
+    @field_validator("programmatic_launch", mode="before")
+    @classmethod
+    def _programmatic_bool(cls, value: object) -> object:
+        # it was a bool until 'idle' came (2026-12-05): True was every frame
+        return {True: "always", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _buckets(self) -> EngineSettings:

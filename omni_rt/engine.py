@@ -98,7 +98,7 @@ class KernelChoice(NamedTuple):
     moe_prefill: bool  # Triton MoE prefill kernel (rides with the decode kernel)
     fused: bool  # fused Triton kernels (RMSNorm, q/k norm + RoPE + cache, router, decode attention, ...)
     packed: bool  # packed projections (one GEMM for q/k/v and for gate/up; plain PyTorch)
-    programmatic_launch: bool  # the fused code frame's kernels as programmatic dependent launches
+    programmatic_launch: bool  # every fused code frame's kernels as programmatic dependent launches
 
 
 def kernel_choice(settings: EngineSettings, device: Any) -> KernelChoice:
@@ -116,7 +116,7 @@ def kernel_choice(settings: EngineSettings, device: Any) -> KernelChoice:
         moe_prefill=moe and wanted(settings.moe_prefill_kernel, runs),
         fused=wanted(settings.fused_kernels, runs),
         packed=wanted(settings.packed_projections, device.type == "cuda"),
-        programmatic_launch=settings.programmatic_launch,
+        programmatic_launch=settings.programmatic_launch == "always",  # 'idle': the Talker's runner
     )
     demanded = [
         name

@@ -502,6 +502,13 @@ def test_programmatic_launch_is_off_unless_asked_and_reaches_the_code_frame(tiny
         assert frames() and all(not f.pdl and f.launch == {} for f in frames())
         apply_kernels(tiny_model, EngineSettings(fused_kernels=True, programmatic_launch=True))
         assert frames() and all(f.pdl and f.launch == {"launch_pdl": True} for f in frames())
+        # 'idle': installed off; the Talker's runner captures its second frame graphs in `programmatic`
+        apply_kernels(tiny_model, EngineSettings(fused_kernels=True, programmatic_launch="idle"))
+        for f in frames():
+            assert not f.pdl and f.launch == {}
+            with f.programmatic() as runs:
+                assert runs and f.pdl and f.launch == {"launch_pdl": True}
+            assert not f.pdl and f.launch == {}
     finally:
         apply_kernels(tiny_model, EngineSettings.all_off())
 

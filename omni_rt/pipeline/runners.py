@@ -28,7 +28,7 @@ from __future__ import annotations
 from omni_rt.admission import CAPTURE_ROWS
 from omni_rt.config import EngineSettings
 from omni_rt.pipeline.code2wav_runner import Code2WavRunner
-from omni_rt.pipeline.stage_device import LaunchGate, StartHandoff
+from omni_rt.pipeline.stage_device import LaunchGate, StageActivity, StartHandoff
 from omni_rt.pipeline.talker_runner import TalkerRunner
 from omni_rt.pipeline.thinker_runner import ThinkerRunner
 
@@ -38,8 +38,9 @@ __all__ = ["Code2WavRunner", "TalkerRunner", "ThinkerRunner", "build_runners"]
 def build_runners(model, settings: EngineSettings) -> tuple[ThinkerRunner, TalkerRunner, Code2WavRunner]:
     gate = LaunchGate() if settings.prefill_launch_order and settings.talker_overlap_prefill else None
     start = StartHandoff(settings.max_sessions + CAPTURE_ROWS, model.cfg.num_code_groups, model.device)
+    thinker = StageActivity()  # the Talker's frames read whether the Thinker has work on the GPU
     return (
-        ThinkerRunner(model, settings, gate, start),
-        TalkerRunner(model, settings, gate, start),
+        ThinkerRunner(model, settings, gate, start, thinker),
+        TalkerRunner(model, settings, gate, start, thinker),
         Code2WavRunner(model, settings, start),
     )

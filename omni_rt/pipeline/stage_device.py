@@ -22,6 +22,7 @@ from omni_rt.pipeline.request import Request
 __all__ = [
     "DeviceHandoff",
     "LaunchGate",
+    "StageActivity",
     "StartHandoff",
     "StepInputs",
     "host_ids",
@@ -198,6 +199,27 @@ class LaunchGate:
         (False): one timeout for them all, so a batch of prefixes waits no longer than one."""
         with self._cond:
             return self._cond.wait_for(lambda: all(r in self._launched for r in reqs), self.timeout_s)
+
+
+class StageActivity:
+    """Whether a stage may have work on the GPU, as its own thread knows it without asking the driver (an
+    event query is a driver call, which waits while another thread's graph launch holds the driver's lock:
+    `StepInputs`): busy from the start of a device call (`begin`) to a read-back that waited for all of its
+    stream's work (`synced`). A call that returns with work still queued (a prefill piece) leaves it busy.
+
+    The Thinker's runner writes it, the Talker's reads it (`EngineSettings.programmatic_launch` 'idle':
+    code-predictor frames take programmatic launches only while the Thinker has nothing on the GPU, where
+    their early-started programs cannot take SMs from its kernels). One writer thread; a reader sees a
+    bool, and a frame launched just before the Thinker's next step overlaps it for one frame at most."""
+
+    def __init__(self) -> None:
+        self.busy = False
+
+    def begin(self) -> None:
+        self.busy = True
+
+    def synced(self) -> None:
+        self.busy = False
 
 
 class DeviceHandoff:

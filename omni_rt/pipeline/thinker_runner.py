@@ -29,6 +29,7 @@ from omni_rt.pipeline.shapes import (
 )
 from omni_rt.pipeline.stage_device import (
     LaunchGate,
+    StageActivity,
     StartHandoff,
     StepInputs,
     host_ids,
@@ -48,8 +49,11 @@ class ThinkerRunner:
         settings: EngineSettings,
         gate: LaunchGate | None = None,
         start: StartHandoff | None = None,
+        activity: StageActivity | None = None,
     ) -> None:
         self.thinker = model.thinker
+        # whether its work may be on the GPU (the Talker's runner reads it)
+        self.activity = activity or StageActivity()
         self.ids = model.cfg.ids
         self.accept_hidden_layer = model.cfg.accept_hidden_layer
         self.audio_encoder = getattr(model.thinker, "audio_tower", None)  # None: no speech input
@@ -183,6 +187,7 @@ class ThinkerRunner:
 
     @stage_call
     def prefill(self, reqs: list[Request], queued: Queued | None = None) -> list[int]:
+        self.activity.begin()
         try:
             for req in reqs:
                 # the repetition penalty covers the whole conversation, as the reference's covers its prompt
@@ -195,7 +200,9 @@ class ThinkerRunner:
         if queued is not None:  # early_start: the Talker may enqueue its start behind this prefill
             slots = to_device([r.slot for r in reqs], self.device)
             queued(reqs, self.start.first_token.publish(slots, first))
-        return host_ids([first], self.pinned)
+        values = host_ids([first], self.pinned)
+        self.activity.synced()  # the read-back waited for the prefill
+        return values
 
     def _prefill_first(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's first reply id after its new prompt tokens [B] and the logits it was drawn
@@ -230,6 +237,7 @@ class ThinkerRunner:
         """Write the next `n` tokens of a text request's prompt into its cache, between decode steps (a
         long prompt in pieces). The id the graph draws after them is dropped; the history it marks is
         reset by `prefill`'s `assign`, which draws the reply's first id after the last piece."""
+        self.activity.begin()  # and no read-back: busy until the next prefill or decode step's
         self._prefill_text([req], [req.pending_prompt_ids[:n]])
         req.prefilled += n
 
@@ -297,6 +305,12 @@ class ThinkerRunner:
 
     @stage_call
     def decode(self, reqs: list[Request]) -> list[int]:
+        self.activity.begin()
+        values = self._decode(reqs)
+        self.activity.synced()  # the read-back waited for the step
+        return values
+
+    def _decode(self, reqs: list[Request]) -> list[int]:
         kv_len = kv_bucket(max(len(r.prompt_ids) + len(r.tokens) for r in reqs), self.cache.max_len)
         # the last token goes to the position after everything already in the cache
         pos = [len(r.prompt_ids) + len(r.tokens) - 1 for r in reqs]

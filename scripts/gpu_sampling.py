@@ -1,6 +1,6 @@
 """Sampled against greedy steps at the real shapes, through the engine's own runners (graphs, kernels).
 
-    PYTHONUNBUFFERED=1 python scripts/gpu_sampling.py --out $OUT/gpu_sampling.json
+    PYTHONUNBUFFERED=1 python scripts/gpu_sampling.py --out $OUT/gpu_sampling.json [--set programmatic_launch=idle]
     python scripts/gpu_sampling.py --preset tiny --device cpu     # checks the script's logic
 
 Builds `qwen3-omni-30b-a3b` with random bf16 weights and the default EngineSettings (every kernel and
@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import omni_rt  # noqa: E402
 from omni_rt.bench import chat_prompt  # noqa: E402
+from omni_rt.bench_plan import parse_sets  # noqa: E402
 from omni_rt.model import sampling as S  # noqa: E402
 from omni_rt.pipeline.request import Request  # noqa: E402
 from omni_rt.pipeline.runners import build_runners  # noqa: E402
@@ -113,10 +114,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default="gpu_sampling.json")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an engine setting")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     t0 = time.perf_counter()
-    kw = dict(max_sessions=8, max_context=1024, max_talker_context=1024)
+    kw = dict(max_sessions=8, max_context=1024, max_talker_context=1024) | parse_sets(args.set)
     engine = omni_rt.Engine.load(args.preset, random_weights=True, device=args.device, **kw)
     thinker, talker, _ = build_runners(engine.model, engine.settings)
     sync(dev)
@@ -147,6 +149,13 @@ def main(argv=None) -> int:
                         ms=replay_ms(graph, inputs, dev),
                     )
                 )
+                # programmatic_launch 'idle': the frame replayed while the Thinker has no work on the GPU
+                idle = talker._idle_frame_graphs.get(batch)
+                if idle is not None:
+                    step = "frame graph replay, Thinker idle (GPU)"
+                    res["rows"].append(
+                        dict(batch=batch, mode=mode, step=step, ms=replay_ms(idle, inputs, dev))
+                    )
     # graphed == eager for a sampled request (same seeds, same slots)
     eager_settings = engine.settings.model_copy(update={"cuda_graphs": False})
     e_thinker, e_talker, _ = build_runners(engine.model, eager_settings)

@@ -13,7 +13,8 @@ Here a step is 5 launches per layer, plus the head and the sampler:
   5. `_linear` RESIDUAL        down_proj GEMV + the residual add
   head: `_linear` NORM         the final norm + this group's lm_head; then the caller's `sample`
 
-With `FUSED_ATTENTION` and few rows, 1 and 2 are one launch (kernels/qkv_attention.py).
+With `FUSED_ATTENTION` and few rows, 1 and 2 are one launch (kernels/qkv_attention.py); with
+`FUSED_HEAD_SAMPLE`, the head and the choice of the code (kernels/head_sample.py).
 
 The next code's embedding is never materialised: the next step's kernels 1 and 3 read its row from the
 embedding table (GATHER). The RoPE table holds the predictor's 16 positions, made once.
@@ -350,6 +351,10 @@ GEMV_KIND_BLOCKS: dict[str, dict[str, int]] = {
 # layer become 4. Off until timed on a GPU: built 2026-12-05 (sixth session) with no device lent; the
 # interpreter tests check it equals the two launches bit for bit. scripts/gpu_code_frame.py times it.
 FUSED_ATTENTION = False
+# The head GEMV and the code's choice (argmax or the fused sampler) in one launch at few rows
+# (kernels/head_sample.py): 15 launches a frame fewer. Off until timed on a GPU: built 2026-12-05 with no
+# device lent; the interpreter tests check it equals the two launches' codes. scripts/gpu_head_sample.py.
+FUSED_HEAD_SAMPLE = False
 # Programmatic dependent launches (`_triton.pdl_runs`) on the few-rows path only: on the tl.dot path
 # they cost time (batch 8 went 3.09 -> 3.38 ms with them on an H200).
 
@@ -399,6 +404,7 @@ class CodeFrame:
         # each layer's query heads' arrivals in the one-launch q/k/v + attention (`qkv_attention`)
         self.arrivals = torch.zeros(len(self.layers), cfg.num_attention_heads, dtype=torch.int32,
                                     device=head.device)  # fmt: skip
+        self.head_arrivals = torch.zeros(1, dtype=torch.int32, device=head.device)  # `head_sample`, one tile
 
     programmatic_rows = SMALL_M  # the frames whose rows all take programmatic launches (steps 1-14)
 
@@ -465,7 +471,7 @@ class CodeFrame:
         return out
 
     def __call__(self, cp, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, sample) -> torch.Tensor:
-        from omni_rt.kernels import qkv_attention  # imports this module's kernels
+        from omni_rt.kernels import head_sample, qkv_attention  # import this module's kernels
 
         b, width = talker_hidden.shape
         cache = cp._cache_for(b, talker_hidden)
@@ -491,10 +497,12 @@ class CodeFrame:
                 act = self._linear("gate_up", mid, gate_up, m, norm=ln2, swiglu=True)
                 h = self._linear("down", act, down, m, residual=mid)
             # the last position of each row: rows b * t + t - 1, every t-th row from row t - 1
-            logits = self._linear(
-                "head", h[t - 1 :], self.heads[i], b, norm=self.final_norm, stride_x=t * h.stride(0)
-            )
-            code = sample(logits)  # [B]
+            last, stride, head = h[t - 1 :], t * h.stride(0), self._blocks("head", b)
+            if FUSED_HEAD_SAMPLE and head_sample.fits(b, self.heads[i].shape[0], sample, head, SMALL_M):
+                code = head_sample.head_choose(self, last, self.heads[i], b, stride, sample, head)
+            else:
+                logits = self._linear("head", last, self.heads[i], b, norm=self.final_norm, stride_x=stride)
+                code = sample(logits)  # [B]
             codes.append(code)
             if i + 1 < n:
                 x, idx = self.embeds[i], code  # code i+1 enters step i+1 through codec_embedding[i]

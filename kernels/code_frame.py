@@ -353,7 +353,7 @@ GEMV_KIND_BLOCKS: dict[str, dict[str, int]] = {
 FUSED_ATTENTION = False
 # The head GEMV and the code's choice (argmax or the fused sampler) in one launch at few rows
 # (kernels/head_sample.py): 15 launches a frame fewer. Off until timed on a GPU: built 2026-12-05 with no
-# device lent; the interpreter tests check it equals the two launches' codes. scripts/gpu_frame_fusion.py times it.
+# device lent; the interpreter tests check it equals the two launches' codes. gpu_frame_fusion.py times it.
 FUSED_HEAD_SAMPLE = False
 # Programmatic dependent launches (`_triton.pdl_runs`) on the few-rows path only: on the tl.dot path
 # they cost time (batch 8 went 3.09 -> 3.38 ms with them on an H200).

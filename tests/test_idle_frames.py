@@ -93,7 +93,9 @@ def test_idle_frames_replay_only_while_the_thinker_has_no_work(model, frame, mon
 @pytest.mark.parametrize("mode", ["off", "always"])
 def test_no_idle_frames_unless_asked(model, frame, monkeypatch, mode):
     emulate_graphs(monkeypatch)
-    runner = TalkerRunner(model, EngineSettings(**SETTINGS, programmatic_launch=mode), thinker=StageActivity())
+    runner = TalkerRunner(
+        model, EngineSettings(**SETTINGS, programmatic_launch=mode), thinker=StageActivity()
+    )
     assert runner._idle_frame_graphs == {} and True not in frame.modes
 
 

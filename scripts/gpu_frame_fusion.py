@@ -25,12 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gpu_code_frame import build, graph_of, set_variant, time_ms  # noqa: E402  (this directory)
+from gpu_code_frame import build, frame_fns, graph_of, set_variant, time_ms  # noqa: E402  (this directory)
 from omni_rt.kernels import code_frame  # noqa: E402
-
-from omni_rt.config import Sampling  # noqa: E402
-from omni_rt.model import sampling as S  # noqa: E402
-from omni_rt.model.talker import greedy  # noqa: E402
 
 KNOBS = [k for k in ("FUSED_ATTENTION", "FUSED_HEAD_SAMPLE") if hasattr(code_frame, k)]
 
@@ -50,19 +46,9 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     t0 = time.perf_counter()
     cp = build(args.preset, dev, dtype)
-    width, vocab = cp.cfg.hidden_size, cp.cfg.vocab_size
+    width = cp.cfg.hidden_size
     batches = [int(b) for b in args.batches.split(",")]
-    sampler = S.StageSampler("code_predictor", max(batches), vocab, dev, history=False, fused=True)
-    for slot in range(max(batches)):
-        sampler.assign(slot, S.residual_code_sampling(Sampling().code_predictor), seed=1000 + slot)
-
-    def frame_fn(mode):
-        def frame(hidden, code0_embed, slots, keys):
-            sample = greedy if mode == "greedy" else S.frame_sampler(sampler, slots, keys)
-            return cp.predict(hidden, code0_embed, sample)
-
-        return frame
-
+    frame_fn, _ = frame_fns(cp, max(batches), dev, fused=True)  # the head may draw in its launch
     gen = torch.Generator(device=dev).manual_seed(3)
     checks = {b: [torch.randn(2, b, width, generator=gen, device=dev).to(dtype) for _ in range(args.frames)]
               for b in batches}  # fmt: skip

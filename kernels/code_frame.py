@@ -348,12 +348,15 @@ GEMV_KIND_BLOCKS: dict[str, dict[str, int]] = {
     "down": {"BK": 4096, "num_warps": 4},
 }
 # The q/k/v GEMV and the attention in one launch at few rows (kernels/qkv_attention.py): 5 launches a
-# layer become 4. Off until timed on a GPU: built 2026-12-05 (sixth session) with no device lent; the
-# interpreter tests check it equals the two launches bit for bit. scripts/gpu_frame_fusion.py times it.
+# layer become 4, the same codes bit for bit. Off: slower. The frame at batch 1 on an H100 took 2.65 ms
+# greedy with it against 2.17 (2.33 against 1.82 with programmatic launches): the last program's attention
+# runs after the whole GEMV, where the separate kernel's 16 programs overlapped its tail
+# (scripts/gpu_frame_fusion.py, docs/performance.md 2026-12-05 (sixth session)).
 FUSED_ATTENTION = False
 # The head GEMV and the code's choice (argmax or the fused sampler) in one launch at few rows
-# (kernels/head_sample.py): 15 launches a frame fewer. Off until timed on a GPU: built 2026-12-05 with no
-# device lent; the interpreter tests check it equals the two launches' codes. gpu_frame_fusion.py times it.
+# (kernels/head_sample.py): 15 launches a frame fewer, the same codes. Off: greedy 2.13 against 2.17 ms
+# (1.76 against 1.81 with programmatic launches), but sampled 2.34 against 2.26 (1.96 against 1.90), in
+# the head's 4 warps or 8, H100; the served frame always samples (greedy rows in the sampler).
 FUSED_HEAD_SAMPLE = False
 # Programmatic dependent launches (`_triton.pdl_runs`) on the few-rows path only: on the tl.dot path
 # they cost time (batch 8 went 3.09 -> 3.38 ms with them on an H200).

@@ -60,9 +60,9 @@ def install_all(
     computes the gate logits itself (one launch) instead of taking them from the module's gate (two;
     ids then bit-equal to `SparseMoe.route`). Off by default: measured on an H200 (docs/performance.md),
     the gate GEMM plus the kernel took 8.5 µs per Thinker layer, the kernel with the gate inside 25.8.
-    programmatic_launch: the code frame's few-rows kernels as programmatic dependent launches, where the
-    card runs them (`EngineSettings.programmatic_launch` says why it is off by default). Installing twice
-    replaces the earlier hooks.
+    programmatic_launch: the code frame's few-rows kernels as programmatic dependent launches in every
+    frame, where the card runs them (`EngineSettings.programmatic_launch` says why by default only frames
+    while the Thinker is idle take them). Installing twice replaces the earlier hooks.
     """
     names = list(KERNELS) if enabled is True else [] if enabled is False else list(enabled)
     unknown = sorted(set(names) - set(KERNELS))

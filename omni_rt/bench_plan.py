@@ -37,10 +37,12 @@ def row_plan(device: str, kernel_ok: bool) -> list[tuple[str, dict[str, Any]]]:
         ("+ yield until first audio", ("yield_until",)),
         ("+ pinned read-backs", ("pinned_readback",)),
         ("+ early start", ("early_start",)),
+        ("+ programmatic frames while the Thinker is idle", ("programmatic_launch",)),
     ]
     # what does nothing on a CPU (off there by default, or no effect off the GPU): no row there
     gpu_only = {
         ("cuda_graphs",), ("prefill_graphs",), ("packed_projections",), ("pinned_readback",), ("early_start",),
+        ("programmatic_launch",),
     }  # fmt: skip
     # Triton kernels: a row only where they run
     needs_kernels = {("moe_backend",), ("moe_prefill_kernel",), ("fused_kernels",)}

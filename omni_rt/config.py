@@ -286,16 +286,16 @@ class EngineSettings(_Settings):
         "imports; True: on, an error where they cannot run; False: off (plain PyTorch)",
     )
     programmatic_launch: Literal["off", "idle", "always"] = Field(
-        "off",
+        "idle",
         description="the code-predictor frame's few-rows kernels as programmatic dependent launches (sm_90+: "
-        "each kernel's launch and weight loads overlap the previous kernel's tail). 'always': every frame; "
-        "'idle': frames of up to 4 rows while the Thinker has no work on the GPU (a second set of frame "
-        "graphs; the others as 'off'); 'off': none. Alone on an H200 the frame at batch 1 takes 1.69 ms "
-        "greedy with them against 1.95, but beside the other stages the Thinker's decode step took 6.42 ms "
-        "with them against 5.89, RTF 0.087 against 0.084, and 64 conversations' TTFA p50 64 ms against "
-        "56-58 (2026-12-05 (fifth session), docs/performance.md). 'idle' is the way to keep the first "
-        "without the second; not yet timed on a GPU, so not the default. True and False mean 'always' and "
-        "'off'",
+        "each kernel's launch and weight loads overlap the previous kernel's tail). 'idle': frames of up to "
+        "4 rows while the Thinker has no work on the GPU (a second set of frame graphs), the others as "
+        "'off'; 'always': every frame; 'off': none. Alone they take the frame at batch 1 from 2.26 to 1.89 ms "
+        "sampled (2.13 -> 1.76 greedy) on an H100, but launched beside the Thinker they slowed its decode "
+        "step (6.42 ms against 5.89) and 64 conversations' TTFA p50 (64 ms against 56-58) on an H200. 'idle' "
+        "costs nothing measurable: single requests, 8 at once and 1-32 conversations as fast or faster than "
+        "'off' in the same run (docs/performance.md, 2026-12-05 (sixth session), H100). True and False mean "
+        "'always' and 'off'",
     )
     fused_code2wav: bool = Field(
         True,
@@ -386,6 +386,7 @@ class EngineSettings(_Settings):
             moe_prefill_kernel=False,
             fused_kernels=False,
             packed_projections=False,
+            programmatic_launch="off",
             cpu_stage_threads=None,
         )
         return cls(**(base | overrides))

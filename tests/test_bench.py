@@ -120,6 +120,7 @@ def test_row_plan_adds_one_optimisation_per_row_and_ends_all_on():
         packed_projections=False,
         pinned_readback=False,
         early_start=False,
+        programmatic_launch="off",
     )
     assert EngineSettings.all_off(**cpu_last).model_dump() == gpu_only_off.model_dump()
 

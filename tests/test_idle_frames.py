@@ -57,7 +57,8 @@ def frame(model, monkeypatch):
 
 
 def test_settings_take_the_old_booleans():
-    assert EngineSettings().programmatic_launch == "off"
+    assert EngineSettings().programmatic_launch == "idle"
+    assert EngineSettings.all_off().programmatic_launch == "off"
     assert EngineSettings(programmatic_launch=True).programmatic_launch == "always"
     assert EngineSettings(programmatic_launch=False).programmatic_launch == "off"
     assert EngineSettings(programmatic_launch="idle").programmatic_launch == "idle"

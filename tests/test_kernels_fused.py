@@ -484,8 +484,8 @@ def test_apply_kernels_installs_what_settings_ask_and_removes_the_rest(tiny_mode
 
 
 def test_programmatic_launch_is_off_unless_asked_and_reaches_the_code_frame(tiny_model, monkeypatch):
-    # off by default (with it on, fresh engines stopped with the GPU busy: EngineSettings says why); asked
-    # for, the installed frame launches its kernels so wherever the card runs them (here: pretend it does)
+    # not in every frame by default (beside the Thinker they slow it: EngineSettings says why); asked for,
+    # the installed frame launches its kernels so wherever the card runs them (here: pretend it does)
     from omni_rt.kernels import code_frame
 
     from omni_rt.config import EngineSettings

@@ -163,8 +163,8 @@ class TalkerRunner:
     def _capture_idle_frame(self, b: int, static, pool: GraphPool) -> None:
         """With `programmatic_launch` 'idle': batch b's frame again, its kernels as programmatic dependent
         launches (`CodeFrame.programmatic`), for `_frame_graph` to replay while the Thinker is idle. Alone
-        on the GPU they take a frame lower (1.95 -> 1.69 ms greedy at batch 1, H200); beside the Thinker they
-        slow its steps (`EngineSettings.programmatic_launch`)."""
+        on the GPU they take a frame lower (2.26 -> 1.89 ms sampled at batch 1, H100); beside the Thinker
+        they slow its steps (`EngineSettings.programmatic_launch`)."""
         frame_fn = self.talker.code_predictor.frame_fn
         if self.settings.programmatic_launch != "idle" or not hasattr(frame_fn, "programmatic"):
             return

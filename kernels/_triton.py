@@ -100,38 +100,6 @@ def log_f32(x, PRECISE: tl.constexpr):
     return y
 
 
-@triton.jit
-def _fence_gpu(token):
-    """fence.acq_rel.gpu in every thread (CUDA's __threadfence): its earlier stores are ordered before its
-    later memory operations for every thread of the GPU. Returns a dummy (inline asm must return one)."""
-    return tl.inline_asm_elementwise(
-        "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [token], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def arrive_last(count_ptr, need, COMPILED: tl.constexpr):
-    """Count this program in at *count_ptr (int32) after its stores: True in the one program that arrives
-    last of `need`, which may then read every other's stores, and which sets the count back to 0 for the
-    next launch (a launch's programs all arrive, so the count is 0 between launches).
-
-    Why: a launch's tail work that needs every program's output (attention after the q/k/v GEMV, the
-    sampler after the head's GEMV) runs in the last program to finish, not in a kernel of its own: one
-    launch fewer, ~3 us at batch 1 (docs/performance.md). The order: each thread fences its stores, the
-    program's threads meet at a barrier, one thread counts with release and acquire at GPU scope; the last
-    program's threads fence again before they read (and read past L1: `cache_modifier=".cg"`). COMPILED
-    False (the interpreter, one program after another): no fences, which it cannot run or need."""
-    if COMPILED:
-        _fence_gpu(tl.program_id(0))
-    tl.debug_barrier()
-    last = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == need - 1
-    if last:
-        tl.store(count_ptr, 0)
-        if COMPILED:
-            _fence_gpu(tl.program_id(0))
-    return last
-
-
 # A few-rows kernel is launched as a programmatic dependent launch of the one before, where the card
 # allows: it calls `gdc_launch_dependents` early and `gdc_wait` before it reads what earlier kernels wrote,
 # so its launch and its weight loads overlap the previous kernel's tail (the code-predictor frame at batch

@@ -13,9 +13,6 @@ Here a step is 5 launches per layer, plus the head and the sampler:
   5. `_linear` RESIDUAL        down_proj GEMV + the residual add
   head: `_linear` NORM         the final norm + this group's lm_head; then the caller's `sample`
 
-With `FUSED_ATTENTION` and few rows, 1 and 2 are one launch (kernels/qkv_attention.py); with
-`FUSED_HEAD_SAMPLE`, the head and the choice of the code (kernels/head_sample.py).
-
 The next code's embedding is never materialised: the next step's kernels 1 and 3 read its row from the
 embedding table (GATHER). The RoPE table holds the predictor's 16 positions, made once.
 
@@ -187,44 +184,24 @@ if triton is not None:
     @triton.jit
     def _new_row(row, pos, cos_ptr, sin_ptr, kw_ptr, half, g, eps, inv_d, HQ: tl.constexpr, KV: tl.constexpr,
                  D: tl.constexpr, HAS_NORM: tl.constexpr, RND: tl.constexpr, RND_C: tl.constexpr,
-                 PRECISE: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
+                 PRECISE: tl.constexpr):  # fmt: skip
         """A new position's RoPE rows and kv head g's k (normed, rotated) and v, each rounded to the cache's
         dtype as the plain path reads them back: (cos lo, cos hi, sin lo, sin hi, k lo, k hi, v lo, v hi)."""
         c_lo = tl.load(cos_ptr + pos * D + half).to(tl.float32)
         c_hi = tl.load(cos_ptr + pos * D + D // 2 + half).to(tl.float32)
         s_lo = tl.load(sin_ptr + pos * D + half).to(tl.float32)
         s_hi = tl.load(sin_ptr + pos * D + D // 2 + half).to(tl.float32)
-        k_lo = tl.load(row + (HQ + g) * D + half, cache_modifier=CACHE).to(tl.float32)
-        k_hi = tl.load(row + (HQ + g) * D + D // 2 + half, cache_modifier=CACHE).to(tl.float32)
+        k_lo = tl.load(row + (HQ + g) * D + half).to(tl.float32)
+        k_hi = tl.load(row + (HQ + g) * D + D // 2 + half).to(tl.float32)
         k_lo, k_hi = _norm_rope(k_lo, k_hi, kw_ptr, c_lo, c_hi, s_lo, s_hi, half, eps, inv_d, HAS_NORM, RND,
                                 PRECISE, D)  # fmt: skip
-        v_lo = tl.load(row + (HQ + KV + g) * D + half, cache_modifier=CACHE).to(tl.float32)
-        v_hi = tl.load(row + (HQ + KV + g) * D + D // 2 + half, cache_modifier=CACHE).to(tl.float32)
+        v_lo = tl.load(row + (HQ + KV + g) * D + half).to(tl.float32)
+        v_hi = tl.load(row + (HQ + KV + g) * D + D // 2 + half).to(tl.float32)
         return (c_lo, c_hi, s_lo, s_hi, round_to(k_lo, RND_C), round_to(k_hi, RND_C), round_to(v_lo, RND_C),
                 round_to(v_hi, RND_C))  # fmt: skip
 
     @triton.jit
     def _attention(
-        qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, o_ptr, p0, eps, inv_d, scale,
-        stride_qkv, stride_o, stride_cs, stride_ch, stride_cl,
-        T: tl.constexpr, HQ: tl.constexpr, KV: tl.constexpr, REP: tl.constexpr, D: tl.constexpr,
-        BL: tl.constexpr, HAS_NORM: tl.constexpr, RND: tl.constexpr, RND_C: tl.constexpr,
-        PRECISE: tl.constexpr, PDL: tl.constexpr,
-    ):  # fmt: skip
-        """One program per (batch row, query head): `_attend`."""
-        if PDL:
-            gdc_launch_dependents()
-            gdc_wait()  # the cache and the projections are earlier kernels' writes
-        _attend(
-            tl.program_id(0).to(tl.int64), tl.program_id(1), qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr,
-            vc_ptr, o_ptr, p0, eps, inv_d, scale, stride_qkv, stride_o, stride_cs, stride_ch, stride_cl,
-            T, HQ, KV, REP, D, BL, HAS_NORM, RND, RND_C, PRECISE, "",
-        )  # fmt: skip
-
-    @triton.jit
-    def _attend(
-        b,  # the batch row (int64)
-        h,  # the query head
         qkv_ptr,  # [B*T, (HQ + 2 KV) * D] the packed projection's rows (b * T + t)
         qw_ptr,  # [D] q_norm weight
         kw_ptr,  # [D] k_norm weight
@@ -252,12 +229,16 @@ if triton is not None:
         RND: tl.constexpr,
         RND_C: tl.constexpr,
         PRECISE: tl.constexpr,
-        CACHE: tl.constexpr,  # the q/k/v rows' load modifier: ".cg" where this launch wrote them
+        PDL: tl.constexpr,
     ):
-        """Batch row b's query head h: q/k RMSNorm, RoPE, k/v written to the cache, attention over rows
-        0..position. The new rows of k and v stay in registers: the cached rows are read from memory, the
-        new ones are not read back (no barrier, one round of loads); the first query head of each kv group
-        writes them to the cache for later steps."""
+        """One program per (batch row, query head). The new rows of k and v stay in registers: the
+        cached rows are read from memory, the new ones are not read back (no barrier, one round of
+        loads); the first query head of each kv group writes them to the cache for later steps."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()  # the cache and the projections are earlier kernels' writes
+        b = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
         g = h // REP
         half = tl.arange(0, D // 2)
         kc = kc_ptr + b * stride_cs + g * stride_ch
@@ -274,13 +255,12 @@ if triton is not None:
         # the new rows: k normed and rotated, both rounded to the cache's dtype as the plain path reads them
         row0 = qkv_ptr + (b * T) * stride_qkv
         c_lo0, c_hi0, s_lo0, s_hi0, k_lo0, k_hi0, v_lo0, v_hi0 = _new_row(
-            row0, p0, cos_ptr, sin_ptr, kw_ptr, half, g, eps, inv_d, HQ, KV, D, HAS_NORM, RND, RND_C, PRECISE,
-            CACHE,
-        )  # fmt: skip
+            row0, p0, cos_ptr, sin_ptr, kw_ptr, half, g, eps, inv_d, HQ, KV, D, HAS_NORM, RND, RND_C, PRECISE
+        )
         if T == 2:
             c_lo1, c_hi1, s_lo1, s_hi1, k_lo1, k_hi1, v_lo1, v_hi1 = _new_row(
                 row0 + stride_qkv, p0 + 1, cos_ptr, sin_ptr, kw_ptr, half, g, eps, inv_d, HQ, KV, D, HAS_NORM,
-                RND, RND_C, PRECISE, CACHE,
+                RND, RND_C, PRECISE,
             )  # fmt: skip
         if h % REP == 0:  # one writer per kv head
             dt = kc_ptr.dtype.element_ty
@@ -299,8 +279,8 @@ if triton is not None:
                 c_lo, c_hi, s_lo, s_hi = c_lo0, c_hi0, s_lo0, s_hi0
             else:
                 c_lo, c_hi, s_lo, s_hi = c_lo1, c_hi1, s_lo1, s_hi1
-            q_lo = tl.load(row + h * D + half, cache_modifier=CACHE).to(tl.float32)
-            q_hi = tl.load(row + h * D + D // 2 + half, cache_modifier=CACHE).to(tl.float32)
+            q_lo = tl.load(row + h * D + half).to(tl.float32)
+            q_hi = tl.load(row + h * D + D // 2 + half).to(tl.float32)
             q_lo, q_hi = _norm_rope(q_lo, q_hi, qw_ptr, c_lo, c_hi, s_lo, s_hi, half, eps, inv_d, HAS_NORM,
                                     RND, PRECISE, D)  # fmt: skip
             score = tl.sum(k_lo_c * q_lo[None, :], axis=1) + tl.sum(k_hi_c * q_hi[None, :], axis=1)
@@ -347,17 +327,6 @@ GEMV_KIND_BLOCKS: dict[str, dict[str, int]] = {
     "o_proj": {"BN": 2, "num_warps": 2},
     "down": {"BK": 4096, "num_warps": 4},
 }
-# The q/k/v GEMV and the attention in one launch at few rows (kernels/qkv_attention.py): 5 launches a
-# layer become 4, the same codes bit for bit. Off: slower. The frame at batch 1 on an H100 took 2.65 ms
-# greedy with it against 2.17 (2.33 against 1.82 with programmatic launches): the last program's attention
-# runs after the whole GEMV, where the separate kernel's 16 programs overlapped its tail
-# (scripts/gpu_frame_fusion.py, docs/performance.md 2026-12-05 (sixth session)).
-FUSED_ATTENTION = False
-# The head GEMV and the code's choice (argmax or the fused sampler) in one launch at few rows
-# (kernels/head_sample.py): 15 launches a frame fewer, the same codes. Off: greedy 2.13 against 2.17 ms
-# (1.76 against 1.81 with programmatic launches), but sampled 2.34 against 2.26 (1.96 against 1.90), in
-# the head's 4 warps or 8, H100; the served frame always samples (greedy rows in the sampler).
-FUSED_HEAD_SAMPLE = False
 # Programmatic dependent launches (`_triton.pdl_runs`) on the few-rows path only: on the tl.dot path
 # they cost time (batch 8 went 3.09 -> 3.38 ms with them on an H200).
 
@@ -404,12 +373,8 @@ class CodeFrame:
         self.pdl_runs = pdl_runs(head.device)
         self.pdl = programmatic_launch and self.pdl_runs
         self.launch = {"launch_pdl": True} if self.pdl else {}
-        # each layer's query heads' arrivals in the one-launch q/k/v + attention (`qkv_attention`)
-        self.arrivals = torch.zeros(len(self.layers), cfg.num_attention_heads, dtype=torch.int32,
-                                    device=head.device)  # fmt: skip
-        self.head_arrivals = torch.zeros(1, dtype=torch.int32, device=head.device)  # `head_sample`, one tile
 
-    programmatic_rows = SMALL_M  # the frames whose rows all take programmatic launches (steps 1-14)
+    programmatic_rows = SMALL_M  # the largest batch whose frames take programmatic launches (steps 1-14)
 
     @contextlib.contextmanager
     def programmatic(self):
@@ -424,21 +389,18 @@ class CodeFrame:
         finally:
             self.pdl, self.launch = saved
 
-    @staticmethod
-    def _blocks(kind: str, m: int) -> dict[str, int]:
-        """The block shape of linear `kind` at m rows: BM, BN, BK, num_warps (BK before capping to K)."""
-        if m > SMALL_M:
-            return DOT_BLOCKS
-        blocks = GEMV_BLOCKS | GEMV_KIND_BLOCKS.get(kind, {})
-        return blocks | {"BM": min(next_pow2(m), blocks["BM"])}  # more rows: more programs, weights from L2
-
     def _linear(self, kind, x, w, m, *, norm=None, idx=None, gather_x=False, residual=None, gather_r=False,
                 swiglu=False, stride_x=None):  # fmt: skip
         k = w.shape[1]
         n = w.shape[0] // 2 if swiglu else w.shape[0]
         y = torch.empty(m, n, dtype=w.dtype, device=w.device)
         small = m <= SMALL_M
-        bm, bn, bk, warps = (self._blocks(kind, m)[key] for key in ("BM", "BN", "BK", "num_warps"))
+        if small:
+            blocks = GEMV_BLOCKS | GEMV_KIND_BLOCKS.get(kind, {})
+            bm = min(next_pow2(m), blocks["BM"])  # more rows: more programs, the weights from L2
+            bn, bk, warps = blocks["BN"], blocks["BK"], blocks["num_warps"]
+        else:
+            bm, bn, bk, warps = (DOT_BLOCKS[key] for key in ("BM", "BN", "BK", "num_warps"))
         bk = min(bk, next_pow2(k))
         grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
         epi = EPI_SWIGLU if swiglu else EPI_RESIDUAL if residual is not None else EPI_NONE
@@ -474,8 +436,6 @@ class CodeFrame:
         return out
 
     def __call__(self, cp, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, sample) -> torch.Tensor:
-        from omni_rt.kernels import head_sample, qkv_attention  # import this module's kernels
-
         b, width = talker_hidden.shape
         cache = cp._cache_for(b, talker_hidden)
         x = torch.stack((talker_hidden, code0_embed), dim=1).view(2 * b, width)  # rows b * 2 + t
@@ -488,24 +448,16 @@ class CodeFrame:
             h = x
             for layer, (ln1, qkv_w, q_w, k_w, o_w, ln2, gate_up, down) in enumerate(self.layers):
                 gather = idx is not None and layer == 0
-                blocks = self._blocks("qkv", m)
-                if FUSED_ATTENTION and qkv_attention.fits(m, blocks, self.cfg.head_dim, SMALL_M):
-                    attn = qkv_attention.qkv_attention(
-                        self, h, qkv_w, ln1, idx, gather, q_w, k_w, cache, layer, b, t, p0, blocks
-                    )
-                else:
-                    qkv = self._linear("qkv", h, qkv_w, m, norm=ln1, idx=idx, gather_x=gather)
-                    attn = self._attention(qkv, q_w, k_w, cache, layer, b, t, p0)
+                qkv = self._linear("qkv", h, qkv_w, m, norm=ln1, idx=idx, gather_x=gather)
+                attn = self._attention(qkv, q_w, k_w, cache, layer, b, t, p0)
                 mid = self._linear("o_proj", attn, o_w, m, idx=idx, residual=h, gather_r=gather)
                 act = self._linear("gate_up", mid, gate_up, m, norm=ln2, swiglu=True)
                 h = self._linear("down", act, down, m, residual=mid)
             # the last position of each row: rows b * t + t - 1, every t-th row from row t - 1
-            last, stride, head = h[t - 1 :], t * h.stride(0), self._blocks("head", b)
-            if FUSED_HEAD_SAMPLE and head_sample.fits(b, self.heads[i].shape[0], sample, head, SMALL_M):
-                code = head_sample.head_choose(self, last, self.heads[i], b, stride, sample, head)
-            else:
-                logits = self._linear("head", last, self.heads[i], b, norm=self.final_norm, stride_x=stride)
-                code = sample(logits)  # [B]
+            logits = self._linear(
+                "head", h[t - 1 :], self.heads[i], b, norm=self.final_norm, stride_x=t * h.stride(0)
+            )
+            code = sample(logits)  # [B]
             codes.append(code)
             if i + 1 < n:
                 x, idx = self.embeds[i], code  # code i+1 enters step i+1 through codec_embedding[i]

@@ -108,21 +108,6 @@ if triton is not None:
 
     @triton.jit
     def _sample(
-        logits_ptr, slots_ptr, keys_ptr, temp_ptr, topk_ptr, topp_ptr, pen_ptr, dos_ptr, seed_ptr, seen_ptr,
-        supp_ptr, out_ptr, V, stride_l, key_off,
-        STAGE: tl.constexpr, HAS_SEEN: tl.constexpr, HAS_SUPP: tl.constexpr, BLOCK_V: tl.constexpr,
-        PRECISE: tl.constexpr, KEY16: tl.constexpr, U32: tl.constexpr,
-    ):  # fmt: skip
-        """One program per row: `_choose`."""
-        _choose(
-            tl.program_id(0).to(tl.int64), logits_ptr, slots_ptr, keys_ptr, temp_ptr, topk_ptr, topp_ptr,
-            pen_ptr, dos_ptr, seed_ptr, seen_ptr, supp_ptr, out_ptr, V, stride_l, key_off,
-            STAGE, HAS_SEEN, HAS_SUPP, BLOCK_V, PRECISE, KEY16, U32, "",
-        )  # fmt: skip
-
-    @triton.jit
-    def _choose(
-        row,  # the row (int64)
         logits_ptr,  # [B, V] any float dtype
         slots_ptr,  # [B] int64
         keys_ptr,  # [B] int64; each row's key is keys[row] + key_off
@@ -145,16 +130,13 @@ if triton is not None:
         PRECISE: tl.constexpr,
         KEY16: tl.constexpr,  # bf16 logits, no penalty: search 16-bit keys where exact (SHORT_KEYS)
         U32: tl.constexpr,  # the per-id hash in uint32 (HASH32)
-        CACHE: tl.constexpr,  # the logits' load modifier: ".cg" where another program of this launch
-        # wrote them (read past L1), "" otherwise
     ):
-        """Row `row`'s id: penalty, suppression, the argmax or the warped keyed draw; observed (HAS_SEEN)."""
+        row = tl.program_id(0).to(tl.int64)
         slot = tl.load(slots_ptr + row)
         step_key = tl.load(keys_ptr + row) + key_off
         v = tl.arange(0, BLOCK_V)
         vm = v < V
-        x = tl.load(logits_ptr + row * stride_l + v, mask=vm, other=float("-inf"), cache_modifier=CACHE)
-        x = x.to(tl.float32)
+        x = tl.load(logits_ptr + row * stride_l + v, mask=vm, other=float("-inf")).to(tl.float32)
         if HAS_SEEN:
             seen = tl.load(seen_ptr + slot * V + v, mask=vm, other=0) != 0
             pen = tl.load(pen_ptr + slot)
@@ -260,25 +242,17 @@ def fused_choose(
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     if b == 0:
         return out
-    tables, flags = sampler_tables(sampler, logits.dtype, out)
+    seen, supp = sampler.seen, sampler.suppress
     block = next_pow2(vocab)
     _sample[(b,)](
-        logits, slots, keys, *tables, out, vocab, logits.stride(0), key_offset, **flags,
-        BLOCK_V=block, PRECISE=precise(), num_warps=SAMPLE_WARPS or (4 if block <= 2048 else 8),
+        logits, slots, keys,
+        sampler.temperature, sampler.top_k, sampler.top_p, sampler.repetition_penalty,
+        sampler.do_sample, sampler.seed,
+        seen if seen is not None else out, supp if supp is not None else out, out,
+        vocab, logits.stride(0), key_offset,
+        STAGE=sampler.stage, HAS_SEEN=seen is not None, HAS_SUPP=supp is not None,
+        BLOCK_V=block, PRECISE=precise(),
+        KEY16=SHORT_KEYS and logits.dtype == torch.bfloat16 and seen is None, U32=HASH32,
+        num_warps=SAMPLE_WARPS or (4 if block <= 2048 else 8),
     )  # fmt: skip
     return out
-
-
-def sampler_tables(sampler, dtype: torch.dtype, dummy: torch.Tensor) -> tuple[tuple, dict]:
-    """`_choose`'s per-slot table arguments from `sampler` (`dummy` for a history or suppression it lacks)
-    and the constexprs they set; logits of `dtype`."""
-    seen, supp = sampler.seen, sampler.suppress
-    tables = (
-        sampler.temperature, sampler.top_k, sampler.top_p, sampler.repetition_penalty, sampler.do_sample,
-        sampler.seed, seen if seen is not None else dummy, supp if supp is not None else dummy,
-    )  # fmt: skip
-    flags = {
-        "STAGE": sampler.stage, "HAS_SEEN": seen is not None, "HAS_SUPP": supp is not None,
-        "KEY16": SHORT_KEYS and dtype == torch.bfloat16 and seen is None, "U32": HASH32,
-    }  # fmt: skip
-    return tables, flags

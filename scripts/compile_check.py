@@ -8,10 +8,10 @@ can pass them and still not compile (a branch that yields two types, an op the i
 the code generator does not), and a device session is too short to find that out. Triton compiles to a
 cubin for any target without a device (`triton.compile` with a `GPUTarget`; ptxas ships in its wheel).
 
-1. A child process with `TRITON_INTERPRET=1` runs the frame at the preset's shapes (bf16) in each variant
-   (`FUSED_ATTENTION`, `FUSED_HEAD_SAMPLE`, programmatic launches, greedy and sampled, batches 1, 4 and 8)
-   with every kernel launch recorded (argument types, constexprs, warps) and skipped: no arithmetic, so
-   seconds, not hours.
+1. A child process with `TRITON_INTERPRET=1` runs the frame at the preset's shapes (bf16) with and
+   without programmatic launches at batches 1, 4 and 8, and the fused sampler on the code predictor's
+   and the Talker's rows, with every kernel launch recorded (argument types, constexprs, warps) and
+   skipped: no arithmetic, so seconds, not hours.
 2. This process (no interpreter) compiles each distinct launch for `sm_<arch>` and reports the failures.
    Shapes' alignment is not specialised as a launch would (the divisibility hints), so the code can
    differ from what a GPU runs; what cannot compile cannot compile either way. The installed Triton may
@@ -60,8 +60,12 @@ def record(preset: str) -> list[dict]:
     # interpreter's: bound before the kernel modules import it
     _common.precise = lambda: True
     sys.path.insert(0, str(ROOT / "scripts"))
-    from gpu_code_frame import build, frame_fns  # noqa: PLC0415 - this directory
-    from omni_rt.kernels import code_frame, fused
+    from gpu_code_frame import build  # noqa: PLC0415 - this directory
+    from omni_rt.kernels import fused, sample
+
+    from omni_rt.model import sampling as S
+    from omni_rt.model.config import preset as config_of
+    from omni_rt.model.talker import greedy
 
     launches: dict[str, dict] = {}
 
@@ -81,25 +85,30 @@ def record(preset: str) -> list[dict]:
         launches.setdefault(json.dumps(rec, sort_keys=True, default=str), rec)
 
     interp.InterpretedFunction.run = run
-    cp = build(preset, torch.device("cpu"), torch.bfloat16)
+    cpu = torch.device("cpu")
+    cp = build(preset, cpu, torch.bfloat16)
     host = torch.nn.Module()
     host.cp = cp
     fused.install_all(host, ["code_frame"])
     frame = cp.frame_fn
     frame.pdl_runs = True  # record the programmatic variants too (the interpreter never launches them)
     width = cp.cfg.hidden_size
-    frame_fn, _ = frame_fns(cp, 8, torch.device("cpu"), fused=True)
     with torch.no_grad():
-        for attention in (False, True):
-            for head in (False, True):
-                code_frame.FUSED_ATTENTION, code_frame.FUSED_HEAD_SAMPLE = attention, head
-                for pdl in (False, True):
-                    for b in (1, 4, 8):
-                        for mode in ("greedy", "sampled"):
-                            x = torch.zeros(b, width, dtype=torch.bfloat16)
-                            slots = torch.arange(b)
-                            with frame.programmatic() if pdl else contextlib.nullcontext():
-                                frame_fn(mode)(x, x, slots, slots)
+        for pdl in (False, True):
+            for b in (1, 4, 8):
+                x = torch.zeros(b, width, dtype=torch.bfloat16)
+                with frame.programmatic() if pdl else contextlib.nullcontext():
+                    cp.predict(x, x, greedy)
+        # the fused sampler, as the code predictor's frame and the Talker's step call it
+        cfg = config_of(preset)
+        stages = [("code_predictor", cfg.code_predictor.vocab_size, {"history": False}),
+                  ("talker", cfg.talker.vocab_size, {"suppress": [cfg.ids.codec_eos]})]  # fmt: skip
+        for stage, vocab, kw in stages:
+            sampler = S.StageSampler(stage, 8, vocab, cpu, fused=True, **kw)
+            for dtype in (torch.bfloat16, torch.float32):
+                for b in (1, 8):
+                    slots = torch.arange(b)
+                    sample.fused_choose(torch.zeros(b, vocab, dtype=dtype), slots, slots, sampler)
     return list(launches.values())
 
 

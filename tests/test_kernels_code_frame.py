@@ -113,25 +113,3 @@ def test_few_rows_path_over_several_row_and_k_blocks(monkeypatch):
     got, k_got, _ = run(cp, True, hidden, code0)
     assert got.tolist() == want.tolist()
     torch.testing.assert_close(k_got, k_want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize(("dtype", "batch"), [(torch.float32, 1), (torch.bfloat16, 2), (torch.float32, 4)])
-def test_one_launch_qkv_attention_equals_two_launches(monkeypatch, dtype, batch):
-    """The q/k/v GEMV whose last programs run each head's attention (kernels/qkv_attention.py) gives the
-    codes and cache rows of the GEMV then the attention kernel, bit for bit: the same values, read back."""
-    from omni_rt.kernels import code_frame, qkv_attention
-
-    cp = predictor(dtype)
-    hidden, code0 = inputs(batch, cp.cfg.hidden_size, dtype)
-    monkeypatch.setattr(code_frame, "FUSED_ATTENTION", False)
-    want, k_want, v_want = run(cp, True, hidden, code0)
-    monkeypatch.setattr(code_frame, "FUSED_ATTENTION", True)
-    launches = []
-    launch = qkv_attention.qkv_attention
-    monkeypatch.setattr(qkv_attention, "qkv_attention", lambda *a: launches.append(a[11]) or launch(*a))
-    got, k_got, v_got = run(cp, True, hidden, code0)
-    # batch 4: step 0 has 8 rows (two launches), steps 1-14 take the one launch; batches 1 and 2: all steps
-    assert len(launches) == len(cp.model.layers) * (14 if batch == 4 else 15)
-    assert got.tolist() == want.tolist()
-    assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
-    assert len(set(want.flatten().tolist())) > 4

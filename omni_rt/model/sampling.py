@@ -26,7 +26,6 @@ has no graph to capture and no device to sync with, so the host may read the bat
         .assign(slot, stage_sampling, seed, history_ids=None, suppress_extra=())   a new response
         (logits[B, V], slots[B], keys[B]) -> ids[B]                          choose (and observe)
     frame_sampler(sampler, slots, talker_keys) -> SampleFn                   the 15 codes of one frame
-    FrameDraws(sampler, slots, keys) -> SampleFn                          its draws by the sampler itself
     process_logits(logits, rows, seen, suppress) -> (greedy scores, warped scores)
     choose(logits, rows, seed, stage, keys, seen, suppress) -> ids[B]     the next ids (either path)
     uniform_noise(seed[B], stage, keys[B], vocab) -> u[B, V] in (0, 1)
@@ -507,41 +506,14 @@ class StageSampler:
         return ids
 
 
-class FrameDraws:
-    """A frame's `sample` that calls `sampler` itself (the device's path): draw i (code group i + 1) at
-    keys + i.
-
-    An object rather than a closure so that the fused code frame can make the draw itself, in the head's
-    launch (kernels/head_sample.py): it reads the sampler, the rows' slots and base keys here, and takes
-    the draw's key offset from `next_offset`, as `__call__` does, so each draw consumes one group either way.
-    """
-
-    def __init__(self, sampler: StageSampler, slots: torch.Tensor, keys: torch.Tensor) -> None:
-        self.sampler, self.slots, self.keys = sampler, slots, keys  # keys [B]: talker_key * CODE_KEY_STRIDE
-        self._group = itertools.count()
-
-    @property
-    def fused(self) -> bool:
-        """Whether the sampler draws in a Triton kernel (which the head's launch can then run)."""
-        return self.sampler._fused is not None
-
-    def next_offset(self) -> int:
-        """The next draw's key offset (its code group): each draw takes one."""
-        return next(self._group)
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        return self.sampler(logits, self.slots, self.keys, key_offset=self.next_offset())
-
-
 def frame_sampler(sampler: StageSampler, slots: torch.Tensor, talker_keys: torch.Tensor) -> SampleFn:
     """The code predictor's `sample` for one frame: call i (code group i + 1) draws with key
     talker_key * CODE_KEY_STRIDE + i. The group index is a Python counter, so a captured frame bakes
     in its 15 keys' offsets and reads the Talker keys from its static input."""
-    base = talker_keys * CODE_KEY_STRIDE
-    plain = sampler.seen is None and sampler.suppress is None and sampler._fused is None
-    if sampler.device.type != "cpu" or not plain:  # a fused sampler on the CPU too: it asked for the kernel
-        return FrameDraws(sampler, slots, base)
     group = itertools.count()
+    base = talker_keys * CODE_KEY_STRIDE
+    if sampler.device.type != "cpu" or sampler.seen is not None or sampler.suppress is not None:
+        return lambda logits: sampler(logits, slots, base, key_offset=next(group))
     # The CPU, no history or suppression (the code predictor's): what `sampler` would do, with the rows'
     # settings, seeds and keys read once a frame rather than once a draw.
     plan = TopKFirst.of(sampler.rows(slots), sampler.vocab)

@@ -1,6 +1,6 @@
 """Compile the code-predictor frame's Triton kernels for a GPU, on a machine without one.
 
-    python scripts/compile_check.py                      # sm_90, the real shapes, every frame variant
+    python scripts/compile_check.py                      # sm_90, the real shapes
     python scripts/compile_check.py --preset tiny --arch 80
 
 Why: the kernels' tests run in Triton's interpreter, which executes Python, not the compiler: a kernel
@@ -51,7 +51,7 @@ def _arg_type(value) -> str:
 
 
 def record(preset: str) -> list[dict]:
-    """Step 1 (interpreter): the frame's launches in every variant, recorded, not run."""
+    """Step 1 (interpreter): the frame's and the sampler's launches, recorded, not run."""
     import torch
     import triton.runtime.interpreter as interp
     from omni_rt.kernels import _common
@@ -148,6 +148,8 @@ def main(argv=None) -> int:
     if args.record:
         json.dump(record(args.preset), sys.stdout)
         return 0
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("step 2 compiles: run without TRITON_INTERPRET=1")
     env = dict(os.environ, TRITON_INTERPRET="1")
     child = subprocess.run(
         [sys.executable, __file__, "--record", "--preset", args.preset],
@@ -157,8 +159,6 @@ def main(argv=None) -> int:
         print(child.stderr[-4000:], file=sys.stderr)
         return 2
     launches = json.loads(child.stdout)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise SystemExit("step 2 compiles: run without TRITON_INTERPRET=1")
     rows = compile_all(launches, args.arch)
     failed = [r for r in rows if not r["ok"]]
     print(

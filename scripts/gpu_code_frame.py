@@ -82,23 +82,6 @@ def time_ms(replay, device, reps: int) -> float | None:
     return statistics.median(runs)
 
 
-def frame_fns(cp: CodePredictor, rows: int, device, fused: bool):
-    """(frame_fn, sampler): frame_fn(mode) is a frame (hidden, code0_embed, slots, keys) -> codes, "greedy"
-    or with the code predictor's default sampling, each of `rows` slots seeded."""
-    sampler = S.StageSampler("code_predictor", rows, cp.cfg.vocab_size, device, history=False, fused=fused)
-    for slot in range(rows):
-        sampler.assign(slot, S.residual_code_sampling(Sampling().code_predictor), seed=1000 + slot)
-
-    def frame_fn(mode):
-        def frame(hidden, code0_embed, slots, keys):
-            sample = greedy if mode == "greedy" else S.frame_sampler(sampler, slots, keys)
-            return cp.predict(hidden, code0_embed, sample)
-
-        return frame
-
-    return frame_fn, sampler
-
-
 def set_variant(cp: CodePredictor, variant: str) -> None:
     host = torch.nn.Module()
     host.cp = cp
@@ -139,7 +122,19 @@ def main(argv=None) -> int:
         "floor_ms_batch1": floor_ms, "rows": [], "checks": {}, "sweep": [],
     }  # fmt: skip
     gen = torch.Generator(device=dev).manual_seed(1)
-    frame_fn, sampler = frame_fns(cp, max(batches), dev, fused=dev.type == "cuda")
+    sampler = S.StageSampler(
+        "code_predictor", max(batches), vocab, dev, history=False, fused=dev.type == "cuda"
+    )
+    for slot in range(max(batches)):
+        sampler.assign(slot, S.residual_code_sampling(Sampling().code_predictor), seed=1000 + slot)
+
+    def frame_fn(mode):
+        def frame(hidden, code0_embed, slots, keys):
+            sample = greedy if mode == "greedy" else S.frame_sampler(sampler, slots, keys)
+            return cp.predict(hidden, code0_embed, sample)
+
+        return frame
+
     outputs = {}
     for variant in ("plain", "fused layers", "code_frame no PDL", "code_frame"):
         set_variant(cp, variant)

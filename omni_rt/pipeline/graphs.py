@@ -157,9 +157,16 @@ def capture_or_eager(
     fn: Callable[..., Any], static_inputs: Tensors, pool: GraphPool | None
 ) -> Callable[..., Any]:
     """A CUDA graph of `fn`, or `fn` itself if this step cannot be captured (it then runs eagerly)."""
+    return capture_or_none(fn, static_inputs, pool, "running eagerly") or fn
+
+
+def capture_or_none(
+    fn: Callable[..., Any], static_inputs: Tensors, pool: GraphPool | None, instead: str
+) -> Callable[..., Any] | None:
+    """A CUDA graph of `fn`, or None if it cannot be captured (a warning says so and what is done `instead`)."""
     try:
         return capture(fn, static_inputs, pool=pool)
     except Exception as e:  # e.g. a MoE backend that syncs with the host: eager is still correct
-        warnings.warn(f"CUDA graph capture failed, running eagerly: {type(e).__name__}: {e}", stacklevel=2)
+        warnings.warn(f"CUDA graph capture failed, {instead}: {type(e).__name__}: {e}", stacklevel=3)
         torch.cuda.synchronize()
-        return fn
+        return None

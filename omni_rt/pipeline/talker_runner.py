@@ -6,7 +6,6 @@ runners share: `runners.py`'s docstring.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 
@@ -171,13 +170,10 @@ class TalkerRunner:
         if b > frame_fn.programmatic_rows:
             return
         with frame_fn.programmatic() as runs:
-            if not runs:
-                return
-            try:
-                self._idle_frame_graphs[b] = graphs.capture(self._frame_fn, static, pool=pool)
-            except Exception as e:  # the plain frame graph serves every frame then
-                warnings.warn(f"no programmatic frame graph: {type(e).__name__}: {e}", stacklevel=2)
-                torch.cuda.synchronize()
+            instead = "the plain frame graph serves every frame"
+            graph = graphs.capture_or_none(self._frame_fn, static, pool, instead) if runs else None
+        if graph is not None:
+            self._idle_frame_graphs[b] = graph
 
     def _frame_graph(self, b: int):
         """Batch bucket b's captured frame: the programmatic one while the Thinker has no work on the GPU

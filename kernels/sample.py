@@ -96,15 +96,30 @@ if triton is not None:
         return lo
 
     @triton.jit
-    def _top_p_key(key, prob, limit, lo, hi):
-        """The smallest t in [lo, hi] whose mass at or below it, sum(prob[key <= t]), exceeds `limit`
-        (= 1 - p); hi (the largest key) if none does. The mass below lo must not exceed `limit`."""
-        while lo < hi:
-            mid = (lo + hi) >> 1
-            over = tl.sum(tl.where(key <= mid, prob, 0.0), axis=0) > limit
-            hi = tl.where(over, mid, hi)
-            lo = tl.where(over, lo, mid + 1)
-        return hi
+    def _first_best(s1, i1, k1, s2, i2, k2):
+        # the larger score, the first index among equal ones (as tl.argmax(tie_break_left=True)), its key
+        first = (s1 > s2) | ((s1 == s2) & (i1 < i2))
+        return tl.where(first, s1, s2), tl.where(first, i1, i2), tl.where(first, k1, k2)
+
+    @triton.jit
+    def _top_p_race(score, key, prob, limit, top, ids):
+        """The race's winner among the scores top-p keeps, without searching for top-p's threshold.
+
+        Top-p keeps the keys t whose mass at or below them, sum(prob[key <= t]), exceeds `limit` (= 1 - p),
+        and the largest key `top` always. The race's winner among a set that holds every kept key is the
+        winner among the kept ones if it is kept itself; if not, no key at or below its own is kept, so
+        the race runs again above it. The first winner is kept with probability >= p, so this takes ~1.25
+        rounds of two reductions where a search took ~8 (bisection over the keys' range)."""
+        floor = tl.full((), -(2**40), tl.int64)  # below every key: each round races the keys above it
+        choice = tl.full((), 0, tl.int32)
+        go = floor < top
+        while go:
+            standing = tl.where(key > floor, score, float("-inf"))
+            _, choice, won = tl.reduce((standing, ids, key), 0, _first_best)
+            mass = tl.sum(tl.where(key <= won, prob, 0.0), axis=0)
+            go = (won < top) & (mass <= limit) & (won > floor)  # rejected (the last: no endless loop)
+            floor = won
+        return choice
 
     @triton.jit
     def _sample(
@@ -169,32 +184,14 @@ if triton is not None:
             # saved is a reduction over the row.
             k = tl.load(topk_ptr + slot)
             cut = (k > 0) & (k < V)
-            top = tl.full((), 0, tl.int64)  # the largest key, and the smallest left standing (top-p's range)
-            low = tl.full((), 0, tl.int64)
+            top = tl.full((), 0, tl.int64)  # the largest key (top-p keeps it always)
             if cut:
                 key = tl.where(short, _order_key16(x), _order_key(w)).to(tl.int64)
                 top = tl.max(key, axis=0)
                 lo = tl.min(key, axis=0)
                 near = top - tl.where(short, 128, 2**23).to(tl.int64)
                 lo = tl.where((near > lo) & (tl.sum((key >= near).to(tl.int32), axis=0) >= k), near, lo)
-                low = _kth_largest_key(key, k, lo, top)  # an element's key: the smallest left standing
-                w = tl.where(key < low, float("-inf"), w)
-            # top-p, transformers' rule on the ascending order (drop while the cumulative mass <= 1 - p):
-            # keep the scores whose mass at or below them exceeds 1 - p, ties together; the top always stays.
-            # The threshold lies between the smallest and largest keys still standing (below the smallest,
-            # the mass is 0): after top-k 50 of bf16 scores that is a few binades, ~8 halvings, not 16.
-            p = tl.load(topp_ptr + slot)
-            if p < 1.0:
-                ex = exp_f32(w - tl.max(w, axis=0), PRECISE)
-                prob = tl.div_rn(ex, tl.sum(ex, axis=0))
-                kept = tl.where(w == float("-inf"), float("-inf"), x)  # x as bf16 where w still stands
-                key = tl.where(short, _order_key16(kept), _order_key(w)).to(tl.int64)
-                # after top-k the range is known: its largest key stays, its k-th is the least standing
-                if (k <= 0) | (k >= V):
-                    top = tl.max(key, axis=0)
-                    low = tl.min(tl.where(w == float("-inf"), top, key), axis=0)
-                w = tl.where(key < _top_p_key(key, prob, 1 - p, low, top), float("-inf"), w)
-
+                w = tl.where(key < _kth_largest_key(key, k, lo, top), float("-inf"), w)
             # the keyed race: argmax(w - log E), E = -log U, U from (seed, stage, key, vocab id)
             seed = tl.load(seed_ptr + slot)
             m32 = _c(0xFFFFFFFF)
@@ -213,7 +210,19 @@ if triton is not None:
             uf = ((u >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
             score = w - log_f32(-log_f32(uf, PRECISE), PRECISE)
             score = tl.where(vm, score, float("-inf"))
-            choice = tl.argmax(score, axis=0, tie_break_left=True).to(tl.int64)
+            # top-p, transformers' rule on the ascending order (drop while the cumulative mass <= 1 - p):
+            # keep the scores whose mass at or below them exceeds 1 - p, ties together; the top always stays.
+            p = tl.load(topp_ptr + slot)
+            if p < 1.0:
+                ex = exp_f32(w - tl.max(w, axis=0), PRECISE)
+                prob = tl.div_rn(ex, tl.sum(ex, axis=0))
+                kept = tl.where(w == float("-inf"), float("-inf"), x)  # x as bf16 where w still stands
+                key = tl.where(short, _order_key16(kept), _order_key(w)).to(tl.int64)
+                if (k <= 0) | (k >= V):  # after top-k its largest key is known
+                    top = tl.max(key, axis=0)
+                choice = _top_p_race(score, key, prob, 1 - p, top, v).to(tl.int64)
+            else:
+                choice = tl.argmax(score, axis=0, tie_break_left=True).to(tl.int64)
         else:
             choice = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64)
         tl.store(out_ptr + row, choice)

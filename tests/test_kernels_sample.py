@@ -87,14 +87,21 @@ def test_thresholds_keep_the_plain_candidates(dtype):
     n = len(cases)
     plain = S.StageSampler("code_predictor", n, vocab, history=False)
     fused = S.StageSampler("code_predictor", n, vocab, history=False, fused=True)
+    # the same draws without top-p: where its winner differs, the kernel's race ran again above it
+    no_top_p = S.StageSampler("code_predictor", n, vocab, history=False)
     for slot, s in enumerate(cases):
         for sampler in (plain, fused):
             sampler.assign(slot, s, seed=77 + slot)
+        no_top_p.assign(slot, s.model_copy(update={"top_p": 1.0}), seed=77 + slot)
     g = torch.Generator().manual_seed(3)
     slots = torch.arange(n)
+    races_again = 0
     for step in range(4):
         # distinct values (a permutation of a grid), so that no top-p boundary falls inside a tie
         grid = torch.linspace(-4, 4, vocab) * (1 + step % 2)
         logits = grid[torch.argsort(torch.rand(n, vocab, generator=g), dim=1)].to(dtype)
         keys = torch.full((n,), 7 * step) + slots
-        assert fused(logits, slots, keys).tolist() == plain(logits, slots, keys).tolist()
+        want = plain(logits, slots, keys)
+        assert fused(logits, slots, keys).tolist() == want.tolist()
+        races_again += int((no_top_p(logits, slots, keys) != want).sum())
+    assert races_again >= 5  # top-p turned the first winner away in these draws, and the kernel agreed

@@ -35,6 +35,9 @@ HASH32 = False
 # (programmatic launches on) from 1.823 to 1.796 ms on an H200, 2.135 -> 2.116 on an H100; 1 and 2 warps
 # were far slower (3.0, 2.2 ms), 16 no better (1.805). scripts/gpu_code_frame.py, docs/performance.md.
 SAMPLE_WARPS: int | None = 8
+# Top-k's threshold search: 2 bisects (a reduction a bit); 8 or 16 count as many thresholds in one wider
+# reduction (3 or 4 bits a round). To be measured.
+TOP_K_WAYS = 2
 # Not a programmatic dependent launch: in the code-predictor frame at batch 1 it was no faster (2.05 ms
 # sampled with it, 2.01 without, H200).
 
@@ -85,14 +88,28 @@ if triton is not None:
         return h ^ ((h >> 15) & 0x7FFF)
 
     @triton.jit
-    def _kth_largest_key(key, k, lo, hi):
+    def _kth_largest_key(key, k, lo, hi, WAYS: tl.constexpr):
         """The largest t in [lo, hi] with count(key >= t) >= k (k >= 1, count(key >= lo) >= k): the k-th
-        largest key, by bisection. A halving per bit of hi - lo: the caller narrows the range first."""
-        while lo < hi:
-            mid = (lo + hi + 1) >> 1
-            enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= k
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid - 1)
+        largest key. WAYS <= 2: by bisection, a reduction per bit of hi - lo (the caller narrows the range
+        first). Else WAYS - 1 thresholds counted at once per round, log2(WAYS) bits a round: a wider
+        reduction and WAYS times the compares, for fewer rounds."""
+        if WAYS <= 2:
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= k
+                lo = tl.where(enough, mid, lo)
+                hi = tl.where(enough, hi, mid - 1)
+        else:
+            step = tl.arange(0, WAYS).to(tl.int64) + 1
+            key32 = key.to(tl.int32)  # keys are 32-bit: cheaper compares
+            while lo < hi:
+                width = (hi - lo + WAYS) // WAYS  # WAYS buckets of `width` keys cover [lo, hi]
+                t = lo + step * width  # each bucket's top end + 1; the last lies above hi
+                count = tl.sum(
+                    (key32[None, :] >= tl.minimum(t, hi).to(tl.int32)[:, None]).to(tl.int32), axis=1
+                )
+                lo = lo + tl.sum(((count >= k) & (t <= hi)).to(tl.int64), axis=0) * width
+                hi = tl.minimum(hi, lo + width - 1)
         return lo
 
     @triton.jit
@@ -145,6 +162,7 @@ if triton is not None:
         PRECISE: tl.constexpr,
         KEY16: tl.constexpr,  # bf16 logits, no penalty: search 16-bit keys where exact (SHORT_KEYS)
         U32: tl.constexpr,  # the per-id hash in uint32 (HASH32)
+        KTH_WAYS: tl.constexpr,  # top-k's search: thresholds a round (TOP_K_WAYS)
     ):
         row = tl.program_id(0).to(tl.int64)
         slot = tl.load(slots_ptr + row)
@@ -178,20 +196,20 @@ if triton is not None:
             else:
                 short = False
             # top-k: scores below the k-th largest go (k = 0: off; k >= V keeps all). The search runs
-            # between the row's smallest and largest keys, not over the whole key space, and first asks one
-            # count whether the k-th lies within a binade of the largest score (128 16-bit keys, 2**23
-            # 32-bit ones; top-50 of 2048 near-normal scores does): then 7 halvings, not ~15. Every halving
-            # saved is a reduction over the row.
+            # below the row's largest key, not over the whole key space: one count asks whether the k-th
+            # lies within a binade of it (128 16-bit keys, 2**23 32-bit ones; top-50 of 2048 near-normal
+            # scores does): then 7 bits to search, not ~15; only if not, down to the row's smallest key.
+            # Every reduction saved counts: the code predictor draws 15 times a frame.
             k = tl.load(topk_ptr + slot)
             cut = (k > 0) & (k < V)
             top = tl.full((), 0, tl.int64)  # the largest key (top-p keeps it always)
             if cut:
                 key = tl.where(short, _order_key16(x), _order_key(w)).to(tl.int64)
                 top = tl.max(key, axis=0)
-                lo = tl.min(key, axis=0)
-                near = top - tl.where(short, 128, 2**23).to(tl.int64)
-                lo = tl.where((near > lo) & (tl.sum((key >= near).to(tl.int32), axis=0) >= k), near, lo)
-                w = tl.where(key < _kth_largest_key(key, k, lo, top), float("-inf"), w)
+                lo = top - tl.where(short, 128, 2**23).to(tl.int64)  # a binade below the top
+                if tl.sum((key >= lo).to(tl.int32), axis=0) < k:  # the k-th lies further down
+                    lo = tl.min(key, axis=0)
+                w = tl.where(key < _kth_largest_key(key, k, lo, top, KTH_WAYS), float("-inf"), w)
             # the keyed race: argmax(w - log E), E = -log U, U from (seed, stage, key, vocab id)
             seed = tl.load(seed_ptr + slot)
             m32 = _c(0xFFFFFFFF)
@@ -262,6 +280,7 @@ def fused_choose(
         STAGE=sampler.stage, HAS_SEEN=seen is not None, HAS_SUPP=supp is not None,
         BLOCK_V=block, PRECISE=precise(),
         KEY16=SHORT_KEYS and logits.dtype == torch.bfloat16 and seen is None, U32=HASH32,
+        KTH_WAYS=TOP_K_WAYS,
         num_warps=SAMPLE_WARPS or (4 if block <= 2048 else 8),
     )  # fmt: skip
     return out

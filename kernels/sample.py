@@ -88,6 +88,14 @@ if triton is not None:
         return h ^ ((h >> 15) & 0x7FFF)
 
     @triton.jit
+    def _key_value(key, short):
+        """The fp32 whose key (_order_key16 if short, else _order_key) this is: the same flip undoes it."""
+        b = key.to(tl.int32)
+        b16 = b ^ ((b >> 15) & 0x7FFF)
+        b32 = b ^ ((b >> 31) & 0x7FFFFFFF)
+        return tl.where(short, b16 << 16, b32).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _kth_largest_key(key, k, lo, hi, WAYS: tl.constexpr):
         """The largest t in [lo, hi] with count(key >= t) >= k (k >= 1, count(key >= lo) >= k): the k-th
         largest key. WAYS <= 2: by bisection, a reduction per bit of hi - lo (the caller narrows the range
@@ -119,23 +127,30 @@ if triton is not None:
         return tl.where(first, s1, s2), tl.where(first, i1, i2), tl.where(first, k1, k2)
 
     @triton.jit
-    def _top_p_race(score, key, prob, limit, top, ids):
+    def _first_best_and_sum(s1, i1, k1, e1, s2, i2, k2, e2):
+        s, i, k = _first_best(s1, i1, k1, s2, i2, k2)
+        return s, i, k, e1 + e2
+
+    @triton.jit
+    def _top_p_race(score, key, ex, limit, top, ids):
         """The race's winner among the scores top-p keeps, without searching for top-p's threshold.
 
-        Top-p keeps the keys t whose mass at or below them, sum(prob[key <= t]), exceeds `limit` (= 1 - p),
-        and the largest key `top` always. The race's winner among a set that holds every kept key is the
-        winner among the kept ones if it is kept itself; if not, no key at or below its own is kept, so
-        the race runs again above it. The first winner is kept with probability >= p, so this takes ~1.25
-        rounds of two reductions where a search took ~8 (bisection over the keys' range)."""
-        floor = tl.full((), -(2**40), tl.int64)  # below every key: each round races the keys above it
-        choice = tl.full((), 0, tl.int32)
-        go = floor < top
+        Top-p keeps the keys t whose mass at or below them, sum(prob[key <= t]) with prob = ex / sum(ex),
+        exceeds `limit` (= 1 - p), and the largest key `top` always. The race's winner among a set that
+        holds every kept key is the winner among the kept ones if it is kept itself; if not, no key at or
+        below its own is kept, so the race runs again above it. The first winner is kept with probability
+        >= p: ~1.25 rounds where a search took ~8 reductions (bisection over the keys' range), and the
+        first round's reduction also sums the softmax's denominator."""
+        _, choice, won, total = tl.reduce((score, ids, key, ex), 0, _first_best_and_sum)
+        prob = tl.div_rn(ex, total)
+        go = (won < top) & (tl.sum(tl.where(key <= won, prob, 0.0), axis=0) <= limit)  # turned away
         while go:
-            standing = tl.where(key > floor, score, float("-inf"))
-            _, choice, won = tl.reduce((standing, ids, key), 0, _first_best)
+            floor = won  # race the keys above it
+            _, choice, won = tl.reduce(
+                (tl.where(key > floor, score, float("-inf")), ids, key), 0, _first_best
+            )
             mass = tl.sum(tl.where(key <= won, prob, 0.0), axis=0)
-            go = (won < top) & (mass <= limit) & (won > floor)  # rejected (the last: no endless loop)
-            floor = won
+            go = (won < top) & (mass <= limit) & (won > floor)  # the last: no endless loop
         return choice
 
     @triton.jit
@@ -232,13 +247,15 @@ if triton is not None:
             # keep the scores whose mass at or below them exceeds 1 - p, ties together; the top always stays.
             p = tl.load(topp_ptr + slot)
             if p < 1.0:
-                ex = exp_f32(w - tl.max(w, axis=0), PRECISE)
-                prob = tl.div_rn(ex, tl.sum(ex, axis=0))
                 kept = tl.where(w == float("-inf"), float("-inf"), x)  # x as bf16 where w still stands
                 key = tl.where(short, _order_key16(kept), _order_key(w)).to(tl.int64)
-                if (k <= 0) | (k >= V):  # after top-k its largest key is known
+                if not cut:  # after top-k its largest key is known
                     top = tl.max(key, axis=0)
-                choice = _top_p_race(score, key, prob, 1 - p, top, v).to(tl.int64)
+                # the largest w, from its key (x / t rounds monotonically): no reduction for it
+                wtop = _key_value(top, short)
+                wtop = tl.where(short, tl.div_rn(wtop, t), wtop)
+                ex = exp_f32(w - wtop, PRECISE)
+                choice = _top_p_race(score, key, ex, 1 - p, top, v).to(tl.int64)
             else:
                 choice = tl.argmax(score, axis=0, tie_break_left=True).to(tl.int64)
         else:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from omni_rt.kernels import sample as sample_kernel
 from omni_rt.kernels._common import FLOATS, mark, next_pow2, precise, require_triton, rnd
 from omni_rt.kernels.packed import pack_linears
 
@@ -439,9 +440,15 @@ class CodeFrame:
         b, width = talker_hidden.shape
         cache = cp._cache_for(b, talker_hidden)
         x = torch.stack((talker_hidden, code0_embed), dim=1).view(2 * b, width)  # rows b * 2 + t
+        n = cp.num_code_groups - 1
+        # a fused sampler's draw becomes a programmatic launch too, after the head's (which allows it)
+        with sample_kernel.programmatic(self.pdl and b <= SMALL_M):
+            codes = self._codes(x, b, cache, n, sample)
+        return torch.stack(codes, dim=1)  # [B, 15]
+
+    def _codes(self, x, b: int, cache, n: int, sample) -> list[torch.Tensor]:
         codes: list[torch.Tensor] = []
         idx = None  # set: the step's input rows are this code's rows of an embedding table
-        n = cp.num_code_groups - 1
         for i in range(n):
             t, p0 = (2, 0) if i == 0 else (1, i + 1)  # step 0 is the 2-position prefill (see predict)
             m = b * t
@@ -461,7 +468,7 @@ class CodeFrame:
             codes.append(code)
             if i + 1 < n:
                 x, idx = self.embeds[i], code  # code i+1 enters step i+1 through codec_embedding[i]
-        return torch.stack(codes, dim=1)  # [B, 15]
+        return codes
 
 
 def install_code_frame(model: torch.nn.Module, programmatic_launch: bool = False) -> int:

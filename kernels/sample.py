@@ -19,6 +19,9 @@ Numbers, against `sampling.choose` (the reference, called by the plain path):
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 from omni_rt.kernels._common import next_pow2, precise, require_triton
 
@@ -35,16 +38,20 @@ HASH32 = False
 # (programmatic launches on) from 1.823 to 1.796 ms on an H200, 2.135 -> 2.116 on an H100; 1 and 2 warps
 # were far slower (3.0, 2.2 ms), 16 no better (1.805). scripts/gpu_code_frame.py, docs/performance.md.
 SAMPLE_WARPS: int | None = 8
-# Top-k's threshold search: 2 bisects (a reduction a bit); 8 or 16 count as many thresholds in one wider
-# reduction (3 or 4 bits a round). To be measured.
-TOP_K_WAYS = 2
-# Not a programmatic dependent launch: in the code-predictor frame at batch 1 it was no faster (2.05 ms
-# sampled with it, 2.01 without, H200).
+# Top-k's threshold by bisection, not by counting 3, 7 or 15 thresholds a round in one wider reduction:
+# that was slower on an H100 (code predictor 8.66 / 9.06 / 9.34 us a draw against 7.94; Talker 11.5-12.8
+# against 9.1), the compares cost more than the reductions they save (docs/performance.md, 2026-12-06).
+# Within `programmatic()` (the code-predictor frame's programmatic graphs) a programmatic dependent launch:
+# it draws the race's noise before it waits for the logits, and lets the next step's first kernel start.
+# (Once, with the noise after the wait, no faster: 2.05 ms sampled with it, 2.01 without, H200.) To be
+# measured.
+PROGRAMMATIC = True
+_launching = threading.local()  # .pdl: inside `programmatic()` on this thread
 
 try:  # the kernel needs Triton; the plain path does not
     import triton
     import triton.language as tl
-    from omni_rt.kernels._triton import exp_f32, log_f32
+    from omni_rt.kernels._triton import exp_f32, gdc_launch_dependents, gdc_wait, log_f32
 except ImportError:  # pragma: no cover - depends on the machine
     triton = None
 
@@ -96,28 +103,15 @@ if triton is not None:
         return tl.where(short, b16 << 16, b32).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _kth_largest_key(key, k, lo, hi, WAYS: tl.constexpr):
+    def _kth_largest_key(key, k, lo, hi):
         """The largest t in [lo, hi] with count(key >= t) >= k (k >= 1, count(key >= lo) >= k): the k-th
-        largest key. WAYS <= 2: by bisection, a reduction per bit of hi - lo (the caller narrows the range
-        first). Else WAYS - 1 thresholds counted at once per round, log2(WAYS) bits a round: a wider
-        reduction and WAYS times the compares, for fewer rounds."""
-        if WAYS <= 2:
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= k
-                lo = tl.where(enough, mid, lo)
-                hi = tl.where(enough, hi, mid - 1)
-        else:
-            step = tl.arange(0, WAYS).to(tl.int64) + 1
-            key32 = key.to(tl.int32)  # keys are 32-bit: cheaper compares
-            while lo < hi:
-                width = (hi - lo + WAYS) // WAYS  # WAYS buckets of `width` keys cover [lo, hi]
-                t = lo + step * width  # each bucket's top end + 1; the last lies above hi
-                count = tl.sum(
-                    (key32[None, :] >= tl.minimum(t, hi).to(tl.int32)[:, None]).to(tl.int32), axis=1
-                )
-                lo = lo + tl.sum(((count >= k) & (t <= hi)).to(tl.int64), axis=0) * width
-                hi = tl.minimum(hi, lo + width - 1)
+        largest key, by bisection. A halving per bit of hi - lo: the caller narrows the range first.
+        `key` int32, lo and hi int64 (lo may lie below int32's range: a count there counts every key)."""
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            enough = tl.sum((key >= tl.maximum(mid, -(2**31)).to(tl.int32)).to(tl.int32), axis=0) >= k
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid - 1)
         return lo
 
     @triton.jit
@@ -177,13 +171,39 @@ if triton is not None:
         PRECISE: tl.constexpr,
         KEY16: tl.constexpr,  # bf16 logits, no penalty: search 16-bit keys where exact (SHORT_KEYS)
         U32: tl.constexpr,  # the per-id hash in uint32 (HASH32)
-        KTH_WAYS: tl.constexpr,  # top-k's search: thresholds a round (TOP_K_WAYS)
+        PDL: tl.constexpr,  # launched as a programmatic dependent launch (`programmatic`)
     ):
+        if PDL:  # the next kernel's programs may start and fetch their weights
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
+        # the rows' settings and keys are no earlier kernel's of this step: read before the wait below
         slot = tl.load(slots_ptr + row)
         step_key = tl.load(keys_ptr + row) + key_off
         v = tl.arange(0, BLOCK_V)
         vm = v < V
+        sampled = tl.load(dos_ptr + slot) != 0
+        # the race's noise -log E = -log(-log U), U from (seed, stage, key, vocab id): no logits needed, so
+        # a programmatic launch draws it while the kernel before still runs
+        noise = tl.zeros([BLOCK_V], tl.float32)
+        if sampled:
+            seed = tl.load(seed_ptr + slot)
+            m32 = _c(0xFFFFFFFF)
+            h = _mix32((seed & m32) ^ _c(0x9E3779B9))
+            h = _mix32(h ^ ((seed >> 32) & m32))
+            h = _mix32(h ^ ((_c(0x632BE5AB) * (STAGE + 1)) & m32))
+            h = _mix32(h ^ (step_key & m32))
+            h = _mix32(h ^ ((step_key >> 32) & m32))
+            if U32:
+                hu = h.to(tl.uint32)
+                u = _mix32_u32(hu ^ (v.to(tl.uint32) * tl.full((), 0x9E3779B9, tl.uint32)))
+                u = _mix32_u32(u ^ tl.full((), 0x85EBCA77, tl.uint32))
+            else:
+                u = _mix32(h ^ ((v.to(tl.int64) * _c(0x9E3779B9)) & m32))
+                u = _mix32(u ^ _c(0x85EBCA77))
+            uf = ((u >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+            noise = -log_f32(-log_f32(uf, PRECISE), PRECISE)  # w + noise is w - log E, bit for bit
+        if PDL:  # the logits (and a history) are earlier kernels' writes
+            gdc_wait()
         x = tl.load(logits_ptr + row * stride_l + v, mask=vm, other=float("-inf")).to(tl.float32)
         if HAS_SEEN:
             seen = tl.load(seen_ptr + slot * V + v, mask=vm, other=0) != 0
@@ -193,7 +213,7 @@ if triton is not None:
             supp = tl.load(supp_ptr + slot * V + v, mask=vm, other=0) != 0
             x = tl.where(supp, float("-inf"), x)
         # A greedy row takes the argmax and nothing else; a sampled row none of it (a reduction saved)
-        if tl.load(dos_ptr + slot) != 0:
+        if sampled:
             t = tl.load(temp_ptr + slot)
             w = tl.div_rn(x, t)
             # Thresholds by bisection over the scores' order-preserving integer keys, not by sorting: two
@@ -219,38 +239,22 @@ if triton is not None:
             cut = (k > 0) & (k < V)
             top = tl.full((), 0, tl.int64)  # the largest key (top-p keeps it always)
             if cut:
-                key = tl.where(short, _order_key16(x), _order_key(w)).to(tl.int64)
-                top = tl.max(key, axis=0)
+                key = tl.where(short, _order_key16(x), _order_key(w))  # int32: cheaper compares than int64
+                top = tl.max(key, axis=0).to(tl.int64)
                 lo = top - tl.where(short, 128, 2**23).to(tl.int64)  # a binade below the top
-                if tl.sum((key >= lo).to(tl.int32), axis=0) < k:  # the k-th lies further down
-                    lo = tl.min(key, axis=0)
-                w = tl.where(key < _kth_largest_key(key, k, lo, top, KTH_WAYS), float("-inf"), w)
-            # the keyed race: argmax(w - log E), E = -log U, U from (seed, stage, key, vocab id)
-            seed = tl.load(seed_ptr + slot)
-            m32 = _c(0xFFFFFFFF)
-            h = _mix32((seed & m32) ^ _c(0x9E3779B9))
-            h = _mix32(h ^ ((seed >> 32) & m32))
-            h = _mix32(h ^ ((_c(0x632BE5AB) * (STAGE + 1)) & m32))
-            h = _mix32(h ^ (step_key & m32))
-            h = _mix32(h ^ ((step_key >> 32) & m32))
-            if U32:
-                hu = h.to(tl.uint32)
-                u = _mix32_u32(hu ^ (v.to(tl.uint32) * tl.full((), 0x9E3779B9, tl.uint32)))
-                u = _mix32_u32(u ^ tl.full((), 0x85EBCA77, tl.uint32))
-            else:
-                u = _mix32(h ^ ((v.to(tl.int64) * _c(0x9E3779B9)) & m32))
-                u = _mix32(u ^ _c(0x85EBCA77))
-            uf = ((u >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-            score = w - log_f32(-log_f32(uf, PRECISE), PRECISE)
-            score = tl.where(vm, score, float("-inf"))
+                if tl.sum((key >= tl.maximum(lo, -(2**31)).to(tl.int32)).to(tl.int32), axis=0) < k:
+                    lo = tl.min(key, axis=0).to(tl.int64)  # the k-th lies further down
+                w = tl.where(key < _kth_largest_key(key, k, lo, top), float("-inf"), w)
+            # the keyed race: argmax(w - log E)
+            score = tl.where(vm, w + noise, float("-inf"))
             # top-p, transformers' rule on the ascending order (drop while the cumulative mass <= 1 - p):
             # keep the scores whose mass at or below them exceeds 1 - p, ties together; the top always stays.
             p = tl.load(topp_ptr + slot)
             if p < 1.0:
                 kept = tl.where(w == float("-inf"), float("-inf"), x)  # x as bf16 where w still stands
-                key = tl.where(short, _order_key16(kept), _order_key(w)).to(tl.int64)
+                key = tl.where(short, _order_key16(kept), _order_key(w))
                 if not cut:  # after top-k its largest key is known
-                    top = tl.max(key, axis=0)
+                    top = tl.max(key, axis=0).to(tl.int64)
                 # the largest w, from its key (x / t rounds monotonically): no reduction for it
                 wtop = _key_value(top, short)
                 wtop = tl.where(short, tl.div_rn(wtop, t), wtop)
@@ -263,6 +267,20 @@ if triton is not None:
         tl.store(out_ptr + row, choice)
         if HAS_SEEN:
             tl.store(seen_ptr + slot * V + choice, 1)
+
+
+@contextlib.contextmanager
+def programmatic(on: bool = True):
+    """Within, on this thread: launches are programmatic dependent launches of the kernel before them, which
+    must call `gdc_launch_dependents` (the code-predictor frame's few-rows kernels do) and must be the
+    only earlier work that writes what the sampler reads after its wait; the rows' slots, keys and
+    settings it reads before (written before the kernel before it started)."""
+    saved = getattr(_launching, "pdl", False)
+    _launching.pdl = on and PROGRAMMATIC
+    try:
+        yield
+    finally:
+        _launching.pdl = saved
 
 
 def fits(vocab: int) -> bool:
@@ -288,6 +306,7 @@ def fused_choose(
         return out
     seen, supp = sampler.seen, sampler.suppress
     block = next_pow2(vocab)
+    pdl = getattr(_launching, "pdl", False)
     _sample[(b,)](
         logits, slots, keys,
         sampler.temperature, sampler.top_k, sampler.top_p, sampler.repetition_penalty,
@@ -296,8 +315,7 @@ def fused_choose(
         vocab, logits.stride(0), key_offset,
         STAGE=sampler.stage, HAS_SEEN=seen is not None, HAS_SUPP=supp is not None,
         BLOCK_V=block, PRECISE=precise(),
-        KEY16=SHORT_KEYS and logits.dtype == torch.bfloat16 and seen is None, U32=HASH32,
-        KTH_WAYS=TOP_K_WAYS,
-        num_warps=SAMPLE_WARPS or (4 if block <= 2048 else 8),
+        KEY16=SHORT_KEYS and logits.dtype == torch.bfloat16 and seen is None, U32=HASH32, PDL=pdl,
+        num_warps=SAMPLE_WARPS or (4 if block <= 2048 else 8), **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out

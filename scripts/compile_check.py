@@ -10,8 +10,9 @@ cubin for any target without a device (`triton.compile` with a `GPUTarget`; ptxa
 
 1. A child process with `TRITON_INTERPRET=1` runs the frame at the preset's shapes (bf16) with and
    without programmatic launches at batches 1, 4 and 8, and the fused sampler on the code predictor's
-   and the Talker's rows, with every kernel launch recorded (argument types, constexprs, warps) and
-   skipped: no arithmetic, so seconds, not hours.
+   rows (at batch 1 also as a programmatic launch, as the frame's programmatic graphs draw) and the
+   Talker's, with every kernel launch recorded (argument types, constexprs, warps) and skipped: no
+   arithmetic, so seconds, not hours.
 2. This process (no interpreter) compiles each distinct launch for `sm_<arch>` and reports the failures.
    Shapes' alignment is not specialised as a launch would (the divisibility hints), so the code can
    differ from what a GPU runs; what cannot compile cannot compile either way. The installed Triton may
@@ -108,7 +109,9 @@ def record(preset: str) -> list[dict]:
             for dtype in (torch.bfloat16, torch.float32):
                 for b in (1, 8):
                     slots = torch.arange(b)
-                    sample.fused_choose(torch.zeros(b, vocab, dtype=dtype), slots, slots, sampler)
+                    # and as a programmatic launch, as the frame's programmatic graphs draw
+                    with sample.programmatic(stage == "code_predictor" and b == 1):
+                        sample.fused_choose(torch.zeros(b, vocab, dtype=dtype), slots, slots, sampler)
     return list(launches.values())
 
 

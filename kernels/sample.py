@@ -271,10 +271,11 @@ if triton is not None:
 
 @contextlib.contextmanager
 def programmatic(on: bool = True):
-    """Within, on this thread: launches are programmatic dependent launches of the kernel before them, which
-    must call `gdc_launch_dependents` (the code-predictor frame's few-rows kernels do) and must be the
-    only earlier work that writes what the sampler reads after its wait; the rows' slots, keys and
-    settings it reads before (written before the kernel before it started)."""
+    """Within, on this thread: each draw is a programmatic dependent launch of the kernel before it.
+
+    For the code-predictor frame's programmatic graphs, where the kernel before is the head's GEMV (it
+    calls `gdc_launch_dependents`). Before its wait the sampler reads only the rows' slots, settings and
+    keys, which no kernel of the frame's steps writes."""
     saved = getattr(_launching, "pdl", False)
     _launching.pdl = on and PROGRAMMATIC
     try:

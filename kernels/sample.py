@@ -129,21 +129,23 @@ if triton is not None:
     def _top_p_race(score, key, ex, limit, top, ids):
         """The race's winner among the scores top-p keeps, without searching for top-p's threshold.
 
-        Top-p keeps the keys t whose mass at or below them, sum(prob[key <= t]) with prob = ex / sum(ex),
-        exceeds `limit` (= 1 - p), and the largest key `top` always. The race's winner among a set that
-        holds every kept key is the winner among the kept ones if it is kept itself; if not, no key at or
-        below its own is kept, so the race runs again above it. The first winner is kept with probability
-        >= p: ~1.25 rounds where a search took ~8 reductions (bisection over the keys' range), and the
-        first round's reduction also sums the softmax's denominator."""
+        Top-p keeps the keys t whose mass at or below them, sum(ex[key <= t]) / sum(ex), exceeds `limit`
+        (= 1 - p), and the largest key `top` always. The race's winner among a set that holds every kept
+        key is the winner among the kept ones if it is kept itself; if not, no key at or below its own is
+        kept, so the race runs again above it. The first winner is kept with probability >= p: ~1.25
+        rounds where a search took ~8 reductions (bisection over the keys' range), and the first round's
+        reduction also sums the softmax's denominator. The mass is summed before it is divided (one
+        division, not one an id: PyTorch's softmax and cumsum round differently from either)."""
         _, choice, won, total = tl.reduce((score, ids, key, ex), 0, _first_best_and_sum)
-        prob = tl.div_rn(ex, total)
-        go = (won < top) & (tl.sum(tl.where(key <= won, prob, 0.0), axis=0) <= limit)  # turned away
+        go = won < top  # the top is always kept: no mass to sum
+        if go:
+            go = tl.div_rn(tl.sum(tl.where(key <= won, ex, 0.0), axis=0), total) <= limit  # turned away
         while go:
             floor = won  # race the keys above it
             _, choice, won = tl.reduce(
                 (tl.where(key > floor, score, float("-inf")), ids, key), 0, _first_best
             )
-            mass = tl.sum(tl.where(key <= won, prob, 0.0), axis=0)
+            mass = tl.div_rn(tl.sum(tl.where(key <= won, ex, 0.0), axis=0), total)
             go = (won < top) & (mass <= limit) & (won > floor)  # the last: no endless loop
         return choice
 
@@ -215,7 +217,9 @@ if triton is not None:
         # A greedy row takes the argmax and nothing else; a sampled row none of it (a reduction saved)
         if sampled:
             t = tl.load(temp_ptr + slot)
-            w = tl.div_rn(x, t)
+            w = x
+            if t != 1.0:  # an IEEE division an id, for nothing at the code predictor's default
+                w = tl.div_rn(x, t)
             # Thresholds by bisection over the scores' order-preserving integer keys, not by sorting: two
             # bitonic sorts of a 2048-wide row were ~70 us per call on an H200, 1.1 ms of a sampled
             # code-predictor frame (docs/performance.md). Each halving is one reduction over the row, so

@@ -38,9 +38,6 @@ HASH32 = False
 # (programmatic launches on) from 1.823 to 1.796 ms on an H200, 2.135 -> 2.116 on an H100; 1 and 2 warps
 # were far slower (3.0, 2.2 ms), 16 no better (1.805). scripts/gpu_code_frame.py, docs/performance.md.
 SAMPLE_WARPS: int | None = 8
-# Top-k's threshold by bisection, not by counting 3, 7 or 15 thresholds a round in one wider reduction:
-# that was slower on an H100 (code predictor 8.66 / 9.06 / 9.34 us a draw against 7.94; Talker 11.5-12.8
-# against 9.1), the compares cost more than the reductions they save (docs/performance.md, 2026-12-06).
 # Within `programmatic()` (the code-predictor frame's programmatic graphs) a programmatic dependent launch:
 # it draws the race's noise before it waits for the logits, and lets the next step's first kernel start.
 # The sampled frame with the Thinker idle took 1.760 ms with it, 1.779 without (greedy 1.680 either way),
@@ -106,7 +103,10 @@ if triton is not None:
     def _kth_largest_key(key, k, lo, hi):
         """The largest t in [lo, hi] with count(key >= t) >= k (k >= 1, count(key >= lo) >= k): the k-th
         largest key, by bisection. A halving per bit of hi - lo: the caller narrows the range first.
-        `key` int32, lo and hi int64 (lo may lie below int32's range: a count there counts every key)."""
+        `key` int32, lo and hi int64 (lo may lie below int32's range: a count there counts every key).
+        Not 3, 7 or 15 thresholds counted a round in one wider reduction: slower on an H100 (code predictor
+        8.66 / 9.06 / 9.34 us a draw against 7.94, Talker 11.5-12.8 against 9.1; docs/performance.md,
+        2026-12-06): the compares cost more than the reductions they save."""
         while lo < hi:
             mid = (lo + hi + 1) >> 1
             enough = tl.sum((key >= tl.maximum(mid, -(2**31)).to(tl.int32)).to(tl.int32), axis=0) >= k
@@ -126,6 +126,11 @@ if triton is not None:
         return s, i, k, e1 + e2
 
     @triton.jit
+    def _mass_at(key, ex, won, total):
+        # the softmax's mass at or below key `won`: summed, then divided once
+        return tl.div_rn(tl.sum(tl.where(key <= won, ex, 0.0), axis=0), total)
+
+    @triton.jit
     def _top_p_race(score, key, ex, limit, top, ids):
         """The race's winner among the scores top-p keeps, without searching for top-p's threshold.
 
@@ -139,14 +144,15 @@ if triton is not None:
         _, choice, won, total = tl.reduce((score, ids, key, ex), 0, _first_best_and_sum)
         go = won < top  # the top is always kept: no mass to sum
         if go:
-            go = tl.div_rn(tl.sum(tl.where(key <= won, ex, 0.0), axis=0), total) <= limit  # turned away
+            go = _mass_at(key, ex, won, total) <= limit  # turned away
         while go:
             floor = won  # race the keys above it
             _, choice, won = tl.reduce(
                 (tl.where(key > floor, score, float("-inf")), ids, key), 0, _first_best
             )
-            mass = tl.div_rn(tl.sum(tl.where(key <= won, ex, 0.0), axis=0), total)
-            go = (won < top) & (mass <= limit) & (won > floor)  # the last: no endless loop
+            go = (
+                (won < top) & (_mass_at(key, ex, won, total) <= limit) & (won > floor)
+            )  # last: no endless loop
         return choice
 
     @triton.jit
@@ -241,9 +247,11 @@ if triton is not None:
             # Every reduction saved counts: the code predictor draws 15 times a frame.
             k = tl.load(topk_ptr + slot)
             cut = (k > 0) & (k < V)
+            # int32 keys (cheaper compares than int64), for top-p too: those of scores top-k drops do not
+            # count there (their scores are -inf, their exponentials 0)
+            key = tl.where(short, _order_key16(x), _order_key(w))
             top = tl.full((), 0, tl.int64)  # the largest key (top-p keeps it always)
             if cut:
-                key = tl.where(short, _order_key16(x), _order_key(w))  # int32: cheaper compares than int64
                 top = tl.max(key, axis=0).to(tl.int64)
                 lo = top - tl.where(short, 128, 2**23).to(tl.int64)  # a binade below the top
                 if tl.sum((key >= tl.maximum(lo, -(2**31)).to(tl.int32)).to(tl.int32), axis=0) < k:
@@ -255,8 +263,6 @@ if triton is not None:
             # keep the scores whose mass at or below them exceeds 1 - p, ties together; the top always stays.
             p = tl.load(topp_ptr + slot)
             if p < 1.0:
-                kept = tl.where(w == float("-inf"), float("-inf"), x)  # x as bf16 where w still stands
-                key = tl.where(short, _order_key16(kept), _order_key(w))
                 if not cut:  # after top-k its largest key is known
                     top = tl.max(key, axis=0).to(tl.int64)
                 # the largest w, from its key (x / t rounds monotonically): no reduction for it

@@ -102,13 +102,22 @@ if triton is not None:
         return tl.where(short, b16 << 16, b32).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _counts(key, a, b):
+        """count(key >= a) and count(key >= b) in one reduction: packed in one int32 sum, each count
+        <= MAX_VOCAB < 2**16, so the low half never carries into the high. a, b int64, clamped to int32's
+        range (below it a count counts every key)."""
+        a32 = tl.maximum(a, -(2**31)).to(tl.int32)
+        b32 = tl.maximum(b, -(2**31)).to(tl.int32)
+        both = tl.sum((key >= a32).to(tl.int32) + ((key >= b32).to(tl.int32) << 16), axis=0)
+        return both & 0xFFFF, both >> 16
+
+    @triton.jit
     def _kth_largest_key(key, k, lo, hi, THIRDS: tl.constexpr):
         """The largest t in [lo, hi] with count(key >= t) >= k (k >= 1, count(key >= lo) >= k): the k-th
         largest key. `key` int32, lo and hi int64 (lo may lie below int32's range: a count there counts
         every key). The caller narrows the range first: each round is one reduction over the row.
-        THIRDS: two thresholds a round, their counts packed in one int32 sum (each count <= MAX_VOCAB <
-        2**16, so the low half never carries into the high), so a round cuts the range to a third, not
-        a half (5 rounds for a binade of 16-bit keys, not 8), and the reduction is the same one.
+        THIRDS: two thresholds a round, counted in one reduction (`_counts`), so a round cuts the range to
+        a third, not a half (4 rounds for half a binade of 16-bit keys, not 7).
         Not 3, 7 or 15 thresholds counted a round in a wider reduction: slower on an H100 (code predictor
         8.66 / 9.06 / 9.34 us a draw against 7.94, Talker 11.5-12.8 against 9.1; docs/performance.md,
         2026-12-06): the wider reduction cost more than the rounds it saved."""
@@ -117,11 +126,9 @@ if triton is not None:
                 span = hi - lo
                 a = lo + (span + 2) // 3  # lo < a <= b <= hi
                 b = lo + (2 * span + 2) // 3
-                a32 = tl.maximum(a, -(2**31)).to(tl.int32)
-                b32 = tl.maximum(b, -(2**31)).to(tl.int32)
-                both = tl.sum((key >= a32).to(tl.int32) + ((key >= b32).to(tl.int32) << 16), axis=0)
-                at_a = (both & 0xFFFF) >= k
-                at_b = (both >> 16) >= k
+                at_a, at_b = _counts(key, a, b)
+                at_a = at_a >= k
+                at_b = at_b >= k
                 lo, hi = (
                     tl.where(at_b, b, tl.where(at_a, a, lo)),
                     tl.where(at_b, hi, tl.where(at_a, b - 1, a - 1)),
@@ -264,6 +271,7 @@ if triton is not None:
             # below the row's largest key, not over the whole key space: one count asks whether the k-th
             # lies within a binade of it (128 16-bit keys, 2**23 32-bit ones; top-50 of 2048 near-normal
             # scores does): then 7 bits to search, not ~15; only if not, down to the row's smallest key.
+            # The same reduction counts at the binade's middle, so the search starts on half of it.
             # Every reduction saved counts: the code predictor draws 15 times a frame.
             k = tl.load(topk_ptr + slot)
             cut = (k > 0) & (k < V)
@@ -274,9 +282,14 @@ if triton is not None:
             if cut:
                 top = tl.max(key, axis=0).to(tl.int64)
                 lo = top - tl.where(short, 128, 2**23).to(tl.int64)  # a binade below the top
-                if tl.sum((key >= tl.maximum(lo, -(2**31)).to(tl.int32)).to(tl.int32), axis=0) < k:
+                hi = top
+                mid = (lo + top + 1) >> 1  # counted with the check: the search's first halving
+                at_lo, at_mid = _counts(key, lo, mid)
+                if at_lo < k:
                     lo = tl.min(key, axis=0).to(tl.int64)  # the k-th lies further down
-                w = tl.where(key < _kth_largest_key(key, k, lo, top, THIRDS), float("-inf"), w)
+                else:
+                    lo, hi = tl.where(at_mid >= k, mid, lo), tl.where(at_mid >= k, top, mid - 1)
+                w = tl.where(key < _kth_largest_key(key, k, lo, hi, THIRDS), float("-inf"), w)
             # the keyed race: argmax(w - log E)
             score = tl.where(vm, w + noise, float("-inf"))
             # top-p, transformers' rule on the ascending order (drop while the cumulative mass <= 1 - p):

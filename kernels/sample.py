@@ -43,8 +43,6 @@ SAMPLE_WARPS: int | None = 8
 # The sampled frame with the Thinker idle took 1.760 ms with it, 1.779 without (greedy 1.680 either way),
 # H200; so the gain is the noise drawn early. (Once, with the noise after the wait: 2.05 ms against 2.01.)
 PROGRAMMATIC = True
-# Top-k's search counts two thresholds a round in one packed sum (`_kth_largest_key`): untimed yet.
-TOP_K_THIRDS = True
 _launching = threading.local()  # .pdl: inside `programmatic()` on this thread
 
 try:  # the kernel needs Triton; the plain path does not
@@ -103,41 +101,29 @@ if triton is not None:
 
     @triton.jit
     def _counts(key, a, b):
-        """count(key >= a) and count(key >= b) in one reduction: packed in one int32 sum, each count
-        <= MAX_VOCAB < 2**16, so the low half never carries into the high. a, b int64, clamped to int32's
-        range (below it a count counts every key)."""
+        """count(key >= a) and count(key >= b) in one reduction (top-k's binade check and the search's
+        first halving): packed in one int32 sum, each count <= MAX_VOCAB < 2**16, so the low half never
+        carries into the high. a, b int64, clamped to int32's range (below it a count counts every key)."""
         a32 = tl.maximum(a, -(2**31)).to(tl.int32)
         b32 = tl.maximum(b, -(2**31)).to(tl.int32)
         both = tl.sum((key >= a32).to(tl.int32) + ((key >= b32).to(tl.int32) << 16), axis=0)
         return both & 0xFFFF, both >> 16
 
     @triton.jit
-    def _kth_largest_key(key, k, lo, hi, THIRDS: tl.constexpr):
+    def _kth_largest_key(key, k, lo, hi):
         """The largest t in [lo, hi] with count(key >= t) >= k (k >= 1, count(key >= lo) >= k): the k-th
-        largest key. `key` int32, lo and hi int64 (lo may lie below int32's range: a count there counts
-        every key). The caller narrows the range first: each round is one reduction over the row.
-        THIRDS: two thresholds a round, counted in one reduction (`_counts`), so a round cuts the range to
-        a third, not a half (4 rounds for half a binade of 16-bit keys, not 7).
-        Not 3, 7 or 15 thresholds counted a round in a wider reduction: slower on an H100 (code predictor
-        8.66 / 9.06 / 9.34 us a draw against 7.94, Talker 11.5-12.8 against 9.1; docs/performance.md,
-        2026-12-06): the wider reduction cost more than the rounds it saved."""
+        largest key, by bisection. `key` int32, lo and hi int64 (lo may lie below int32's range: a count
+        there counts every key). The caller narrows the range first: each halving is one reduction.
+        Not wider rounds, which were no faster on an H100 (docs/performance.md, 2026-12-06): 3, 7 or 15
+        thresholds counted in a wider reduction were slower (code predictor 8.66 / 9.06 / 9.34 us a draw
+        against 7.94, Talker 11.5-12.8 against 9.1); two thresholds in one packed sum (`_counts`, a third
+        of the range a round) no faster (5.89 / 5.72 us against 5.72 / 5.73; Talker 8.80 against 8.74).
+        """
         while lo < hi:
-            if THIRDS:
-                span = hi - lo
-                a = lo + (span + 2) // 3  # lo < a <= b <= hi
-                b = lo + (2 * span + 2) // 3
-                at_a, at_b = _counts(key, a, b)
-                at_a = at_a >= k
-                at_b = at_b >= k
-                lo, hi = (
-                    tl.where(at_b, b, tl.where(at_a, a, lo)),
-                    tl.where(at_b, hi, tl.where(at_a, b - 1, a - 1)),
-                )
-            else:
-                mid = (lo + hi + 1) >> 1
-                enough = tl.sum((key >= tl.maximum(mid, -(2**31)).to(tl.int32)).to(tl.int32), axis=0) >= k
-                lo = tl.where(enough, mid, lo)
-                hi = tl.where(enough, hi, mid - 1)
+            mid = (lo + hi + 1) >> 1
+            enough = tl.sum((key >= tl.maximum(mid, -(2**31)).to(tl.int32)).to(tl.int32), axis=0) >= k
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid - 1)
         return lo
 
     @triton.jit
@@ -206,7 +192,6 @@ if triton is not None:
         KEY16: tl.constexpr,  # bf16 logits, no penalty: search 16-bit keys where exact (SHORT_KEYS)
         U32: tl.constexpr,  # the per-id hash in uint32 (HASH32)
         PDL: tl.constexpr,  # launched as a programmatic dependent launch (`programmatic`)
-        THIRDS: tl.constexpr,  # top-k's search cuts the range to a third a round (TOP_K_THIRDS)
     ):
         if PDL:  # the next kernel's programs may start and fetch their weights
             gdc_launch_dependents()
@@ -289,7 +274,7 @@ if triton is not None:
                     lo = tl.min(key, axis=0).to(tl.int64)  # the k-th lies further down
                 else:
                     lo, hi = tl.where(at_mid >= k, mid, lo), tl.where(at_mid >= k, top, mid - 1)
-                w = tl.where(key < _kth_largest_key(key, k, lo, hi, THIRDS), float("-inf"), w)
+                w = tl.where(key < _kth_largest_key(key, k, lo, hi), float("-inf"), w)
             # the keyed race: argmax(w - log E)
             score = tl.where(vm, w + noise, float("-inf"))
             # top-p, transformers' rule on the ascending order (drop while the cumulative mass <= 1 - p):
@@ -359,7 +344,7 @@ def fused_choose(
         vocab, logits.stride(0), key_offset,
         STAGE=sampler.stage, HAS_SEEN=seen is not None, HAS_SUPP=supp is not None,
         BLOCK_V=block, PRECISE=precise(),
-        KEY16=SHORT_KEYS and logits.dtype == torch.bfloat16 and seen is None, U32=HASH32, PDL=pdl, THIRDS=TOP_K_THIRDS,
+        KEY16=SHORT_KEYS and logits.dtype == torch.bfloat16 and seen is None, U32=HASH32, PDL=pdl,
         num_warps=SAMPLE_WARPS or (4 if block <= 2048 else 8), **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return out

@@ -37,6 +37,7 @@ HASH32 = False
 # reduction over the row plus a pass over each thread's share of it: 8 warps took the sampled frame
 # (programmatic launches on) from 1.823 to 1.796 ms on an H200, 2.135 -> 2.116 on an H100; 1 and 2 warps
 # were far slower (3.0, 2.2 ms), 16 no better (1.805). scripts/gpu_code_frame.py, docs/performance.md.
+# With fewer reductions (3d15258) 4 warps are still slower: 6.36 us a code-predictor draw against 5.89 (H100).
 SAMPLE_WARPS: int | None = 8
 # Within `programmatic()` (the code-predictor frame's programmatic graphs) a programmatic dependent launch:
 # it draws the race's noise before it waits for the logits, and lets the next step's first kernel start.

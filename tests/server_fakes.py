@@ -26,6 +26,7 @@ from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from omni_rt.errors import InvalidRequestError, SessionLimitError, StageError
 from omni_rt.events import (
+    ErrorEvent,
     Metrics,
     ResponseCreated,
     ResponseDone,
@@ -69,10 +70,16 @@ class FakeSession:
     ):
         rid = f"resp_{next(self.engine.ids)}"
         self._cancel.clear()
-        self.engine.running += 1
         self.engine.requests.append(text if input_ids is None else input_ids)
         self.engine.voices.append(voice or self.voice)
         self.engine.turn_instructions.append(instructions)
+        if self.engine.refuse:  # as the Session refuses a turn: error, response.done failed, not recorded
+            exc = self.engine.refuse.pop(0)
+            yield ResponseCreated(response_id=rid)
+            yield ErrorEvent.from_exception(exc, rid)
+            yield ResponseDone(response_id=rid, status="failed", error=ErrorEvent.from_exception(exc).error)
+            return
+        self.engine.running += 1
         if not self.conversation and self.instructions and input_ids is None:
             self.conversation.append(("system", self.instructions))  # as the Session's first turn
         if instructions is not None:
@@ -142,6 +149,7 @@ class FakeEngine:
         fail_after: int | None = None,
     ):
         self.fail_after = fail_after  # raise StageError after this many words, as a broken stage would
+        self.refuse: list[Exception] = []  # the next responses' errors, refused as a Session does
         self.step_s = step_s
         self.frames_per_word = frames_per_word
         self.reply = reply

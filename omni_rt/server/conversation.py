@@ -5,6 +5,12 @@ user, system and assistant messages, function calls and their outputs, spoken tu
 since the last response waits here until the next one reads it (`take`); until then it can be
 deleted. What a response has read cannot be: the Session's context is not rewritten. Items join at
 the end only. The latest items are kept for `conversation.item.retrieve`.
+
+A reply that fails read nothing into the context (the Session does not record a failed turn), so its
+input waits again (`refused`), as OpenAI keeps a failed response's items: the next response answers it,
+or the client deletes it. Input that fails twice in a row is what fails (a turn too long for the
+context, ...): the server deletes it then (`conversation.item.deleted`), or it would fail every reply
+after it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ class Conversation:
         self._text: dict[str, tuple[str, str]] = {}
         self._speech: dict[str, np.ndarray] = {}
         self._clips: dict[str, Any] = {}  # a spoken item's encoding made while it was spoken, if any
+        # What the last response read (text, speech, clips), until it ends; the items a failed one left
+        # waiting (a second failure deletes them).
+        self._taken: tuple[dict, dict, dict] = ({}, {}, {})
+        self._refused_once: set[str] = set()
 
     # -- adding ---------------------------------------------------------------------------------------
 
@@ -128,10 +138,26 @@ class Conversation:
         encoding made while it was spoken when one item waits, else the samples of all of them)."""
         turns = list(self._text.values())
         speech = self.speech_clip() or (np.concatenate(list(self._speech.values())) if self._speech else None)
-        self._text.clear()
-        self._speech.clear()
-        self._clips.clear()
+        self._taken = (self._text, self._speech, self._clips)
+        self._text, self._speech, self._clips = {}, {}, {}
         return turns, speech
+
+    def refused(self) -> None:
+        """The last response failed, so the model never read its input: that input waits again, ahead of
+        any added since. Items it had already left waiting once are deleted instead (sent as
+        `conversation.item.deleted`)."""
+        text, speech, clips = self._taken
+        self._taken = ({}, {}, {})
+        gone = [i for i in (*text, *speech) if i in self._refused_once]
+        for item_id in gone:
+            text.pop(item_id, None)
+            speech.pop(item_id, None)
+            clips.pop(item_id, None)
+        self._text, self._speech = {**text, **self._text}, {**speech, **self._speech}
+        self._clips = {**clips, **self._clips}
+        self._refused_once = {*text, *speech}
+        for item_id in gone:
+            self._forget(item_id)
 
     def speech_clip(self) -> Any:
         """The encoding of the one spoken item waiting, if it has one (None otherwise)."""
@@ -167,7 +193,12 @@ class Conversation:
         self._text.pop(item_id, None)
         self._speech.pop(item_id, None)
         self._clips.pop(item_id, None)
-        del self._items[item_id]
+        self._forget(item_id)
+
+    def _forget(self, item_id: str) -> None:
+        """An item no longer waiting leaves the conversation; the client is told."""
+        self._refused_once.discard(item_id)
+        self._items.pop(item_id, None)  # it may be older than the items kept
         if self.last_item_id == item_id:
             self.last_item_id = next(reversed(self._items), None)
         self._send(wire.conversation_item_deleted(item_id))

@@ -150,6 +150,7 @@ class Peer:
             transcriber=self.transcriber,
             speculator=self.speculator,
             on_idle=self._start_response,
+            on_refused=self.conversation.refused,
         )
 
     # -- lifetime ---------------------------------------------------------------------------------------

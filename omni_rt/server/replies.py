@@ -7,7 +7,8 @@ and plays its audio on the WebRTC track (`media.py`) or sends it as deltas. Spee
 (`interrupt`), `response.cancel` and `output_audio_buffer.clear` cut it at once: no more of its audio
 goes out and the model is stopped in a task, so the microphone keeps being read. A reply cut off on the
 track records what was played of it (`conversation.item.truncated`), as `conversation.item.truncate`
-does for one the client cut itself. When a reply ends, `on_idle` starts the one a turn left waiting.
+does for one the client cut itself. When a reply ends, `on_idle` starts the one a turn left waiting;
+when the Session failed it, `on_refused` first puts back the input it read.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Replies:
         transcriber: InputTranscriber,
         speculator: Speculator,
         on_idle: Callable[[], None],
+        on_refused: Callable[[], None],
     ) -> None:
         self.name = name
         self._session = session  # the peer's Session now (session.update opens a new one)
@@ -59,6 +61,7 @@ class Replies:
         self.media = media
         self.transcriber, self.speculator = transcriber, speculator
         self._on_idle = on_idle
+        self._on_refused = on_refused  # a reply the Session failed: its input waits again
         self.current: Response | None = None
         self.respond_when_idle = False  # a VAD turn ended during a response: answer it after
         self.items: OrderedDict[str, Response] = OrderedDict()  # recent assistant items by id
@@ -250,6 +253,8 @@ class Replies:
             self.transcriber.release()
             if not self._closing():
                 response.broken()  # the Session promises response.done; if the stream broke anyway
+                if response.refused:
+                    self._on_refused()
             if self.current is response:
                 self.current = None
                 if self.respond_when_idle and not self._closing():

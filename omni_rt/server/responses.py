@@ -56,6 +56,7 @@ class Response:
     tools: ToolCallParser | None = None  # the session's tools: <tool_call>s become function calls
     calls: list[dict[str, Any]] = field(default_factory=list)  # function_call items made
     failed: str | None = None  # a malformed tool call: the response fails (closed)
+    refused: bool = False  # the Session failed it: its turn is not in the context (Session._commit)
     spoken: SpokenTurnClock | None = None  # the spoken turn it answers: end_of_speech / voice_to_voice
     _item_open: bool = False
     _message_previous: str | None = None
@@ -127,6 +128,7 @@ class Response:
             for bad in self.tools.end():  # a call left open by the model, not one cut by a cancel
                 if ev.status != "cancelled":
                     self._call(bad)
+        self.refused = ev.status == "failed"
         status, details = self._outcome(ev)
         if status == "completed" and not self.calls:
             self._open_item()  # an empty reply is still the assistant's turn

@@ -281,12 +281,14 @@ if triton is not None:
                     )
             else:
                 short = False
-            # top-k: scores below the k-th largest go (k = 0: off; k >= V keeps all). The search runs
-            # below the row's largest key, not over the whole key space: one count asks whether the k-th
-            # lies within a binade of it (128 16-bit keys, 2**23 32-bit ones; top-50 of 2048 near-normal
-            # scores does): then 7 bits to search, not ~15; only if not, down to the row's smallest key.
-            # The same reduction counts at the binade's middle, so the search starts on half of it.
-            # Every reduction saved counts: the code predictor draws 15 times a frame.
+            # top-k: scores below the k-th largest go (k = 0: off; k >= V keeps all). With 16-bit keys a
+            # histogram of the distances below the row's largest key finds the k-th where it lies within
+            # TOP_K_BINS - 2 keys of it (top-50 of 2048 near-normal scores does: `_kth_near_top`).
+            # Otherwise a bisection runs below the largest key, not over the whole key space: one count
+            # asks whether the k-th lies within a binade of it (128 16-bit keys, 2**23 32-bit ones): then
+            # 7 bits to search, not ~15; only if not, down to the row's smallest key. The same reduction
+            # counts at the binade's middle, so the search starts on half of it. Every reduction saved
+            # counts: the code predictor draws 15 times a frame.
             k = tl.load(topk_ptr + slot)
             cut = (k > 0) & (k < V)
             # int32 keys (cheaper compares than int64), for top-p too: those of scores top-k drops do not

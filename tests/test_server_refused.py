@@ -50,8 +50,8 @@ async def test_a_refused_reply_leaves_its_input_for_the_next(served):
     events = await respond(ws)
     error = next(e for e in events if e["type"] == "error")["error"]
     assert error["code"] == "CapacityError" and status(events) == "failed"
-    # nothing new was added: the next reply answers what the refused one could not
-    await added(ws, "and the date")  # joins behind it, in the same user turn
+    # the next reply answers what the refused one could not, with what was added since behind it
+    await added(ws, "and the date")
     assert status(await respond(ws)) == "completed"
     assert engine.requests == ["what time is it", "what time is it\nand the date"]
     assert engine.sessions[0].conversation == [("user", "what time is it\nand the date")]

@@ -148,16 +148,12 @@ class Conversation:
         `conversation.item.deleted`)."""
         text, speech, clips = self._taken
         self._taken = ({}, {}, {})
-        gone = [i for i in (*text, *speech) if i in self._refused_once]
-        for item_id in gone:
-            text.pop(item_id, None)
-            speech.pop(item_id, None)
-            clips.pop(item_id, None)
         self._text, self._speech = {**text, **self._text}, {**speech, **self._speech}
         self._clips = {**clips, **self._clips}
+        gone = [i for i in (*text, *speech) if i in self._refused_once]  # in the order they came
         self._refused_once = {*text, *speech}
         for item_id in gone:
-            self._forget(item_id)
+            self._forget(item_id)  # and no longer marked
 
     def speech_clip(self) -> Any:
         """The encoding of the one spoken item waiting, if it has one (None otherwise)."""
@@ -190,13 +186,13 @@ class Conversation:
                 param="item_id",
                 event_id=event.event_id,
             )
-        self._text.pop(item_id, None)
-        self._speech.pop(item_id, None)
-        self._clips.pop(item_id, None)
         self._forget(item_id)
 
     def _forget(self, item_id: str) -> None:
-        """An item no longer waiting leaves the conversation; the client is told."""
+        """A waiting item leaves the conversation; the client is told."""
+        self._text.pop(item_id, None)
+        self._speech.pop(item_id, None)
+        self._clips.pop(item_id, None)
         self._refused_once.discard(item_id)
         self._items.pop(item_id, None)  # it may be older than the items kept
         if self.last_item_id == item_id:

@@ -22,7 +22,8 @@ Each `RealtimeSession` holds one omni_rt `Session` (one cache slot of the engine
   reached by `audio_end_ms`). The model's own context keeps the whole reply, as `omni-rt serve` does:
   omni_rt's caches cannot be rewound (what the user said is kept either way).
 - `update_instructions`: before the first reply they become the session's system turn; later, a system
-  turn ahead of the next reply. `update_chat_ctx`: new text messages join the next reply's prompt;
+  turn ahead of the next reply. `update_chat_ctx` (`livekit_chat.py`): new text messages join the next
+  reply's prompt, items not heard yet follow the context handed back (removed, edited, reordered);
   removing what the model already heard is an error (`RealtimeError`). The spoken turns and replies are
   announced as `remote_item_added`, so the agent's chat context holds them. The chat context is not
   "mutable" in the framework's sense (nothing heard can be deleted): a handoff to an agent with another
@@ -61,13 +62,13 @@ from livekit import rtc
 from livekit.agents import llm
 from livekit.agents.types import NOT_GIVEN, NotGivenOr
 from livekit.agents.utils import is_given
-from livekit.agents.voice.generation import remove_instructions
 
 from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn, TurnSegmenter, VadConfig
 from omni_rt.config import Sampling
 from omni_rt.errors import OmniRtError
 from omni_rt.integrations._audio import SPEECH_RATE, InputAudio, TurnBuffer
-from omni_rt.integrations._prompt import ROLES, reply_prompt, system_turn, users_words
+from omni_rt.integrations._prompt import reply_prompt, system_turn, users_words
+from omni_rt.integrations.livekit_chat import update_chat_ctx
 from omni_rt.integrations.livekit_generation import Generation, created_event, reply_metrics
 from omni_rt.integrations.livekit_tools import SessionTools
 from omni_rt.tools import BadToolCall
@@ -165,8 +166,9 @@ class RealtimeSession(llm.RealtimeSession):
         self._instructions: str | None = model._session_kwargs["instructions"]
         self._tools = SessionTools()
         self._committed: list[np.ndarray] = []  # spoken turns the next reply answers
-        self._pending: list[tuple[str, str]] = []  # (role, text) the next reply's prompt carries
-        self._pending_ids: set[str] = set()
+        # chat items the model has not heard yet, by item id, in the chat context's order: (role, text) the
+        # next reply's prompt carries
+        self._pending: dict[str, tuple[str, str]] = {}
         self._refused: list[tuple[str, str]] = []  # the user's words a refused reply kept (`users_words`)
         self._chat_ctx = llm.ChatContext.empty()
         self._lock = asyncio.Lock()  # one reply at a time, in the order asked
@@ -215,43 +217,8 @@ class RealtimeSession(llm.RealtimeSession):
         self._instructions = instructions  # the next reply says them (`_system_turn`)
 
     async def update_chat_ctx(self, chat_ctx: llm.ChatContext) -> None:
-        # as OpenAI's plugin: the framework's own bookkeeping items and the agent's instructions (which
-        # update_instructions carries) are not conversation
-        chat_ctx = chat_ctx.copy(exclude_handoff=True, exclude_config_update=True)
-        remove_instructions(chat_ctx)
-        # no await below: a reply under way takes the new items or leaves them for the next, never half
-        new_ids = {item.id for item in chat_ctx.items}
-        ours = {item.id for item in self._chat_ctx.items}
-        heard = [i for i in ours - new_ids if i not in self._pending_ids]
-        if heard:
-            raise llm.RealtimeError(
-                f"omni_rt cannot remove items the model has already heard: {sorted(heard)}"
-            )
-        added: list[tuple[Any, tuple[str, str] | None]] = []
-        answering: set[str] = set()
-        for item in chat_ctx.items:
-            if item.id in ours:
-                continue
-            if item.type in ("function_call", "function_call_output"):
-                added.append((item, self._tools.turn(item, answering)))
-                continue
-            role = ROLES.get(getattr(item, "role", None)) if item.type == "message" else None
-            text = item.text_content if role is not None else None
-            if role is None or not text:
-                raise llm.RealtimeError(
-                    "omni_rt takes text messages and function calls and outputs in the chat context; "
-                    f"item {item.id} is a {item.type}"
-                    + (f" ({item.role} without text)" if item.type == "message" else "")
-                )
-            added.append((item, (role, text)))
-        for item, turn in added:
-            if turn is None:  # a call the model made, under another item id: it was heard as it was made
-                continue
-            if item.type == "function_call_output":
-                self._tools.answered(item.call_id)
-            self._chat_ctx.insert(item)
-            self._pending.append(turn)
-            self._pending_ids.add(item.id)
+        # no await: a reply under way takes the new items or leaves them for the next, never half
+        self._pending = update_chat_ctx(self._chat_ctx, self._pending, self._tools, chat_ctx)
 
     async def update_tools(self, tools: list[Any]) -> None:
         self._tools.update(tools)  # the next reply says them (`_system_turn`)
@@ -478,10 +445,10 @@ class RealtimeSession(llm.RealtimeSession):
             return await self._ready(), []
         return session, turn
 
-    def _take(self) -> tuple[np.ndarray | None, list[tuple[str, str]]]:
+    def _take(self) -> tuple[np.ndarray | None, dict[str, tuple[str, str]]]:
         """What the next reply answers: the committed speech (one spoken turn) and the pending chat items."""
         audio = np.concatenate(self._committed) if self._committed else None
-        pending, self._pending, self._pending_ids, self._committed = self._pending, [], set(), []
+        pending, self._pending, self._committed = self._pending, {}, []
         return audio, pending
 
     async def _reply(
@@ -496,7 +463,7 @@ class RealtimeSession(llm.RealtimeSession):
                 audio, pending = self._take()
                 prompt = reply_prompt(
                     session, self._model.engine.tokenizer,
-                    system + ([("system", instructions)] if instructions else []) + pending, audio,
+                    system + ([("system", instructions)] if instructions else []) + [*pending.values()], audio,
                 )  # fmt: skip
                 heard = len(session.conversation)
                 try:
@@ -508,8 +475,9 @@ class RealtimeSession(llm.RealtimeSession):
                 if len(session.conversation) == heard and done is not None and done.status == "failed":
                     self._committed[:0] = [] if audio is None else [audio]  # the model heard none of it
                     self._gate()
-                    self._refused = users_words(pending, self._refused)
-                    self._pending[:0] = self._refused
+                    self._refused = users_words([*pending.values()], self._refused)
+                    kept = {i: t for i, t in pending.items() if any(t is r for r in self._refused)}
+                    self._pending = kept | self._pending  # the next reply's, first (their items come first)
         except Exception as e:  # the caller's future or an error event: never a reply that silently hangs
             known = isinstance(e, OmniRtError | llm.RealtimeError)
             if fut is not None and not fut.done():

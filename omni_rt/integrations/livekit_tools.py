@@ -92,6 +92,10 @@ class SessionTools:
     def answered(self, call_id: str) -> None:
         self._answered.add(call_id)
 
+    def unanswered(self, call_id: str) -> None:
+        """The call's output was removed before the model heard it: an output may answer it again."""
+        self._answered.discard(call_id)
+
 
 def _json(text: str) -> Any:
     """Arguments compared as JSON: the framework may write the same object with other spacing."""

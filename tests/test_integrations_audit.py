@@ -1,20 +1,22 @@
 """Both framework adapters driven at odd moments, as an outside tester drives them with the frameworks
-unmodified: chat items edited before the model heard them. Scripted engines (no torch sampling): the
+unmodified: chat items edited before the model heard them, turns that end while a reply waits. Scripted engines (no torch sampling): the
 prompts each reply was given are what the tests read; steps are ordered by events, never sleeps."""
 
 from __future__ import annotations
 
 import asyncio
 
-from integrations_support import scripted_engine
+import numpy as np
+from integrations_support import scripted_engine, silence, spoken
 from livekit.agents import llm
-from test_integrations_livekit import WAIT_S, message
+from test_integrations_livekit import WAIT_S, Recorder, message, room_frames
 
 from omni_rt.integrations.livekit import RealtimeModel
 from omni_rt.model.config import preset
 from omni_rt.tokenizer import Tokenizer
 
 TOK = Tokenizer.tiny(preset("tiny").ids)  # the scripted engines'
+LONG = TOK.encode("Fine, thanks a lot for asking me that today. " * 6)  # a reply that talks a while
 
 
 def holds(ids: list[int], part: list[int]) -> bool:
@@ -63,3 +65,67 @@ async def test_livekit_items_deleted_or_edited_before_the_model_heard_them_are_n
             raise AssertionError("a heard item was removed without an error")
         await rt.aclose()
         await model.aclose()
+
+
+# -- LiveKit: turns ending while a reply waits ----------------------------------------------------------
+
+
+async def test_livekit_turns_that_end_while_a_reply_waits_get_one_answer_not_an_empty_one() -> None:
+    """omni_rt's VAD: the user talks over a reply twice, each turn ending before the reply to the one before
+    could start (the reply being stopped still held the session). A new turn's speech stops the reply waiting
+    for the turn before, as it stops one being made; the two turns are answered once, and no reply is made
+    to nothing (the second of two waiting replies found no speech left and answered an empty turn)."""
+    engine = scripted_engine(LONG)
+    pcm, rate = spoken("Good morning to you")
+    turn = np.concatenate([pcm, silence(1.0, rate)])
+    async with engine:
+        model = RealtimeModel(engine, user_transcription=False)
+        rt = model.session()
+        rec = Recorder(rt)
+        for frame in room_frames(np.concatenate([silence(0.3, rate), turn]), rate):
+            rt.push_audio(frame)
+        await rec.wait("generation_created")
+        for frame in room_frames(np.concatenate([turn, turn]), rate):  # no loop turn between the frames
+            rt.push_audio(frame)
+        await rec.wait("generation_created", 2)
+        assert len(rec.of("input_speech_stopped")) == 3
+        await play(rec.of("generation_created")[1])
+        await asyncio.gather(*list(rt._tasks))  # any reply still owed runs to its end
+        assert len(rec.of("generation_created")) == 2 and not rec.of("error")
+        # every reply answers a turn: none continues from the assistant's own last turn
+        assert engine.prompts and all(answers_a_turn(p) for p in engine.prompts)
+        # the first reply's turn and the two after it, the latter in one reply
+        assert sum(TOK.ids.audio_start == t for t in engine.prompts[-1]) == 2
+        await rt.aclose()
+        await model.aclose()
+
+
+async def test_livekit_a_turn_the_apps_reply_answered_gets_no_second_reply() -> None:
+    """The app asks for a reply (generate_reply) while the user is still speaking; the turn then ends. The
+    app's reply, first in line, answers the turn; the VAD's own reply to it, behind, found nothing left and
+    answered an empty turn (the model talked twice, the second time to nobody)."""
+    engine = scripted_engine(LONG)
+    pcm, rate = spoken("Good morning to you")
+    async with engine:
+        model = RealtimeModel(engine, user_transcription=False)
+        rt = model.session()
+        rec = Recorder(rt)
+        for frame in room_frames(np.concatenate([silence(0.3, rate), pcm]), rate):
+            rt.push_audio(frame)
+        assert len(rec.of("input_speech_started")) == 1
+        asked = rt.generate_reply()
+        for frame in room_frames(silence(1.0, rate), rate):
+            rt.push_audio(frame)
+        assert len(rec.of("input_speech_stopped")) == 1
+        await play(await asyncio.wait_for(asked, WAIT_S))
+        await asyncio.gather(*list(rt._tasks))  # any reply still owed runs to its end
+        assert len(rec.of("generation_created")) == 1 and not rec.of("error")
+        assert len(engine.prompts) == 1 and engine.prompts[0].count(TOK.ids.audio_start) == 1
+        await rt.aclose()
+        await model.aclose()
+
+
+def answers_a_turn(prompt: list[int]) -> bool:
+    """The turn before the prompt's closing assistant header is not the assistant's own."""
+    starts = [i for i, t in enumerate(prompt) if t == TOK.ids.im_start]
+    return len(starts) < 2 or prompt[starts[-2] + 1] != TOK.ids.assistant

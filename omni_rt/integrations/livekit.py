@@ -9,8 +9,10 @@ Each `RealtimeSession` holds one omni_rt `Session` (one cache slot of the engine
 - `push_audio(frame)`: any rate and channel count, downmixed and resampled to 16 kHz once. With turn
   detection (the default) omni_rt's server VAD cuts turns: `input_speech_started` (and the reply being
   made is interrupted, as OpenAI's server VAD does), `input_speech_stopped`, then a reply on its own
-  (`generation_created` with `user_initiated=False`). `session(turn_detection_disabled=True)` leaves turns
-  to the framework: `commit_audio()` ends one, `clear_audio()` drops it, `generate_reply()` answers.
+  (`generation_created` with `user_initiated=False`; new speech also stops such a reply still waiting
+  for the one before, and one whose turn an earlier reply answered is not made).
+  `session(turn_detection_disabled=True)` leaves turns to the framework: `commit_audio()` ends one,
+  `clear_audio()` drops it, `generate_reply()` answers.
 - `generate_reply(instructions=...)`: answers the committed spoken turns and any chat items added since
   the last reply. The instructions go into the prompt as a system turn just before the user's turn,
   spoken or text.
@@ -173,6 +175,9 @@ class RealtimeSession(llm.RealtimeSession):
         self._chat_ctx = llm.ChatContext.empty()
         self._lock = asyncio.Lock()  # one reply at a time, in the order asked
         self._current: Generation | None = None
+        # replies to turns omni_rt's VAD ended, waiting for the one being made: to OpenAI's server VAD they
+        # are made already, so an interruption stops them too (the speech they answer waits for the next)
+        self._waiting: set[Generation] = set()
         self._generations: dict[str, Generation] = {}  # the latest replies, by message id (truncate)
         self._tasks: set[asyncio.Task] = set()
         self._owed: set[asyncio.Future] = set()  # generate_reply futures not resolved yet
@@ -245,7 +250,9 @@ class RealtimeSession(llm.RealtimeSession):
                 )
             elif isinstance(ev, Turn):
                 self._commit(ev.audio)
-                self._spawn(self._reply(Generation(), None, user_initiated=False, instructions=None))
+                gen = Generation()
+                self._waiting.add(gen)
+                self._spawn(self._reply(gen, None, user_initiated=False, instructions=None))
 
     def push_video(self, frame: rtc.VideoFrame) -> None:
         if not self._video_refused:
@@ -362,8 +369,8 @@ class RealtimeSession(llm.RealtimeSession):
 
     def interrupt(self) -> None:
         """Stop the reply now: its streams end at once and carry nothing more; the engine stops it."""
-        if self._current is not None:
-            self._stop(self._current)
+        for gen in [*self._waiting, *([] if self._current is None else [self._current])]:
+            self._stop(gen)
 
     def _stop(self, gen: Generation) -> None:
         """Stop one reply, made or not yet made (then it never is)."""
@@ -456,8 +463,11 @@ class RealtimeSession(llm.RealtimeSession):
     ) -> None:
         try:
             async with self._lock:
+                self._waiting.discard(gen)
                 if gen.interrupted or (fut is not None and fut.cancelled()):
                     return  # dropped before its turn came: what it would have answered waits for the next
+                if fut is None and not self._committed and not self._pending:
+                    return  # its turn was answered by a reply before it: no reply to nothing
                 session, system = await self._system_turn()
                 self._current = gen
                 audio, pending = self._take()

@@ -103,6 +103,7 @@ class Peer:
         self.max_output_tokens: int | str = "inf"  # "inf": the server's limit
 
         self.session: Any = None
+        self._opened_with = ""  # the system prompt the Session opened with
         self._session_stack: contextlib.AsyncExitStack | None = None
         self._inbox: asyncio.Queue[tuple[str | bytes, str] | None] = asyncio.Queue(INBOX_SIZE)
         self.transport = Transport(ws, self.session_id, self._inbox, self._shutdown)
@@ -300,6 +301,7 @@ class Peer:
             kwargs["instructions"] = system
         self.session = await stack.enter_async_context(self.engine.session(**kwargs))
         self._session_stack = stack
+        self._opened_with = system  # the Session's first turn: truncation never drops it
 
     def _system_prompt(self) -> str:
         return template.system_prompt(self.instructions, self.tools, self.tool_choice)
@@ -386,6 +388,15 @@ class Peer:
                 param="session.tool_choice.name",
                 event_id=event_id,
             )
+        system = template.system_prompt(
+            self.instructions if instructions is None else instructions, new_tools, choice
+        )
+        changed = system != self._system_prompt()
+        if changed:  # a Session opened with it has it as its first turn; else it follows the first
+            param = "session.instructions" if instructions else "session.tools"
+            kept = self._opened_with if self._begun() else ""
+            max_tokens = self._max_tokens(s.max_output_tokens)
+            protocol.check_system_turn(self.engine, system, kept, max_tokens, param, event_id)
         given, detection = protocol.turn_detection_of(s)
         transcription_given, transcription = transcription_update(s, event_id)
         # Valid: apply all of it.
@@ -398,13 +409,15 @@ class Peer:
             self.output_modalities = list(dict.fromkeys(modalities))
         if s.max_output_tokens is not None:
             self.max_output_tokens = s.max_output_tokens
-        system = self._system_prompt()
         self.voice = voice or self.voice
         self.instructions = instructions if instructions is not None else self.instructions
         self.tools, self.tool_choice = new_tools, choice
+        return changed and not self._begun()
+
+    def _begun(self) -> bool:
+        """Whether the Session's conversation has begun: its opening system turn is then kept for good."""
         said = self.session is not None and bool(self.session.conversation)
-        begun = said or self.replies.current is not None  # a running reply commits its turn at its end
-        return self._system_prompt() != system and not begun
+        return said or self.replies.current is not None  # a running reply commits its turn at its end
 
     async def _on_session_update(self, event: protocol.SessionUpdate) -> None:
         if self.configure(event.session, event.event_id):
@@ -464,6 +477,12 @@ class Peer:
                 )
         if (refused := self.conversation.unanswerable(event.event_id)) is not None:
             raise refused
+        if fields.instructions:  # a system turn of this reply's own, after the one that is due
+            system = "\n\n".join(filter(None, (self._system_due(), fields.instructions)))
+            max_tokens = self._max_tokens(fields.max_output_tokens)
+            protocol.check_system_turn(
+                self.engine, system, self._opened_with, max_tokens, "response.instructions", event.event_id
+            )
         self._start_response(fields)
 
     def _start_response(self, fields: protocol.ResponseFields | None = None) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from omni_rt import wire
+from omni_rt.conversation import input_limit
 from omni_rt.errors import OmniRtError, SessionLimitError
 from omni_rt.server.tools import ToolChoice, Tools
 from omni_rt.tools import tool_call_text, tool_response
@@ -431,3 +432,29 @@ def model_voice(engine: Any, name: str) -> str:
         known = ", ".join(sorted(OPENAI_VOICES))
         raise ProtocolError("invalid_value", f"{exc} (or an OpenAI voice: {known})") from None
     return voice
+
+
+def check_system_turn(
+    engine: Any, system: str, kept: str, max_tokens: int, param: str, event_id: str | None
+) -> None:
+    """`ProtocolError` (invalid_value) for a system turn (instructions, tools) that no reply could carry:
+    after `kept`, the session's opening system prompt (the one turn truncation never drops; "" for none),
+    it leaves no room in the context for the shortest user turn and a reply of `max_tokens`. Accepted,
+    it would fail every reply, and those failures would delete the input they read (conversation.py).
+    Counted as the Session counts it (`omni_rt.conversation.input_limit`); an engine without settings
+    (a test's stand-in) is not checked."""
+    settings = getattr(engine, "settings", None)
+    if not system or settings is None:
+        return
+    turns = [("system", kept)] if kept else []
+    need = len(engine.tokenizer.chat_prompt([*turns, ("system", system), ("user", "")]))
+    limit = input_limit(settings.max_context, max_tokens)
+    if need > limit:
+        raise ProtocolError(
+            "invalid_value",
+            f"the system prompt (instructions and tools) needs {need} tokens of the {limit} that the "
+            f"context ({settings.max_context} tokens, less a reply of {max_tokens}) has for a prompt: "
+            "shorten it",
+            param=param,
+            event_id=event_id,
+        )

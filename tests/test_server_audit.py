@@ -1,0 +1,94 @@
+"""An outside tester's audit of the OpenAI Realtime drop-in: bad requests against a real server (the tiny
+preset's real pipeline), each of which must fail only itself, with an `error` that echoes the client's
+`event_id`, and lose nothing the user said."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("websockets")
+
+import websockets  # noqa: E402
+from test_server_protocol import recv  # noqa: E402
+from test_server_refused import added, respond  # noqa: E402
+
+from omni_rt.server import PeerSettings, Server, ServerSettings  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    import omni_rt
+
+    return omni_rt.Engine.load("tiny")  # a 4,096-token context
+
+
+@pytest.fixture
+async def ws(tiny):
+    peer = PeerSettings(model="tiny", max_output_tokens=6, max_audio_frames=6)
+    async with tiny, Server(tiny, ServerSettings(port=0, peer=peer)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/v1/realtime", max_size=None) as ws:
+            assert (await recv(ws))["type"] == "session.created"
+            yield ws
+
+
+async def refused(ws, event: dict) -> dict:
+    """The error a bad event gets, and nothing else before it."""
+    await ws.send(json.dumps(event))
+    answer = await recv(ws)
+    assert answer["type"] == "error", answer
+    assert answer["error"]["event_id"] == event["event_id"]
+    return answer["error"]
+
+
+LONG_INSTRUCTIONS = "Answer as a pirate would. " * 200  # under 16,000 characters, over 4,096 tokens
+
+
+async def test_instructions_that_cannot_fit_the_context_are_refused_and_the_user_input_kept(ws):
+    """Accepted, they failed every reply after them, and the failures deleted what the user had said."""
+    first = await added(ws, "my name is Ada")
+    update = {"type": "session.update", "event_id": "u1", "session": {"instructions": LONG_INSTRUCTIONS}}
+    assert (await refused(ws, update))["param"] == "session.instructions"
+    for _ in range(2):  # two replies: a failed input is deleted at its second failure
+        assert (await respond(ws))[-1]["response"]["status"] in ("completed", "incomplete")
+        await added(ws, "and again")
+    await ws.send(json.dumps({"type": "conversation.item.retrieve", "item_id": first}))
+    assert (await recv(ws))["type"] == "conversation.item.retrieved"
+    # the session's instructions are what they were; a short change still goes
+    await ws.send(json.dumps({"type": "session.update", "session": {"instructions": "Be brief."}}))
+    assert (await recv(ws))["session"]["instructions"] == "Be brief."
+
+
+async def test_tools_that_cannot_fit_the_context_are_refused_mid_conversation(ws):
+    await added(ws, "hello")
+    assert (await respond(ws))[-1]["response"]["status"] in ("completed", "incomplete")
+    tools = [
+        {"type": "function", "name": f"tool_{i}", "description": "does a thing " * 300, "parameters": {}}
+        for i in range(8)
+    ]
+    update = {"type": "session.update", "event_id": "u2", "session": {"tools": tools}}
+    assert (await refused(ws, update))["param"] == "session.tools"
+    await added(ws, "still there?")
+    events = await respond(ws)
+    assert not [e for e in events if e["type"] == "error"]
+    assert events[-1]["response"]["status"] in ("completed", "incomplete")
+
+
+async def test_response_instructions_that_cannot_fit_fail_that_request_alone(ws):
+    await added(ws, "what is two and two")
+    create = {"type": "response.create", "event_id": "r1", "response": {"instructions": LONG_INSTRUCTIONS}}
+    assert (await refused(ws, create))["param"] == "response.instructions"
+    assert (await respond(ws))[-1]["response"]["status"] in ("completed", "incomplete")
+
+
+async def test_a_client_secret_for_instructions_that_cannot_fit_is_refused(tiny):
+    openai = pytest.importorskip("openai")
+    async with tiny, Server(tiny, ServerSettings(port=0, token="sk-audit")) as server:
+        client = openai.AsyncOpenAI(api_key="sk-audit", base_url=f"http://127.0.0.1:{server.port}/v1")
+        with pytest.raises(openai.BadRequestError, match="system prompt"):
+            await client.realtime.client_secrets.create(
+                session={"type": "realtime", "instructions": LONG_INSTRUCTIONS}
+            )
+        key = await client.realtime.client_secrets.create(session={"type": "realtime", "instructions": "Hi."})
+        assert key.session.instructions == "Hi."

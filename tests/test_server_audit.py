@@ -4,13 +4,16 @@ preset's real pipeline), each of which must fail only itself, with an `error` th
 
 from __future__ import annotations
 
+import base64
 import json
 
+import numpy as np
 import pytest
 
 pytest.importorskip("websockets")
 
 import websockets  # noqa: E402
+from server_fakes import speech_like  # noqa: E402
 from test_server_protocol import recv  # noqa: E402
 from test_server_refused import added, respond  # noqa: E402
 
@@ -92,3 +95,20 @@ async def test_a_client_secret_for_instructions_that_cannot_fit_is_refused(tiny)
             )
         key = await client.realtime.client_secrets.create(session={"type": "realtime", "instructions": "Hi."})
         assert key.session.instructions == "Hi."
+
+
+def pcm16(seconds: float) -> str:
+    voice = (speech_like(1.0, 24000) * 32767).astype("<i2")
+    return base64.b64encode(np.tile(voice, int(seconds)).tobytes()).decode()
+
+
+async def test_an_append_over_the_message_limit_fails_alone(ws):
+    """A 40 s recording in one append (OpenAI takes 15 MiB in one) was over the 2 MiB message limit, and
+    closed the connection: the conversation went with it."""
+    item = await added(ws, "remember this")
+    big = {"type": "input_audio_buffer.append", "event_id": "a1", "audio": pcm16(40)}
+    error = await refused(ws, big)
+    assert error["code"] == "message_too_large"
+    await ws.send(json.dumps({"type": "conversation.item.retrieve", "item_id": item}))
+    assert (await recv(ws))["type"] == "conversation.item.retrieved"
+    assert (await respond(ws))[-1]["response"]["status"] in ("completed", "incomplete")

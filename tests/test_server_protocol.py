@@ -221,7 +221,7 @@ def test_size_limit_counts_bytes():
     text = json.dumps(user_message("é" * 600))  # 1,200 bytes of text in 600 characters
     with pytest.raises(ProtocolError, match="exceeds") as err:
         parse_client_event(text, max_bytes=1000)
-    assert err.value.code == "message_too_large" and err.value.fatal
+    assert err.value.code == "message_too_large" and not err.value.fatal  # this event fails, alone
 
 
 def test_error_event_shape():

@@ -98,11 +98,6 @@ async def test_origin_is_same_origin_unless_allowed():
             1008,
             id="deep-nesting",
         ),
-        (
-            json.dumps({"type": "session.update", "session": {"instructions": "x" * 2_200_000}}),
-            "message_too_large",
-            1009,
-        ),
     ],
 )
 async def test_malformed_input_gets_an_error_and_a_clean_close(message, code, close_code):

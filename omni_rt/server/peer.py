@@ -45,7 +45,7 @@ log = logging.getLogger("omni_rt.server")
 
 # A fatal error's close code: 1008 (policy violation) unless it says otherwise; no free session slot
 # (the one given back to reopen the Session was taken) is 1013, try again later, as at connect.
-CLOSE_CODES = {"message_too_large": 1009, "session_limit": 1013, "session_unavailable": 1013}
+CLOSE_CODES = {"session_limit": 1013, "session_unavailable": 1013}
 INBOX_SIZE = 64  # client events waiting to be handled; a client that floods gets an error
 SESSION_SAMPLE_RATE = 24000  # what socket clients receive (the model's own rate); the track makes 48 kHz
 

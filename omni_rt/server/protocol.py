@@ -26,7 +26,7 @@ INPUT_SAMPLE_RATE = wire.INPUT_SAMPLE_RATE
 # burst). The peer hears a long one in slices (SpeechInput.append).
 MAX_APPEND_MS = 30_000
 # One client message: an append of MAX_APPEND_MS as base64 (1.9 MB); every other event is far smaller,
-# and its fields have their own limits.
+# and its fields have their own limits. A larger one fails alone (parse_client_event).
 MAX_MESSAGE_BYTES = 2 * 1024 * 1024
 MAX_SDP_BYTES = 256 * 1024  # an SDP offer is a few kB
 MAX_TEXT_CHARS = 16_000  # one user message
@@ -43,8 +43,8 @@ def unopened_code(exc: OmniRtError) -> str:
 class ProtocolError(Exception):
     """A client event that cannot be served; becomes one `error` event.
 
-    `fatal` errors (unreadable JSON, bad SDP, oversized messages) close the connection after the error
-    is sent: the client is not speaking this protocol. The others leave the connection open.
+    `fatal` errors (unreadable JSON, bad SDP) close the connection after the error is sent: the client
+    is not speaking this protocol. The others leave the connection open.
     """
 
     def __init__(
@@ -313,11 +313,6 @@ CLIENT_EVENTS: dict[str, type[_Event]] = {
 
 def parse_client_event(raw: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> _Event:
     """One client message → a validated event, or `ProtocolError`."""
-    size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
-    if size > max_bytes:
-        raise ProtocolError(
-            "message_too_large", f"message of {size} bytes exceeds the limit of {max_bytes}", fatal=True
-        )
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -329,6 +324,15 @@ def parse_client_event(raw: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> 
             "invalid_event", "an event must be a JSON object with a string 'type'", fatal=True
         )
     event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
+    size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        # Only this event fails (a recording appended whole: OpenAI takes 15 MiB): it was read whole,
+        # and parsing it was bounded by the WebSocket's own frame limit, twice this one (app.py).
+        raise ProtocolError(
+            "message_too_large",
+            f"message of {size} bytes exceeds the limit of {max_bytes}: append long audio in parts",
+            event_id=event_id,
+        )
     model = CLIENT_EVENTS.get(data["type"])
     if model is None:
         raise ProtocolError(

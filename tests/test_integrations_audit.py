@@ -1,5 +1,6 @@
 """Both framework adapters driven at odd moments, as an outside tester drives them with the frameworks
-unmodified: chat items edited before the model heard them, turns that end while a reply waits. Scripted engines (no torch sampling): the
+unmodified: chat items edited before the model heard them, turns that end while a reply waits, and engines
+shared by pipelines and models that end at different times. Scripted engines (no torch sampling): the
 prompts each reply was given are what the tests read; steps are ordered by events, never sleeps."""
 
 from __future__ import annotations
@@ -9,9 +10,14 @@ import asyncio
 import numpy as np
 from integrations_support import scripted_engine, silence, spoken
 from livekit.agents import llm
+from pipecat.frames.frames import ErrorFrame, LLMMessagesAppendFrame
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat_support import Await, run_pipeline
 from test_integrations_livekit import WAIT_S, Recorder, message, room_frames
+from test_integrations_pipecat import Tap
 
 from omni_rt.integrations.livekit import RealtimeModel
+from omni_rt.integrations.pipecat import OmniRtService
 from omni_rt.model.config import preset
 from omni_rt.tokenizer import Tokenizer
 
@@ -21,6 +27,12 @@ LONG = TOK.encode("Fine, thanks a lot for asking me that today. " * 6)  # a repl
 
 def holds(ids: list[int], part: list[int]) -> bool:
     return any(ids[i : i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+def push(rt, pcm: list[np.ndarray], rate: int) -> None:
+    """The pieces of audio, one after another, as room frames pushed at once (no loop turn between)."""
+    for frame in room_frames(np.concatenate(pcm), rate):
+        rt.push_audio(frame)
 
 
 async def play(created: llm.GenerationCreatedEvent) -> int:
@@ -82,11 +94,9 @@ async def test_livekit_turns_that_end_while_a_reply_waits_get_one_answer_not_an_
         model = RealtimeModel(engine, user_transcription=False)
         rt = model.session()
         rec = Recorder(rt)
-        for frame in room_frames(np.concatenate([silence(0.3, rate), turn]), rate):
-            rt.push_audio(frame)
+        push(rt, [silence(0.3, rate), turn], rate)
         await rec.wait("generation_created")
-        for frame in room_frames(np.concatenate([turn, turn]), rate):  # no loop turn between the frames
-            rt.push_audio(frame)
+        push(rt, [turn, turn], rate)  # no loop turn between the frames
         await rec.wait("generation_created", 2)
         assert len(rec.of("input_speech_stopped")) == 3
         await play(rec.of("generation_created")[1])
@@ -110,12 +120,10 @@ async def test_livekit_a_turn_the_apps_reply_answered_gets_no_second_reply() -> 
         model = RealtimeModel(engine, user_transcription=False)
         rt = model.session()
         rec = Recorder(rt)
-        for frame in room_frames(np.concatenate([silence(0.3, rate), pcm]), rate):
-            rt.push_audio(frame)
+        push(rt, [silence(0.3, rate), pcm], rate)
         assert len(rec.of("input_speech_started")) == 1
         asked = rt.generate_reply()
-        for frame in room_frames(silence(1.0, rate), rate):
-            rt.push_audio(frame)
+        push(rt, [silence(1.0, rate)], rate)
         assert len(rec.of("input_speech_stopped")) == 1
         await play(await asyncio.wait_for(asked, WAIT_S))
         await asyncio.gather(*list(rt._tasks))  # any reply still owed runs to its end
@@ -123,6 +131,64 @@ async def test_livekit_a_turn_the_apps_reply_answered_gets_no_second_reply() -> 
         assert len(engine.prompts) == 1 and engine.prompts[0].count(TOK.ids.audio_start) == 1
         await rt.aclose()
         await model.aclose()
+
+
+# -- engines shared by several pipelines or models ------------------------------------------------------
+
+
+async def test_pipecat_a_pipeline_that_ends_leaves_the_engine_to_another_still_talking() -> None:
+    """Two pipelines on one engine that nobody started (a bot per call, one engine loaded per process): the
+    first to start starts it. When that one ends while the other is mid-reply, the engine keeps running
+    until the last pipeline using it ends: the other reply completes (it failed, "the engine stopped")."""
+    engine = scripted_engine(LONG)
+    first, second = OmniRtService(engine), OmniRtService(engine)
+    hold, tap = asyncio.Event(), Tap()
+    statuses: list[str] = []
+    second.add_event_handler("on_response_done", lambda _s, ev: statuses.append(ev.status))
+
+    run_first = asyncio.ensure_future(run_pipeline(Pipeline([first]), [Await(hold, "the first call's end")]))
+    await until_running(engine, run_first)
+    hello = LLMMessagesAppendFrame(messages=[{"role": "user", "content": "Hi."}], run_llm=True)
+    run_second = asyncio.ensure_future(
+        run_pipeline(Pipeline([second, tap]), [hello, Await(tap.ended[0], "the second call's reply")])
+    )
+    await asyncio.wait_for(tap.audio[0].wait(), WAIT_S)  # the second call is talking
+    hold.set()
+    await run_first  # the first call ends
+    _, up = await run_second
+    assert statuses == ["completed"]
+    assert not [f.error for f in up if isinstance(f, ErrorFrame)]
+    assert not engine.running  # the last user stopped it
+
+
+async def test_livekit_a_model_closed_leaves_the_engine_to_another_models_session() -> None:
+    """The same with two RealtimeModels (one per job) on an engine nobody started: closing the model that
+    started it does not stop the other model's reply; closing the last one stops the engine."""
+    engine = scripted_engine(LONG)
+    async with asyncio.timeout(WAIT_S):
+        first, second = RealtimeModel(engine), RealtimeModel(engine)
+        rt1 = first.session(turn_detection_disabled=True)
+        await rt1._ready()  # its omni_rt session is open: the first model started the engine
+        rt2 = second.session(turn_detection_disabled=True)
+        rec = Recorder(rt2)
+        created = await rt2.generate_reply(instructions="Talk.")
+        await rt1.aclose()
+        await first.aclose()
+        samples = await play(created)
+        (done,) = await rec.wait("metrics_collected")
+        assert not rec.of("error") and not done.cancelled and samples > 0
+        await rt2.aclose()
+        await second.aclose()
+        assert not engine.running
+
+
+async def until_running(engine, run: asyncio.Task) -> None:
+    """Wait until the engine runs (the first pipeline started it); a pipeline that fails first fails."""
+    while not engine.running:
+        if run.done():
+            run.result()
+            raise AssertionError("the pipeline ended before it started the engine")
+        await asyncio.sleep(0)
 
 
 def answers_a_turn(prompt: list[int]) -> bool:

@@ -68,6 +68,7 @@ from livekit.agents.utils import is_given
 from omni_rt.audio.vad import SpeechStarted, SpeechStopped, Turn, TurnSegmenter, VadConfig
 from omni_rt.config import Sampling
 from omni_rt.errors import OmniRtError
+from omni_rt.integrations import _engine as shared_engine
 from omni_rt.integrations._audio import SPEECH_RATE, InputAudio, TurnBuffer
 from omni_rt.integrations._prompt import reply_prompt, system_turn, users_words
 from omni_rt.integrations.livekit_chat import update_chat_ctx
@@ -85,7 +86,7 @@ class RealtimeModel(llm.RealtimeModel):
     """A LiveKit realtime model backed by an in-process `omni_rt.Engine`.
 
     The engine may be running already (`async with engine:`); if not, the first session starts it and
-    `aclose()` stops it.
+    `aclose()` lets go of it: the last model (or pipecat pipeline) using it stops it.
     """
 
     def __init__(
@@ -147,14 +148,13 @@ class RealtimeModel(llm.RealtimeModel):
     async def aclose(self) -> None:
         if self._owns_engine:
             self._owns_engine = False
-            await self.engine.stop()
+            await shared_engine.release(self.engine)
 
     async def _open(self, instructions: str | None) -> Any:
         """An omni_rt session, the engine started first when nobody has."""
         async with self._starting:
-            if not self.engine.running:
-                await self.engine.start()
-                self._owns_engine = True
+            if not self._owns_engine:
+                self._owns_engine = await shared_engine.use(self.engine)
         return self.engine.session(**(self._session_kwargs | {"instructions": instructions}))
 
 

@@ -105,6 +105,7 @@ from pipecat.utils.time import time_now_iso8601
 from omni_rt.audio.vad import SpeechStarted, Turn, TurnSegmenter, VadConfig
 from omni_rt.config import OUTPUT_SAMPLE_RATES, Sampling
 from omni_rt.errors import ConfigError, OmniRtError
+from omni_rt.integrations import _engine as shared_engine
 from omni_rt.integrations._audio import InputAudio, TurnBuffer
 from omni_rt.integrations._prompt import ROLES, reply_prompt, system_turn, users_words
 from omni_rt.integrations.pipecat_tools import ToolCalls
@@ -135,8 +136,8 @@ class _Reply:
 class OmniRtService(LLMService):
     """A pipecat speech-to-speech service backed by an in-process `omni_rt.Engine` (one session).
 
-    The engine may be started already (`async with engine:`, shared by several pipelines); if it is not,
-    the service starts it at the pipeline's start and stops it at its end.
+    The engine may be started already (`async with engine:`); if it is not, the service starts it at the
+    pipeline's start, and the last pipeline (or LiveKit model) using it stops it at its end.
     """
 
     def __init__(
@@ -228,9 +229,7 @@ class OmniRtService(LLMService):
 
     async def start(self, frame: Frame) -> None:
         await super().start(frame)
-        if not self.engine.running:
-            await self.engine.start()
-            self._owns_engine = True
+        self._owns_engine = await shared_engine.use(self.engine)
         try:
             self._session = self.engine.session(output_sample_rate=self._out_rate, **self._session_kwargs)
         except OmniRtError:  # no free slot now: the first reply opens it, or says why it cannot
@@ -274,7 +273,7 @@ class OmniRtService(LLMService):
         finally:
             if self._owns_engine:
                 self._owns_engine = False
-                await self.engine.stop()
+                await shared_engine.release(self.engine)
 
     # -- frames ----------------------------------------------------------------------------------------
 

@@ -13,9 +13,10 @@ import pytest
 pytest.importorskip("websockets")
 
 import websockets  # noqa: E402
-from server_fakes import speech_like  # noqa: E402
-from test_server_protocol import recv  # noqa: E402
+from server_fakes import FakeEngine, speech_like  # noqa: E402
+from test_server_protocol import recv, until  # noqa: E402
 from test_server_refused import added, respond  # noqa: E402
+from test_server_speech import RATE_IN, append  # noqa: E402
 
 from omni_rt.server import PeerSettings, Server, ServerSettings  # noqa: E402
 
@@ -112,3 +113,28 @@ async def test_an_append_over_the_message_limit_fails_alone(ws):
     await ws.send(json.dumps({"type": "conversation.item.retrieve", "item_id": item}))
     assert (await recv(ws))["type"] == "conversation.item.retrieved"
     assert (await respond(ws))[-1]["response"]["status"] in ("completed", "incomplete")
+
+
+@pytest.mark.parametrize("detection", [None, {"type": "server_vad", "silence_duration_ms": 800}])
+async def test_a_turn_being_spoken_when_turn_detection_changes_is_kept(detection):
+    """The change used to drop the half-heard turn: the client, told `speech_started`, heard nothing more
+    of its item, and the words were lost (a framework turning server VAD off mid-turn commits the rest)."""
+    engine = FakeEngine(step_s=0.0, reply="ok")
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            await recv(ws)  # session.created
+            voice = np.concatenate([np.zeros(int(0.2 * RATE_IN), np.float32), speech_like(1.0, RATE_IN)])
+            await append(ws, voice)  # no pause: the turn is still open
+            item = (await until(ws, "input_audio_buffer.speech_started"))[-1]["item_id"]
+            turn_detection = {"audio": {"input": {"turn_detection": detection}}}
+            await ws.send(json.dumps({"type": "session.update", "session": turn_detection}))
+            events = await until(ws, "session.updated")
+            kinds = [e["type"] for e in events]
+            assert kinds[:3] == ["input_audio_buffer.speech_stopped", "input_audio_buffer.committed",
+                                 "conversation.item.added"], kinds  # fmt: skip
+            assert events[0]["item_id"] == item and events[1]["item_id"] == item
+            assert "response.created" not in kinds  # it waits: the new settings did not hear it begin
+            await ws.send(json.dumps({"type": "response.create"}))
+            assert (await until(ws, "response.done"))[-1]["response"]["status"] == "completed"
+            ((turn, rate),) = engine.audio_requests
+            assert rate == 16000 and abs(len(turn) - int(1.2 * rate)) <= 32 * 16  # all of it, whole frames

@@ -70,12 +70,29 @@ class SpeechInput:
     def set_detection(self, detection: TurnDetection | None) -> None:
         if detection == self.detection:
             return
-        # A new detector and an empty buffer: a turn half-heard under the old settings is dropped.
+        if self.detection is not None and self.buffer.segmenter.in_speech:
+            self._end_open_turn()
+        # A new detector and an empty buffer (audio without VAD that nobody committed is dropped)
         self.detection = detection
         self.buffer = InputAudioBuffer(detection, self.max_turn_ms)
         self._item_id = None
         self._full_reported = False
         self._drop_live()
+
+    def _end_open_turn(self) -> None:
+        """The turn being spoken when the detector changes ends there, as if the speaker had paused, and
+        waits for the next response without one of its own: what the user said so far is kept (a client
+        turning VAD off mid-turn, as LiveKit's turn detection does, commits the rest itself), and the
+        client that was told `speech_started` gets the rest of the item's events."""
+        self._drop_live()  # with any reply offered at a pause: this turn is not answered by itself
+        turn = self.buffer.segmenter.commit()
+        assert turn is not None  # a turn is open while in speech
+        self._item_id = self._item_id or wire.new_id("item")
+        self._send(wire.speech_stopped(turn.audio_end_ms, self._item_id))
+        try:
+            self._commit(turn, model_audio(turn))
+        except ProtocolError as exc:  # too much speech already waits
+            self._send(protocol.error(exc))
 
     async def append(self, event: protocol.InputAudioBufferAppend) -> None:
         self.frames += 1

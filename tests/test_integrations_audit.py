@@ -10,7 +10,7 @@ import asyncio
 import numpy as np
 from integrations_support import scripted_engine, silence, spoken
 from livekit.agents import llm
-from pipecat.frames.frames import ErrorFrame, LLMMessagesAppendFrame
+from pipecat.frames.frames import ErrorFrame, LLMMessagesAppendFrame, LLMRunFrame
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat_support import Await, run_pipeline
 from test_integrations_livekit import WAIT_S, Recorder, message, room_frames
@@ -195,3 +195,38 @@ def answers_a_turn(prompt: list[int]) -> bool:
     """The turn before the prompt's closing assistant header is not the assistant's own."""
     starts = [i for i, t in enumerate(prompt) if t == TOK.ids.im_start]
     return len(starts) < 2 or prompt[starts[-2] + 1] != TOK.ids.assistant
+
+
+# -- pipecat: a tool call that pipecat cancels ----------------------------------------------------------
+
+
+async def test_pipecat_a_tool_call_that_times_out_is_answered_as_cancelled() -> None:
+    """A function whose handler never returns, registered with pipecat's `timeout_secs`: pipecat cancels
+    the call at its deadline (a FunctionCallCancelFrame asking for inference) and the assistant aggregator
+    records "CANCELLED" and asks for the reply. The model is told (as OpenAI's realtime service tells its
+    model) and the reply comes; the call stayed open and nothing more was said, the user left waiting."""
+    from pipecat.adapters.llm.schemas.function_schema import FunctionSchema
+    from pipecat.adapters.llm.schemas.tools_schema import ToolsSchema
+    from pipecat.processors.aggregators.llm_context import LLMContext
+    from pipecat.processors.aggregators.llm_response_universal import LLMContextAggregatorPair
+
+    from omni_rt.tools import TOOL_CALL, TOOL_CALL_END, tool_response
+
+    call = [TOOL_CALL, *TOK.encode('{"name": "lookup", "arguments": {}}'), TOOL_CALL_END]
+    engine = scripted_engine(call, TOK.encode("Sorry, no answer."))
+
+    async def lookup(params) -> None:
+        await asyncio.Event().wait()  # a service that never answers
+
+    service = OmniRtService(engine)
+    service.register_function("lookup", lookup, timeout_secs=0.05)
+    schema = FunctionSchema(name="lookup", description="The weather.", properties={}, required=[])
+    context = LLMContext(messages=[{"role": "user", "content": "Weather?"}], tools=ToolsSchema([schema]))
+    pair = LLMContextAggregatorPair(context)
+    tap = Tap()
+    frames = [LLMRunFrame(), Await(tap.ended[1], "the reply after the cancelled call")]
+    async with engine:
+        await run_pipeline(Pipeline([pair.user(), service, tap, pair.assistant()]), frames)
+    first, second = engine.prompts
+    assert holds(second, TOK.encode(tool_response("CANCELLED")))
+    assert "".join(tap.text) == "Sorry, no answer."

@@ -34,9 +34,10 @@ template writes them (before anything is said, the session's instructions; later
 next reply). A reply's `<tool_call>` runs through `run_function_calls` (the handlers given to
 `register_function`, or carried by the tools) as soon as its `</tool_call>` arrives; from `<tool_call>` on
 nothing more of the reply is spoken or shown. The final result (`FunctionCallResultFrame`, as JSON) is the
-next reply's `<tool_response>` user turn; that reply is made when the assistant context aggregator asks
-for it (its `LLMContextFrame` upstream), as with pipecat's OpenAI realtime service. A malformed call is an
-`ErrorFrame` and runs nothing.
+next reply's `<tool_response>` user turn (a call pipecat cancels, "CANCELLED"); that reply is made when
+the assistant context aggregator asks for it (its `LLMContextFrame` upstream: a result, or a call past its
+`timeout_secs`), as with pipecat's OpenAI realtime service. A malformed call is an `ErrorFrame` and runs
+nothing.
 
 The user's transcript (`user_transcription=True`; off by default: it arrives while the reply plays, and
 pipecat's default user-turn start strategies, `TranscriptionUserTurnStartStrategy` in a `UserTurnProcessor`,
@@ -70,6 +71,7 @@ from pipecat.frames.frames import (
     CancelFrame,
     EndFrame,
     Frame,
+    FunctionCallCancelFrame,
     FunctionCallResultFrame,
     InputAudioRawFrame,
     InputImageRawFrame,
@@ -503,9 +505,11 @@ class OmniRtService(LLMService):
         await self.push_error(f"omni_rt: the model made a malformed tool call: {bad.message}")
 
     async def push_frame(self, frame: Frame, direction: FrameDirection = FrameDirection.DOWNSTREAM) -> None:
-        """A function call's result (LLMService broadcasts it; the downstream copy is taken here, as
-        OpenAI's realtime service takes it) joins the next reply's prompt as a tool response."""
-        if direction == FrameDirection.DOWNSTREAM and isinstance(frame, FunctionCallResultFrame):
+        """A function call's result or cancellation (LLMService broadcasts them; the downstream copy is taken
+        here, as OpenAI's realtime service takes it) joins the next reply's prompt as a tool response."""
+        if direction == FrameDirection.DOWNSTREAM and isinstance(
+            frame, FunctionCallResultFrame | FunctionCallCancelFrame
+        ):
             if (turn := self._tools.result(frame)) is not None:
                 self._messages.append(turn)
         await super().push_frame(frame, direction)

@@ -14,7 +14,7 @@ import uuid
 from typing import Any
 
 from pipecat.adapters.llm.schemas.tools_schema import ToolsSchema
-from pipecat.frames.frames import FunctionCallResultFrame
+from pipecat.frames.frames import FunctionCallCancelFrame, FunctionCallResultFrame
 from pipecat.processors.aggregators.llm_context import LLMContext
 from pipecat.services.llm_service import FunctionCallFromLLM
 from pipecat.services.settings import is_given
@@ -91,14 +91,20 @@ class ToolCalls:
             ]
         )
 
-    def result(self, frame: FunctionCallResultFrame) -> tuple[str, str] | None:
-        """The turn a call's final result is for the next reply: the template's tool response. None for a
-        result of a call this model did not make (another service's, passing through) or an intermediate
-        one (the call stays open for its final result)."""
-        final = frame.properties.is_final if frame.properties else True
+    def result(self, frame: FunctionCallResultFrame | FunctionCallCancelFrame) -> tuple[str, str] | None:
+        """The turn a call's final result, or its cancellation, is for the next reply: the template's tool
+        response. None for a result of a call this model did not make (another service's, passing through)
+        or an intermediate one (the call stays open for its final result)."""
+        cancelled = isinstance(frame, FunctionCallCancelFrame)
+        final = cancelled or (frame.properties.is_final if frame.properties else True)
         if frame.tool_call_id not in self._open or not final:
             return None
         self._open.discard(frame.tool_call_id)
+        if cancelled:
+            # "CANCELLED", as pipecat's context aggregator records it and OpenAI's realtime service tells its
+            # model; a reply only where pipecat asks for one (a call past its deadline, not an interruption)
+            self.results_waiting = self.results_waiting or frame.run_llm
+            return "user", template.tool_response("CANCELLED")
         self.results_waiting = True
         # as JSON, strings too; no result "COMPLETED": what pipecat's context aggregator records for it
         result = json.dumps(frame.result, ensure_ascii=False) if frame.result else "COMPLETED"

@@ -250,7 +250,7 @@ async def test_a_committed_turn_with_input_transcription(served):
 async def test_a_hostile_connection_leaves_a_healthy_reply_whole(served):
     """While an SDK client's reply runs on the real pipeline, another connection sends every kind of
     mistake, a flood of appends and finally something that is not an event: it gets errors (each its
-    own, event ids echoed), then a clean close; the reply is whole, and the server takes a new client."""
+    own, event ids echoed); the reply is whole, and the server takes a new client."""
     import websockets
 
     server, client = served
@@ -280,14 +280,12 @@ async def test_a_hostile_connection_leaves_a_healthy_reply_whole(served):
             two_seconds = base64.b64encode(bytes(96_000)).decode()
             for _ in range(40):  # 80 s of audio at once: past the 30 s burst it is refused
                 await bad.send(json.dumps({"type": "input_audio_buffer.append", "audio": two_seconds}))
-            await bad.send("[]")
+            await bad.send("[]")  # not an event: fails alone too
             errors = []
-            with contextlib.suppress(websockets.ConnectionClosed):
-                while True:
-                    errors.append(validate(json.loads(await asyncio.wait_for(bad.recv(), 30)))["error"])
+            while not errors or errors[-1]["code"] != "invalid_event":
+                errors.append(validate(json.loads(await asyncio.wait_for(bad.recv(), 30)))["error"])
             assert [e["event_id"] for e in errors[: len(mistakes)]] == [f"m{i}" for i in range(len(mistakes))]
             assert {e["code"] for e in errors[len(mistakes) : -1]} == {"rate_limited"}
-            assert errors[-1]["code"] == "invalid_event" and bad.close_code == 1008
         check_reply(reply + await until(good, "response.done"), audio=True)
     async with client.realtime.connect(model="tiny") as again:
         assert (await recv(again))["type"] == "session.created"

@@ -86,21 +86,42 @@ async def test_origin_is_same_origin_unless_allowed():
 
 
 @pytest.mark.parametrize(
-    ("message", "code", "close_code"),
+    ("message", "code"),
     [
-        ("{not json", "invalid_json", 1008),
-        ('["a list"]', "invalid_event", 1008),
-        (json.dumps({"type": "webrtc.offer", "sdp": "v=0\r\nthis is not sdp\r\n"}), "invalid_sdp", 1008),
-        (json.dumps({"type": "webrtc.offer", "sdp": "garbage"}), "invalid_sdp", 1008),
+        ("{not json", "invalid_json"),
+        ('["a list"]', "invalid_event"),
         pytest.param(
             '{"type": "response.create", "response": ' + "[" * 5000 + "]" * 5000 + "}",
             "invalid_json",
-            1008,
             id="deep-nesting",
         ),
     ],
 )
-async def test_malformed_input_gets_an_error_and_a_clean_close(message, code, close_code):
+async def test_a_message_that_is_not_an_event_fails_alone(message, code):
+    """An error, and the connection and what was said in it stay: closing lost the conversation."""
+    engine = FakeEngine(step_s=0)
+    async with Server(engine, ServerSettings(port=0)) as server:
+        async with websockets.connect(url(server)) as ws:
+            await recv_json(ws)
+            await ws.send(json.dumps(SAY))
+            await until(ws, "conversation.item.done")
+            await ws.send(message)
+            event = await recv_json(ws)
+            assert event["type"] == "error" and event["error"]["code"] == code
+            await ws.send(json.dumps({"type": "response.create"}))
+            assert (await until(ws, "response.done"))[-1]["response"]["status"] == "completed"
+            assert engine.requests == ["hi"]  # what was said before the bad message is answered
+        await wait_for(lambda: not server.peers and engine.open_sessions == 0)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        json.dumps({"type": "webrtc.offer", "sdp": "v=0\r\nthis is not sdp\r\n"}),
+        json.dumps({"type": "webrtc.offer", "sdp": "garbage"}),
+    ],
+)
+async def test_an_offer_that_cannot_be_answered_gets_an_error_and_a_clean_close(message):
     engine = FakeEngine(step_s=0)
     async with Server(engine, ServerSettings(port=0)) as server:
         async with websockets.connect(url(server)) as bystander:
@@ -110,8 +131,8 @@ async def test_malformed_input_gets_an_error_and_a_clean_close(message, code, cl
                 await ws.send(message)
                 event = await recv_json(ws)
                 assert event["type"] == "error"
-                assert event["error"]["code"] == code
-                assert await closed_with(ws) == close_code
+                assert event["error"]["code"] == "invalid_sdp"
+                assert await closed_with(ws) == 1008
             # The other client and new clients are served as before.
             await bystander.send(json.dumps(SAY))
             await bystander.send(json.dumps({"type": "response.create"}))
@@ -128,10 +149,10 @@ async def test_malformed_json_on_the_data_channel():
             await client.connect()
             client.send({"type": "response.cancel"})  # a mistake: answered on the channel, kept open
             assert (await client.until("error"))[-1]["error"]["code"] == "response_cancel_not_active"
-            client.channel.send("{{{")  # not the protocol at all: error on the socket, then closed
-            event = await recv_json(ws)
-            assert event["type"] == "error" and event["error"]["code"] == "invalid_json"
-            assert await closed_with(ws) == 1008
+            client.channel.send("{{{")  # not an event at all: answered the same way, kept open
+            assert (await client.until("error"))[-1]["error"]["code"] == "invalid_json"
+            client.say("hi")
+            assert (await client.until("response.done"))[-1]["response"]["status"] == "completed"
             await client.close()
         await wait_for(lambda: not server.peers and engine.open_sessions == 0)
         await assert_serves(server)
@@ -150,9 +171,9 @@ async def test_text_that_is_not_utf8_on_the_data_channel_gets_an_error():
             sctp = client.pc.sctp  # a client that sends raw bytes marked as text
             sctp._data_channel_queue.append((client.channel, WEBRTC_STRING, b'{"type": "\xff\xfe"}'))
             await sctp._data_channel_flush()
-            event = await recv_json(ws)
-            assert event["type"] == "error" and event["error"]["code"] == "invalid_json"
-            assert await closed_with(ws) == 1008
+            assert (await client.until("error"))[-1]["error"]["code"] == "invalid_json"
+            client.say("hi")  # the association and the connection stay
+            assert (await client.until("response.done"))[-1]["response"]["status"] == "completed"
             await client.close()
         await wait_for(lambda: not server.peers and engine.open_sessions == 0)
         await assert_serves(server)

@@ -329,9 +329,7 @@ class Peer:
 
     async def _handle(self, raw: str | bytes, source: str) -> None:
         if isinstance(raw, bytes) and source == "socket":
-            raise ProtocolError(
-                "invalid_event", "binary messages are not accepted: send JSON text", fatal=True
-            )
+            raise ProtocolError("invalid_event", "binary messages are not accepted: send JSON text")
         event = protocol.parse_client_event(raw, self.settings.max_message_bytes)
         match event:
             case protocol.WebRtcOffer():

@@ -43,8 +43,9 @@ def unopened_code(exc: OmniRtError) -> str:
 class ProtocolError(Exception):
     """A client event that cannot be served; becomes one `error` event.
 
-    `fatal` errors (unreadable JSON, bad SDP) close the connection after the error is sent: the client
-    is not speaking this protocol. The others leave the connection open.
+    `fatal` errors (a WebRTC offer that cannot be answered) close the connection after the error is
+    sent. The others, unreadable JSON too, fail only their message: the connection and what was said
+    in it stay.
     """
 
     def __init__(
@@ -316,13 +317,11 @@ def parse_client_event(raw: str | bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> 
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ProtocolError("invalid_json", f"message is not valid JSON: {exc}", fatal=True) from None
+        raise ProtocolError("invalid_json", f"message is not valid JSON: {exc}") from None
     except RecursionError:  # a few kB of "[[[[..." exhaust the parser's recursion limit
-        raise ProtocolError("invalid_json", "message is nested too deeply", fatal=True) from None
+        raise ProtocolError("invalid_json", "message is nested too deeply") from None
     if not isinstance(data, dict) or not isinstance(data.get("type"), str):
-        raise ProtocolError(
-            "invalid_event", "an event must be a JSON object with a string 'type'", fatal=True
-        )
+        raise ProtocolError("invalid_event", "an event must be a JSON object with a string 'type'")
     event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
     size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
     if size > max_bytes:

@@ -230,3 +230,74 @@ async def test_pipecat_a_tool_call_that_times_out_is_answered_as_cancelled() -> 
     first, second = engine.prompts
     assert holds(second, TOK.encode(tool_response("CANCELLED")))
     assert "".join(tap.text) == "Sorry, no answer."
+
+
+# -- both: a reply that fails after its turn made room ----------------------------------------------------
+
+RAIN = "Tell me about rain. " * 90  # 1,800 tokens: two of them outgrow the 3,072 a prompt may use
+SNOW = "My name is Ada. " + "Tell me about snow. " * 85
+
+
+def refuse_second_submit(monkeypatch, engine) -> None:
+    """The second reply's submission is refused (a full pipeline queue), after the Session dropped the
+    oldest turn to make room for it: the model heard nothing of it, but the conversation is shorter."""
+    from omni_rt.errors import CapacityError
+
+    submit, calls = engine._host.submit, []
+
+    def refusing(req) -> None:
+        calls.append(req.id)
+        if len(calls) == 2:
+            raise CapacityError("the pipeline's queue is full")
+        submit(req)
+
+    monkeypatch.setattr(engine._host, "submit", refusing)
+
+
+async def test_pipecat_words_of_a_reply_that_failed_after_a_truncation_are_kept(monkeypatch) -> None:
+    """The adapters took "the conversation is as long as before" for "the model heard none of it": a reply
+    refused after its turn made room had shortened it, and what the user said was lost."""
+    engine = scripted_engine(TOK.encode("Fine."))
+    refuse_second_submit(monkeypatch, engine)
+    service = OmniRtService(engine)
+    statuses: list[str] = []
+    service.add_event_handler("on_response_done", lambda svc, ev: statuses.append(ev.status))
+    tap = Tap()
+
+    def user(text: str) -> LLMMessagesAppendFrame:
+        return LLMMessagesAppendFrame(messages=[{"role": "user", "content": text}], run_llm=True)
+
+    frames = [
+        user(RAIN),
+        Await(tap.ended[0], "the first reply's end"),
+        user(SNOW),
+        Await(tap.ended[1], "the refused reply's end"),
+        LLMRunFrame(),
+        Await(tap.ended[2], "the next reply's end"),
+    ]
+    async with engine:
+        await run_pipeline(Pipeline([service, tap]), frames)
+    assert statuses == ["completed", "failed", "completed"]
+    last = engine.prompts[-1]
+    assert holds(last, TOK.encode(SNOW)) and not holds(last, TOK.encode(RAIN))
+
+
+async def test_livekit_words_of_a_reply_that_failed_after_a_truncation_are_kept(monkeypatch) -> None:
+    engine = scripted_engine(TOK.encode("Fine."))
+    refuse_second_submit(monkeypatch, engine)
+    async with engine:
+        model = RealtimeModel(engine)
+        rt = model.session(turn_detection_disabled=True)
+        rec = Recorder(rt)
+        for text in (RAIN, SNOW):
+            ctx = rt.chat_ctx
+            ctx.add_message(role="user", content=text)
+            await rt.update_chat_ctx(ctx)
+            await play(await asyncio.wait_for(rt.generate_reply(), WAIT_S))
+        (error,) = await rec.wait("error")
+        assert "queue" in str(error.error)
+        await play(await asyncio.wait_for(rt.generate_reply(), WAIT_S))
+        last = engine.prompts[-1]
+        assert holds(last, TOK.encode(SNOW)) and not holds(last, TOK.encode(RAIN))
+        await rt.aclose()
+        await model.aclose()

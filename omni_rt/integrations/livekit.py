@@ -475,15 +475,14 @@ class RealtimeSession(llm.RealtimeSession):
                     session, self._model.engine.tokenizer,
                     system + ([("system", instructions)] if instructions else []) + [*pending.values()], audio,
                 )  # fmt: skip
-                heard = len(session.conversation)
                 try:
                     done = await self._stream(session, gen, fut, user_initiated, prompt)
                 finally:
                     gen.close()
                     gen.done.set()
                     self._gate()
-                if len(session.conversation) == heard and done is not None and done.status == "failed":
-                    self._committed[:0] = [] if audio is None else [audio]  # the model heard none of it
+                if done is not None and done.status == "failed":  # never recorded: the model heard none of it
+                    self._committed[:0] = [] if audio is None else [audio]
                     self._gate()
                     self._refused = users_words([*pending.values()], self._refused)
                     kept = {i: t for i, t in pending.items() if any(t is r for r in self._refused)}

@@ -452,7 +452,6 @@ class OmniRtService(LLMService):
         await self.push_frame(LLMFullResponseStartFrame())
         session = self._session  # the reply's own: a cancel whose interrupt failed closes the service first
         prompt = reply_prompt(session, self.engine.tokenizer, system + reply.messages, reply.audio)
-        heard = len(session.conversation)
         calls = self._tools.parser()  # None: no tools offered
         stream = session.respond(**prompt, **self._respond_kwargs)
         async for ev in stream:
@@ -461,7 +460,7 @@ class OmniRtService(LLMService):
                 if reply.interrupted:  # interrupted while its spoken turn was being encoded
                     await session.cancel()
             elif ev.type == "response.done":
-                if len(session.conversation) == heard and ev.status == "failed":  # the model heard none of it
+                if ev.status == "failed":  # a failed turn is never recorded: the model heard none of it
                     self._unheard[:0] = reply.turns  # the next reply answers (and transcribes) them
                     reply.turns = []
                     self._refused = users_words(reply.messages, self._refused)

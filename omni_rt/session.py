@@ -251,15 +251,18 @@ class Session:
                                              instructions)  # fmt: skip
                 if encoded is not None:  # this turn's clip is the last one; earlier ones have none
                     req.audio_encoded = [None] * (len(req.audio_features) - 1) + [encoded]
-                if cut is not None:
-                    yield ConversationTruncated(
-                        response_id=rid, dropped_turns=cut.dropped_turns, dropped_tokens=cut.dropped_tokens,
-                        kept_tokens=len(cut.kept), retention_ratio=retention_ratio(self.settings.truncation),
-                    )  # fmt: skip
+                # yielded only once this turn is submitted or over: at a yield the caller's code runs, and a
+                # respond() it makes then must find this response in progress, not build a second one beside
+                # it on the same slot; and a caller that leaves the loop there cancels a turn that is kept
+                truncated = [] if cut is None else [ConversationTruncated(
+                    response_id=rid, dropped_turns=cut.dropped_turns, dropped_tokens=cut.dropped_tokens,
+                    kept_tokens=len(cut.kept), retention_ratio=retention_ratio(self.settings.truncation),
+                )]  # fmt: skip
                 if starting.cancelled:  # cancel() came while this turn was being prepared: no reply, but
                     if hold is None or hold.released.is_set():  # (a held speculation changes nothing)
                         self._commit(req, "cancelled")  # what the user said is the conversation all the same
-                    yield ResponseDone(response_id=rid, status="cancelled")
+                    for ev in (*truncated, ResponseDone(response_id=rid, status="cancelled")):
+                        yield ev
                     return
             except OmniRtError as e:
                 yield ErrorEvent.from_exception(e, rid)
@@ -299,11 +302,15 @@ class Session:
         try:
             self._host.submit(req)
         except OmniRtError as e:  # never in the pipeline: nothing for cancel() to wait for
+            for ev in truncated:
+                yield ev
             yield ErrorEvent.from_exception(e, rid)
             yield ResponseDone(response_id=rid, status="failed", error=ErrorEvent.from_exception(e).error)
             return
         self._current = self._last = resp
         try:
+            for ev in truncated:
+                yield ev
             if hold is not None:
                 await hold.released.wait()
             async for ev in response_events(resp, rid, rate, t0, self._host.tokenizer, self.ids):

@@ -66,7 +66,8 @@ class Ticket:
         self._wake: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
 
     async def wait(self) -> int:
-        """The slot: at once if granted, else when a session closes; SessionLimitError at the deadline."""
+        """The slot: at once if granted, else when a session closes; SessionLimitError at the deadline, or
+        as soon as this ticket is closed (its session closed while it waited)."""
         with self._slots._lock:
             if self.slot is not None:
                 return self.slot
@@ -94,6 +95,9 @@ class Ticket:
 
     def _grant(self, slot: int) -> None:  # under the lock
         self.slot = slot
+        self._notify()
+
+    def _notify(self) -> None:  # under the lock: a wait() in progress returns (granted) or raises (closed)
         if self._wake is not None:
             loop, event = self._wake
             try:
@@ -146,6 +150,7 @@ class Slots:
             if slot is None:  # still queued
                 if ticket in self._waiting:
                     self._waiting.remove(ticket)
+                ticket._notify()  # its wait() ends now, not at its deadline
                 return
             self._drop_expired()
             if self._waiting:

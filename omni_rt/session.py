@@ -34,7 +34,14 @@ from omni_rt.conversation import (
     system_head,
     truncate,
 )
-from omni_rt.errors import CapacityError, EngineClosedError, InvalidRequestError, OmniRtError, StageError
+from omni_rt.errors import (
+    CapacityError,
+    EngineClosedError,
+    InvalidRequestError,
+    OmniRtError,
+    SessionLimitError,
+    StageError,
+)
 from omni_rt.events import (
     ConversationTruncated,
     ErrorEvent,
@@ -116,6 +123,8 @@ class Session:
         return self._ticket.slot
 
     async def __aenter__(self) -> Session:
+        if self._closed:  # its ticket is closed too: wait() would say that every slot is in use
+            raise InvalidRequestError("this session is closed: open a new one")
         await self._ticket.wait()  # SessionLimitError after admission_wait_s; cancelled: no slot kept
         return self
 
@@ -236,8 +245,11 @@ class Session:
         try:
             yield ResponseCreated(response_id=rid)
             try:
-                if not self._closed:  # a session used without `async with` is admitted here
+                try:  # a session used without `async with` is admitted here
                     await self._ticket.wait()
+                except SessionLimitError:
+                    if not self._closed:
+                        raise  # else close() ended the wait: this response ends cancelled, below
                 # features (and encoder tokens, if it was encoded as it was spoken) of a spoken turn
                 audio, encoded = await turn_audio(*audio)
                 # the last await before _build: a previous response that is still stopping can commit

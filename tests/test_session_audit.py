@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
 from test_session import TOK, collect, fake_engine, types
+
+import omni_rt
 
 
 async def test_a_second_respond_while_the_first_reports_a_truncation_is_refused():
@@ -46,3 +49,28 @@ async def test_leaving_the_loop_at_a_truncation_keeps_the_turn():
         await s.cancel()  # returns once the dropped response has stopped
         assert TOK.last_turn(s.conversation, "user") == "what I said last, in rather more words"
         assert (await collect(s, "and then"))[-1].status == "completed"
+
+
+async def test_closing_a_session_ends_its_response_waiting_for_admission():
+    # it waited out admission_wait_s and then failed with session_limit, for a session its app had closed
+    async with fake_engine(max_sessions=1, admission_wait_s=600.0) as engine, engine.session():
+        s = engine.session()  # queued
+        created = asyncio.Event()
+        waiting = asyncio.create_task(collect(s, "hello", on_event=lambda ev: created.set()))
+        await created.wait()  # its respond() waits for a slot from here
+        await s.close()
+        events = await asyncio.wait_for(waiting, 30)  # far less than admission_wait_s
+        assert types(events) == ["response.created", "response.done"]
+        assert events[-1].status == "cancelled"
+        assert engine.capacity.waiting == 0
+
+
+async def test_a_closed_session_entered_again_says_it_is_closed():
+    # it raised SessionLimitError ("all 4 session slots are in use") with every slot free
+    async with fake_engine() as engine:
+        s = engine.session()
+        async with s:
+            pass
+        with pytest.raises(omni_rt.InvalidRequestError, match="closed"):
+            async with s:
+                pass

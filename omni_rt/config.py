@@ -475,14 +475,19 @@ def setting_overrides(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+# The stage samplers hold each slot's settings in float32 and int64 tensors: a value beyond them (1e300,
+# inf, 10**30) failed the batched step that assigns it, and every other session's response in that step.
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 class StageSampling(_Settings):
     """Sampling of one stage. `do_sample=False` is greedy; repetition penalty applies in both modes."""
 
     do_sample: bool = True
-    temperature: float = Field(1.0, gt=0.0)
-    top_k: int = Field(0, ge=0, description="0: no top-k filter")
+    temperature: float = Field(1.0, gt=0.0, le=_FLOAT32_MAX)
+    top_k: int = Field(0, ge=0, lt=2**63, description="0: no top-k filter")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=_FLOAT32_MAX)
 
 
 def _thinker_default() -> StageSampling:

@@ -13,6 +13,7 @@ import pytest
 from test_session import TOK, collect, fake_engine, types
 
 import omni_rt
+from omni_rt.config import StageSampling
 
 
 async def test_a_second_respond_while_the_first_reports_a_truncation_is_refused():
@@ -63,6 +64,29 @@ async def test_closing_a_session_ends_its_response_waiting_for_admission():
         assert types(events) == ["response.created", "response.done"]
         assert events[-1].status == "cancelled"
         assert engine.capacity.waiting == 0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": float("inf")},
+        {"temperature": 1e300},
+        {"repetition_penalty": 1e300},
+        {"top_k": 10**30},
+    ],
+)
+def test_sampling_values_the_stage_samplers_cannot_hold_are_refused(bad):
+    # 1e300 and 10**30 passed, then failed the Thinker's batched prefill: every session's reply in it
+    with pytest.raises(ValueError):
+        StageSampling(**bad)
+
+
+def test_the_largest_sampling_values_accepted_fit_the_stage_samplers():
+    from omni_rt.model.sampling import StageSampler
+
+    f32_max = 3.4028234663852886e38
+    largest = StageSampling(temperature=f32_max, top_k=2**63 - 1, repetition_penalty=f32_max)
+    StageSampler("thinker", 1, 16).assign(0, largest, seed=0)
 
 
 async def test_a_closed_session_entered_again_says_it_is_closed():

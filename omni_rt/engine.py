@@ -200,6 +200,7 @@ class Engine:
         self._stages = stages
         self._pipeline: Pipeline | None = None
         self._lifecycle = asyncio.Lock()  # start and stop run one at a time, in the order called
+        self._scopes = 0  # `async with engine:` blocks under way
         # the caches' items: the model's dtype, or float32 (the CPU's) for stages made without a model
         self._kv_itemsize = model.dtype.itemsize if model is not None else 4
         check_kv_ceiling(cfg, self.settings, self._kv_itemsize)
@@ -333,11 +334,20 @@ class Engine:
                 self._holds_collector = False
 
     async def __aenter__(self) -> Engine:
-        await self.start()
+        self._scopes += 1
+        try:
+            await self.start()
+        except BaseException:
+            self._scopes -= 1
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
+        # the last `async with` block to end stops it: an inner or overlapping block (a helper given the
+        # engine) ending first would fail every response the others have in flight
+        self._scopes -= 1
+        if self._scopes == 0:
+            await self.stop()
 
     @property
     def pipeline(self) -> Pipeline | None:

@@ -89,6 +89,35 @@ def test_the_largest_sampling_values_accepted_fit_the_stage_samplers():
     StageSampler("thinker", 1, 16).assign(0, largest, seed=0)
 
 
+async def test_an_inner_async_with_leaves_the_engine_running_for_the_outer_one():
+    engine = fake_engine(reply_len=4)
+    async with engine:
+        async with engine:  # a library helper that also scopes the engine it was given
+            pass
+        assert engine.running
+        async with engine.session() as s:
+            assert (await collect(s, "still here"))[-1].status == "completed"
+    assert not engine.running
+
+
+async def test_overlapping_async_with_blocks_stop_the_engine_at_the_last_exit():
+    engine = fake_engine(reply_len=4)
+    entered, leave = asyncio.Event(), asyncio.Event()
+
+    async def other_user():
+        async with engine:
+            entered.set()
+            await leave.wait()
+
+    task = asyncio.create_task(other_user())
+    async with engine:
+        await entered.wait()
+        leave.set()
+        await task  # its block ends first
+        assert engine.running
+    assert not engine.running
+
+
 async def test_a_closed_session_entered_again_says_it_is_closed():
     # it raised SessionLimitError ("all 4 session slots are in use") with every slot free
     async with fake_engine() as engine:

@@ -377,6 +377,8 @@ class Engine:
     # -- sessions --------------------------------------------------------------------------------------
 
     def speaker_id(self, voice: str) -> int:
+        if not isinstance(voice, str):  # the config's lookup would fail with an AttributeError
+            raise InvalidRequestError(f"voice must be a str, got {type(voice).__name__}")
         try:
             return self.cfg.speaker_id(voice)
         except KeyError as e:

@@ -403,7 +403,7 @@ class Session:
             self._caches_of = self._host.generation
         if (text is None and audio is None) == (input_ids is None):
             raise InvalidRequestError("give text and/or audio, or input_ids")
-        check_types(text, voice, sampling, max_output_tokens, max_audio_frames, instructions)
+        check_types(text, sampling, max_output_tokens, max_audio_frames, instructions)
         history = [] if self.conversation else self._system_turn()
         if instructions is not None:
             if input_ids is not None:

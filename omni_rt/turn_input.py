@@ -20,9 +20,10 @@ __all__ = ["audio_token_count", "check_sample_rate", "check_types", "speech_feat
 log = logging.getLogger("omni_rt")
 
 
-def check_types(text, voice, sampling, max_output_tokens, max_audio_frames, instructions=None) -> None:
-    """Argument types of `respond()` that nothing downstream checks before a stage runner reads them."""
-    for name, v in (("text", text), ("voice", voice), ("instructions", instructions)):
+def check_types(text, sampling, max_output_tokens, max_audio_frames, instructions=None) -> None:
+    """Argument types of `respond()` that nothing downstream checks before a stage runner reads them (a
+    voice's: the engine's `speaker_id`, for sessions and responses alike)."""
+    for name, v in (("text", text), ("instructions", instructions)):
         if v is not None and not isinstance(v, str):
             raise InvalidRequestError(f"{name} must be a str, got {type(v).__name__}")
     if sampling is not None and not isinstance(sampling, Sampling):

@@ -118,6 +118,14 @@ async def test_overlapping_async_with_blocks_stop_the_engine_at_the_last_exit():
     assert not engine.running
 
 
+@pytest.mark.parametrize("voice", [None, 5, ["ethan"]])
+async def test_a_voice_that_is_not_a_string_is_a_typed_error(voice):
+    async with fake_engine() as engine:
+        with pytest.raises(omni_rt.InvalidRequestError, match="voice"):
+            engine.session(voice=voice)  # an AttributeError
+        assert engine.capacity.sessions == 0
+
+
 async def test_a_closed_session_entered_again_says_it_is_closed():
     # it raised SessionLimitError ("all 4 session slots are in use") with every slot free
     async with fake_engine() as engine:

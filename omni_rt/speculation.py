@@ -76,6 +76,8 @@ class Speculation:
         """Its events, from `response.created` on; held output comes at once, the rest as it is made."""
         if self._dropped:
             raise RuntimeError("a dropped speculation cannot be released")
+        if self.released:  # again, it would commit its turn over later ones and its events are taken
+            raise RuntimeError("this speculation is released already: its events went to the first release()")
         self._session._release_held(self._hold)
         return self._events()
 

@@ -135,3 +135,20 @@ async def test_a_closed_session_entered_again_says_it_is_closed():
         with pytest.raises(omni_rt.InvalidRequestError, match="closed"):
             async with s:
                 pass
+
+
+async def test_releasing_a_speculation_twice_changes_nothing():
+    # the second release committed the first turn again over the turns after it, forgot another held
+    # speculation (a respond() then ran beside it on the slot), and its iterator never ended
+    async with fake_engine(reply_len=4) as engine, engine.session() as s:
+        spec = s.speculate("first")
+        while spec._hold.resp is None or not spec._hold.resp.done.is_set():
+            await asyncio.sleep(0)  # it finishes while held: its turn commits at release
+        assert [ev async for ev in spec.release()][-1].status == "completed"
+        assert (await collect(s, "second"))[-1].status == "completed"
+        held = s.speculate("third")
+        with pytest.raises(RuntimeError, match="released"):
+            spec.release()
+        assert TOK.last_turn(s.conversation, "user") == "second"
+        assert "held" in (await collect(s, "fourth"))[1].error.message
+        await held.drop()

@@ -88,6 +88,8 @@ class Media:
         except ValueError as exc:
             track.stop()
             raise ProtocolError("invalid_sdp", str(exc), param="sdp", event_id=event_id, fatal=True) from None
+        if pc.sctp is None:  # no data channel in the offer: none will ever open
+            self._attach_channel(None)
         self._spawn(self._connect_deadline(connected), "connect deadline")
         if sends:
             self.track = track

@@ -48,6 +48,7 @@ class Transport:
         self.closing = False  # the peer is closing: only errors still go out
         self._outbox: asyncio.Queue[str] = asyncio.Queue(OUTBOX_SIZE)
         self._early: list[str] = []  # a call's events before its data channel opens
+        self._channelless = False  # a call whose offer has no data channel (attach_channel(None))
         self._dropping = False
         self._inbox_bytes = 0  # of the socket's messages in the inbox
         self._inbox_room = asyncio.Event()
@@ -93,6 +94,8 @@ class Transport:
                     channel.send(data)
                 except ValueError:  # as in send(): a call has no socket to carry it
                     self._too_large(json.loads(data).get("type", "?"), len(data))
+            elif self._channelless:
+                pass  # a voice-only call: its audio is all it has
             elif len(self._early) < OUTBOX_SIZE:
                 self._early.append(data)
             else:
@@ -105,7 +108,13 @@ class Transport:
 
     def attach_channel(self, channel: Any) -> bool:
         """The client's data channel: "events" (omni_rt's name) or "oai-events" (OpenAI's), the first
-        one only. False: not one to use (the caller closes it)."""
+        one only. False: not one to use (the caller closes it). None: the offer has no data channel,
+        so none will come: a call's events have nowhere to go and are dropped (`_channelless`) rather
+        than held for it until the hold is full and the call is cut as a client that stopped reading."""
+        if channel is None:
+            self._channelless = True
+            self._early = []
+            return False
         if channel.label not in ("events", "oai-events") or self.channel is not None:
             return False
         self.channel = channel

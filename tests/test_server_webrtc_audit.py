@@ -1,0 +1,61 @@
+"""An outside tester's audit of the WebRTC and REST paths: offers as real clients make them, and the
+HTTP mistakes they make, against `/v1/realtime/calls` (aiortc as the browser, as OpenAI's WebRTC guide
+connects one)."""
+
+import asyncio
+
+import httpx
+import pytest
+
+pytest.importorskip("aiortc")
+
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription  # noqa: E402
+from server_fakes import FakeEngine, MicTrack, loopback_ice, speech_like  # noqa: E402, F401
+
+from omni_rt.server import Server, ServerSettings, transport  # noqa: E402
+
+AUTH = {"Authorization": "Bearer tk"}
+
+
+def calls_url(server: Server) -> str:
+    return f"http://127.0.0.1:{server.port}/v1/realtime/calls"
+
+
+async def offer_call(http: httpx.AsyncClient, server: Server, pc: RTCPeerConnection) -> httpx.Response:
+    """POST `pc`'s offer as a raw-SDP call and apply the answer."""
+    await pc.setLocalDescription(await pc.createOffer())
+    r = await http.post(
+        calls_url(server),
+        content=pc.localDescription.sdp,
+        headers={**AUTH, "Content-Type": "application/sdp"},
+    )
+    assert r.status_code == 201, r.text
+    await pc.setRemoteDescription(RTCSessionDescription(sdp=r.text, type="answer"))
+    return r
+
+
+async def until_requests(engine: FakeEngine, n: int) -> None:
+    """Until the engine was asked for `n` replies and none is running."""
+    async with asyncio.timeout(20):
+        while len(engine.requests) < n or engine.running:
+            await asyncio.sleep(0.02)
+
+
+async def test_a_call_without_a_data_channel_keeps_serving_its_voice(monkeypatch):
+    """A voice-only call (a microphone, no `oai-events` channel) has nowhere to send its events. They
+    were held for a channel that never comes, and when the hold was full (1,024 events: a few
+    replies' transcript deltas) the call was dropped as a client that stopped reading."""
+    monkeypatch.setattr(transport, "OUTBOX_SIZE", 8)  # a turn and its reply send more than this
+    engine = FakeEngine(step_s=0.0, reply="one two three four five six seven eight nine ten")
+    async with Server(engine, ServerSettings(port=0, token="tk")) as server, httpx.AsyncClient() as http:
+        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        mic = MicTrack()
+        pc.addTransceiver(mic, direction="sendrecv")
+        await offer_call(http, server, pc)
+        for turn in (1, 2):  # server VAD answers each spoken turn
+            mic.play(speech_like(0.8, 48000, seed=turn))
+            await until_requests(engine, turn)
+        (peer,) = server.peers
+        assert not peer.transport._early  # nothing held for a channel that will not come
+        mic.stop()
+        await pc.close()

@@ -3,14 +3,16 @@ HTTP mistakes they make, against `/v1/realtime/calls` (aiortc as the browser, as
 connects one)."""
 
 import asyncio
+import json
 
 import httpx
+import numpy as np
 import pytest
 
 pytest.importorskip("aiortc")
 
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription  # noqa: E402
-from server_fakes import FakeEngine, MicTrack, loopback_ice, speech_like  # noqa: E402, F401
+from server_fakes import FakeEngine, MicTrack, loopback_ice, speech_like, user_message  # noqa: E402, F401
 
 from omni_rt.server import Server, ServerSettings, transport  # noqa: E402
 
@@ -32,6 +34,17 @@ async def offer_call(http: httpx.AsyncClient, server: Server, pc: RTCPeerConnect
     assert r.status_code == 201, r.text
     await pc.setRemoteDescription(RTCSessionDescription(sdp=r.text, type="answer"))
     return r
+
+
+def directions(sdp: str) -> list[tuple[str, str]]:
+    """(media kind, direction) of each m-section of an SDP."""
+    out: list[tuple[str, str]] = []
+    for line in sdp.splitlines():
+        if line.startswith("m="):
+            out.append((line[2:].split(" ")[0], ""))
+        elif line[2:] in ("sendrecv", "sendonly", "recvonly", "inactive") and out:
+            out[-1] = (out[-1][0], line[2:])
+    return out
 
 
 async def until_requests(engine: FakeEngine, n: int) -> None:
@@ -58,4 +71,35 @@ async def test_a_call_without_a_data_channel_keeps_serving_its_voice(monkeypatch
         (peer,) = server.peers
         assert not peer.transport._early  # nothing held for a channel that will not come
         mic.stop()
+        await pc.close()
+
+
+async def test_a_second_audio_section_is_not_a_second_microphone():
+    """An offer with two sending audio sections (two tracks added): both were read as the one
+    microphone, their frames interleaved in one input buffer, so the server heard neither right.
+    The first is the microphone; another sending one is answered without receiving."""
+    engine = FakeEngine(step_s=0.0, reply="ok")
+    async with Server(engine, ServerSettings(port=0, token="tk")) as server, httpx.AsyncClient() as http:
+        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        first, second = MicTrack(), MicTrack()
+        pc.addTransceiver(first, direction="sendrecv")
+        pc.addTransceiver(second, direction="sendrecv")
+        channel = pc.createDataChannel("oai-events")
+        events: asyncio.Queue = asyncio.Queue()
+        channel.on("message", lambda m: events.put_nowait(json.loads(m)))
+        r = await offer_call(http, server, pc)
+        assert directions(r.text) == [("audio", "sendrecv"), ("audio", "inactive"), ("application", "")]
+        assert (await asyncio.wait_for(events.get(), 10))["type"] == "session.created"
+        second.play(speech_like(1.5, 48000))  # a voice on the second track only: not heard
+        first.play(np.zeros(2 * 48000, np.float32))  # the first track's clock: 2 s of silence, sent
+        await asyncio.wait_for(first.played.wait(), 10)
+        channel.send(json.dumps(user_message("hello")))
+        channel.send(json.dumps({"type": "response.create"}))
+        seen = []
+        while (ev := await asyncio.wait_for(events.get(), 10))["type"] != "response.done":
+            seen.append(ev["type"])
+        assert "input_audio_buffer.speech_started" not in seen
+        assert engine.requests == ["hello"]
+        first.stop()
+        second.stop()
         await pc.close()

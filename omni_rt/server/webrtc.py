@@ -3,7 +3,7 @@
 aiortc gathers every ICE candidate inside `setLocalDescription`, so one offer (the client's candidates
 already gathered) and one answer are the whole exchange: no trickle, no renegotiation. What the answer
 says to each part of an offer: audio gets the outgoing reply track (and the client's microphone, if
-it sends one, is received); video is declined (`inactive`: nothing to decode for nothing); a data
+it sends one, is received: the first audio section that sends, no other); video is declined (`inactive`: nothing to decode for nothing); a data
 channel is accepted, and `peer.py` decides what to do with it.
 
 ICE host candidates follow the server's bind address (`IcePolicy.for_bind`): a server on loopback
@@ -135,6 +135,7 @@ async def answer_offer(
         # Added after setRemoteDescription and before createAnswer, so that it rides the offer's
         # audio transceiver even when the browser only receives (no microphone).
         pc.addTrack(track)
+    _one_microphone(pc)
     token = _policy.set(policy)  # gathering happens inside setLocalDescription, in this context
     try:
         await pc.setLocalDescription(await pc.createAnswer())
@@ -144,6 +145,22 @@ async def answer_offer(
         _policy.reset(token)
     _bad_text_as_bytes(pc)
     return _announce(pc.localDescription.sdp, policy), _sends(pc, track)
+
+
+def _one_microphone(pc: RTCPeerConnection) -> None:
+    """Receive audio on the offer's first audio section that sends some, the microphone, and on no
+    other: every received track is read as the one microphone (media.py), so a second one's frames
+    would be interleaved with the first's in one input buffer and neither heard right. The others
+    still carry the reply track if it rides them (a page that adds a receive-only transceiver, then
+    its microphone, offers two sections)."""
+    microphone = False
+    for transceiver in pc.getTransceivers():
+        # aiortc's record of the offer's direction for this section (it has no public one)
+        if transceiver.kind != "audio" or "send" not in (transceiver._offerDirection or ""):
+            continue
+        if microphone:
+            transceiver.direction = "sendonly" if transceiver.sender.track is not None else "inactive"
+        microphone = True
 
 
 def _bad_text_as_bytes(pc: RTCPeerConnection) -> bool:

@@ -13,8 +13,10 @@ pytest.importorskip("aiortc")
 
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription  # noqa: E402
 from server_fakes import FakeEngine, MicTrack, loopback_ice, speech_like, user_message  # noqa: E402, F401
+from test_server_static import http as raw_http  # noqa: E402
 
 from omni_rt.server import Server, ServerSettings, transport  # noqa: E402
+from omni_rt.server.http import MAX_BODY_BYTES  # noqa: E402
 
 AUTH = {"Authorization": "Bearer tk"}
 
@@ -102,4 +104,47 @@ async def test_a_second_audio_section_is_not_a_second_microphone():
         assert engine.requests == ["hello"]
         first.stop()
         second.stop()
+        await pc.close()
+
+
+async def test_http_mistakes_on_the_call_endpoints_are_openai_json_errors():
+    """Every refusal of a REST endpoint is OpenAI's JSON error, which the SDK reads as an
+    `APIStatusError` with a code: a refused Origin, a body too large and a malformed Content-Length
+    were plain text (the last as 413), and a chunked body (no Content-Length, as a streamed fetch()
+    sends one) got no answer at all, the connection dropped."""
+    settings = ServerSettings(port=0, token="tk", max_sessions=1)
+    engine = FakeEngine(step_s=0.0)
+    async with Server(engine, settings) as server, httpx.AsyncClient() as http:
+        sdp = {**AUTH, "Content-Type": "application/sdp"}
+
+        def error(r: httpx.Response) -> tuple[int, str]:
+            assert r.headers["content-type"] == "application/json", r.text
+            return r.status_code, r.json()["error"]["code"]
+
+        r = await http.post(
+            calls_url(server), content="v=0", headers={**sdp, "Origin": "http://evil.example"}
+        )
+        assert error(r) == (403, "origin_not_allowed")
+        r = await http.post(calls_url(server), content="x" * (MAX_BODY_BYTES + 1), headers=sdp)
+        assert error(r) == (413, "request_too_large")
+
+        async def chunks():
+            yield b"v=0\r\n"
+
+        r = await http.post(calls_url(server), content=chunks(), headers=sdp)
+        assert error(r) == (411, "length_required")
+
+        status, headers, body = await raw_http(
+            server.port,
+            b"POST /v1/realtime/calls HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer tk\r\n"
+            b"Content-Type: application/sdp\r\nContent-Length: nine\r\n\r\nv=0\r\n",
+        )
+        assert (status, headers["content-type"]) == (400, "application/json")
+        assert json.loads(body)["error"]["code"] == "invalid_request"
+        # None of it took the one session slot: a good call still fits.
+        assert not server.peers and engine.open_sessions == 0
+        pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        pc.addTransceiver("audio", direction="recvonly")
+        pc.createDataChannel("oai-events")
+        await offer_call(http, server, pc)
         await pc.close()

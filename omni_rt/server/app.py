@@ -38,7 +38,7 @@ from omni_rt.server import protocol
 from omni_rt.server.http import BodyConnection
 from omni_rt.server.peer import Peer, PeerSettings
 from omni_rt.server.protocol import ProtocolError
-from omni_rt.server.rest import RealtimeHttp
+from omni_rt.server.rest import HttpAnswer, RealtimeHttp, refused
 from omni_rt.server.transport import CLOSE_TIMEOUT_S
 from omni_rt.server.webrtc import IcePolicy, ice_server
 
@@ -203,33 +203,32 @@ class Server:
 
     async def _route(self, connection: ServerConnection, request: Request) -> Response | None:
         url = urlsplit(request.path)
+        rest = self.rest.handles(url.path)
         try:
             origin = request.headers.get("Origin")
             host = request.headers.get("Host", "")
             bearer = _bearer(request.headers.get("Authorization", ""))
         except MultipleValuesError:  # which one would count? Neither.
-            return connection.respond(HTTPStatus.BAD_REQUEST, "Repeated Origin, Host or Authorization.\n")
-        if self.rest.handles(url.path):
+            repeated = "repeated Origin, Host or Authorization"
+            if rest:
+                return _rest_response(refused(HTTPStatus.BAD_REQUEST, "invalid_request", repeated), None)
+            return connection.respond(HTTPStatus.BAD_REQUEST, f"{repeated.capitalize()}.\n")
+        if rest:
+            # Every answer of an OpenAI endpoint is OpenAI's JSON error when it refuses: the SDK reads
+            # its code (plain text was an APIStatusError without one).
             if origin is not None and not self._origin_allowed(origin, host):
                 log.warning("refused %s from origin %s (Host %s)", url.path, origin, host)
-                return connection.respond(HTTPStatus.FORBIDDEN, "Origin not allowed.\n")
+                forbidden = refused(HTTPStatus.FORBIDDEN, "origin_not_allowed", "this Origin is not allowed")
+                return _rest_response(forbidden, None)
             if request.method == "OPTIONS" and origin is not None:
                 return _preflight(request.headers)
             problem = getattr(connection, "body_error", None)
             if problem is not None:
-                return connection.respond(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"{problem}.\n")
+                return _rest_response(refused(*problem), origin)
             answer = await self.rest.handle(
                 request.method, url.path, request.headers, getattr(connection, "body", None), bearer
             )
-            response = _response(answer.status, answer.body, answer.content_type)
-            for name, value in answer.headers.items():
-                if name in response.headers:  # the endpoint's own (its Allow: POST), not the default
-                    del response.headers[name]
-                response.headers[name] = value
-            if origin is not None:  # an allowed page of another origin reads the answer (CORS)
-                _allow_origin(response, origin)
-                response.headers["Access-Control-Expose-Headers"] = "Location"
-            return response
+            return _rest_response(answer, origin)
         if is_realtime_path(url.path):
             return self._check_ws(connection, url.query, origin, host, bearer)
         if url.path == "/health":
@@ -378,6 +377,19 @@ def is_loopback(name: str) -> bool:
 def _remote(ws: ServerConnection) -> str:
     address = ws.remote_address
     return f"{address[0]}:{address[1]}" if address else "?"
+
+
+def _rest_response(answer: HttpAnswer, origin: str | None) -> Response:
+    """A REST endpoint's answer; `origin`: an allowed page's, which may read it (CORS)."""
+    response = _response(answer.status, answer.body, answer.content_type)
+    for name, value in answer.headers.items():
+        if name in response.headers:  # the endpoint's own (its Allow: POST), not the default
+            del response.headers[name]
+        response.headers[name] = value
+    if origin is not None:
+        _allow_origin(response, origin)
+        response.headers["Access-Control-Expose-Headers"] = "Location"
+    return response
 
 
 def _allow_origin(response: Response, origin: str) -> None:

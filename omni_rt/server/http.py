@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import email.parser
 import email.policy
+from http import HTTPStatus
 
 from websockets.asyncio.server import ServerConnection
 
@@ -22,7 +23,9 @@ MAX_BODY_BYTES = 256 * 1024  # an SDP offer is a few kB; a session config less
 
 class BodyConnection(ServerConnection):
     body: bytes | None = None  # the request's body, once read (None: it had none)
-    body_error: str | None = None  # why the body was not read (too large, malformed length)
+    # Why the body was not read (too large, a malformed length, chunked): the answer's status, an
+    # OpenAI error code and a message; process_request answers it.
+    body_error: tuple[HTTPStatus, str, str] | None = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -44,18 +47,32 @@ class BodyConnection(ServerConnection):
             return
         head, rest = bytes(self._head[: end + 4]), bytes(self._head[end + 4 :])
         length = _content_length(head)
+        if _header_lines(head, b"transfer-encoding:"):
+            # websockets drops such a request unanswered; a streamed fetch() body comes so
+            self._refuse(
+                head, HTTPStatus.LENGTH_REQUIRED, "length_required", "send the body with a Content-Length"
+            )
+            return
         if length is None:  # no body: a WebSocket upgrade, a GET
             self._pass(bytes(self._head))
             return
-        if length < 0 or length > MAX_BODY_BYTES:
-            self.body_error = "the request body is too large" if length > 0 else "a bad Content-Length"
-            self.body = b""
-            self._pass(_without_length(head), discard=True)  # process_request answers it (413 / 400)
+        if length < 0:
+            self._refuse(head, HTTPStatus.BAD_REQUEST, "invalid_request", "a malformed Content-Length")
+            return
+        if length > MAX_BODY_BYTES:
+            too_large = f"the request body is over {MAX_BODY_BYTES} bytes"
+            self._refuse(head, HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "request_too_large", too_large)
             return
         if len(rest) < length:
             return  # more of the body to come
         self.body = rest[:length]
-        self._pass(_without_length(head), discard=True)
+        self._pass(_without_body_headers(head), discard=True)
+
+    def _refuse(self, head: bytes, status: HTTPStatus, code: str, message: str) -> None:
+        """A body not to be read: the head goes on alone, and process_request answers with the error."""
+        self.body_error = (status, code, message)
+        self.body = b""
+        self._pass(_without_body_headers(head), discard=True)
 
     def _pass(self, data: bytes, discard: bool = False) -> None:
         self._passthrough = True
@@ -64,12 +81,15 @@ class BodyConnection(ServerConnection):
         self._discard = discard
 
 
-def _content_length(head: bytes) -> int | None:
-    values = [
-        line.split(b":", 1)[1].strip()
-        for line in head.split(b"\r\n")[1:]
-        if line.lower().startswith(b"content-length:")
+def _header_lines(head: bytes, name: bytes) -> list[bytes]:
+    """The values of header `name` (lower case, with its colon) in a request head."""
+    return [
+        line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")[1:] if line.lower().startswith(name)
     ]
+
+
+def _content_length(head: bytes) -> int | None:
+    values = _header_lines(head, b"content-length:")
     if not values or values == [b"0"] * len(values):
         return None
     if len(set(values)) != 1 or not values[0].isdigit():
@@ -77,9 +97,12 @@ def _content_length(head: bytes) -> int | None:
     return int(values[0])
 
 
-def _without_length(head: bytes) -> bytes:
+def _without_body_headers(head: bytes) -> bytes:
+    """The head without what describes a body: websockets refuses a request that has one."""
     lines = head.split(b"\r\n")
-    return b"\r\n".join(line for line in lines if not line.lower().startswith(b"content-length:"))
+    return b"\r\n".join(
+        line for line in lines if not line.lower().startswith((b"content-length:", b"transfer-encoding:"))
+    )
 
 
 def multipart_fields(content_type: str, body: bytes) -> dict[str, str]:

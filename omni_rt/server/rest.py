@@ -80,6 +80,11 @@ def _error(
     return _json(status, {"error": {"message": message, "type": type, "code": code, "param": param}})
 
 
+def refused(status: HTTPStatus, code: str, message: str) -> HttpAnswer:
+    """A request refused before it reaches an endpoint (its Origin, its body), as the endpoints refuse."""
+    return _error(status, message, code)
+
+
 def _session_error(exc: ProtocolError) -> HttpAnswer:
     """A session configuration that a session would refuse (`Peer.configure`): HTTP 400."""
     message = f"{exc.param}: {exc.message}" if exc.param else exc.message

@@ -27,23 +27,28 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from websockets.protocol import State
 
 from omni_rt.cluster.settings import ClusterSettings
 from omni_rt.cluster.wire import header, http_response, merged_metrics, query_value
 from omni_rt.server import protocol
 from omni_rt.server.app import is_loopback, normalize_origin, origin_allowed
+from omni_rt.server.http import BodyConnection
 from omni_rt.server.protocol import ProtocolError
+from omni_rt.server.rest import RealtimeHttp
 
 log = logging.getLogger("omni_rt.cluster")
 
 REALTIME_PATHS = ("/ws", "/v1/realtime")  # the single-process server's socket, under both names
-NOT_YET = ("/v1/realtime/calls", "/v1/realtime/client_secrets")  # see docs/deployment.md
 CLAIM_TIMEOUT_S = 3.0  # Serve found no slot this long although the reports said there was one
 STALE_S = 3.0  # a replica silent this long is taken for gone
 # Ingress -> replica: pings find a replica whose node vanished (no FIN, no RST) within ~3 s.
 UPSTREAM_PING_S = 1.0
 UPSTREAM_PING_TIMEOUT_S = 2.0
 CLOSE_TIMEOUT_S = 2.0
+# A replica whose socket takes no frame this long is hung: its peer reads its socket into an inbox at
+# once. The pings above cannot tell, as a ping waits behind the frames that fill the socket.
+REPLICA_TAKES_S = UPSTREAM_PING_S + UPSTREAM_PING_TIMEOUT_S
 LOST_CLOSE_CODE = 1012  # "service restart": the client may open a new conversation at once
 
 
@@ -74,6 +79,8 @@ class OmniIngress:
             settings.host,
             settings.port,
             process_request=self._http,
+            # POSTs with a body (/v1/realtime/calls, client_secrets) reach _http: websockets drops them
+            create_connection=BodyConnection,
             max_size=4 * protocol.MAX_MESSAGE_BYTES,  # the replica's peer answers over-size frames itself
             max_queue=16,
             ping_interval=20,
@@ -128,15 +135,22 @@ class OmniIngress:
     def _http(self, connection: Any, request: Any) -> Any:
         url = urlsplit(request.path)
         if url.path == "/health":
-            return http_response(HTTPStatus.OK, json.dumps(self.health()).encode(), "application/json")
+            health = self.health()
+            # 503 when no replica can serve (none reporting, or every engine stopped): a load balancer or
+            # a probe then sees a front door that serves nobody; `ok` is false as soon as any one fails.
+            serving = any(r["ok"] for r in health["per_replica"])
+            status = HTTPStatus.OK if serving else HTTPStatus.SERVICE_UNAVAILABLE
+            return http_response(status, json.dumps(health).encode(), "application/json")
         if url.path == "/metrics":
             texts = {r["replica"]: r["metrics"] for r in self._live()}
             return http_response(
                 HTTPStatus.OK, merged_metrics(texts, self.registry), "text/plain; version=0.0.4"
             )
-        if url.path in NOT_YET or url.path.startswith(NOT_YET[0] + "/"):
-            body = b"Not served through the cluster ingress yet: use the realtime WebSocket (/v1/realtime).\n"
-            return http_response(HTTPStatus.NOT_IMPLEMENTED, body, "text/plain")
+        if RealtimeHttp.handles(url.path):  # the single-process server's REST endpoints (server/rest.py)
+            message = "not served through the cluster ingress yet: use the realtime WebSocket (/v1/realtime)"
+            error = {"message": message, "type": "invalid_request_error", "code": "not_implemented"}
+            body = json.dumps({"error": error | {"param": None}}).encode()  # as OpenAI's REST API writes one
+            return http_response(HTTPStatus.NOT_IMPLEMENTED, body, "application/json")
         if url.path not in REALTIME_PATHS:
             return http_response(HTTPStatus.NOT_FOUND, b"Not found.\n", "text/plain")
         try:
@@ -202,7 +216,7 @@ class OmniIngress:
             await self._lose(client)
             return
         up = asyncio.create_task(_forward(upstream, client), name="replica->client")
-        down = asyncio.create_task(_forward(client, upstream), name="client->replica")
+        down = asyncio.create_task(_forward(client, upstream, REPLICA_TAKES_S), name="client->replica")
         watch = asyncio.create_task(_drain(claim), name="claim")
         try:
             await asyncio.wait((up, down, watch), return_when=asyncio.FIRST_COMPLETED)
@@ -212,16 +226,23 @@ class OmniIngress:
                 # The conversation ended on the replica: its socket's close is on the way.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(up), CLOSE_TIMEOUT_S)
-            if down.done() and not up.done():  # the client left: close the replica's side
-                await _close(upstream, 1000, "")
-            elif (closed := upstream.protocol.close_rcvd) is not None:  # the replica closed: pass it on
-                await _close(client, closed.code, closed.reason)
-            elif client.protocol.close_rcvd is None:  # no close frame from the replica: it is gone
-                await self._lose(client)
+            if down.done() and isinstance(down.exception(), TimeoutError):
+                log.warning("ingress: replica %s stopped reading: lost", slot["replica"])
         finally:
             for task in (up, down, watch):
                 task.cancel()
             await asyncio.gather(up, down, watch, return_exceptions=True)
+        try:
+            # Who ended it is read from the two sockets, not from which relay task ended first: a relay
+            # task also ends when its send to the *other* side fails (a client that talks while its
+            # replica dies fails towards the replica first).
+            if client.state is not State.OPEN:  # the client left (or broke the protocol): end its session
+                await _close(upstream, 1000, "")
+            elif (closed := upstream.protocol.close_rcvd) is not None:  # the replica closed: pass it on
+                await _close(client, closed.code, closed.reason)
+            else:  # no close frame from the replica: it is gone, or hung
+                await self._lose(client)
+        finally:
             await _close(upstream, 1000, "")
 
     async def _refuse(self, client: Any) -> None:
@@ -232,9 +253,7 @@ class OmniIngress:
             f"every replica is at its session limit ({capacity} sessions in all); try again later",
             type="server_error",
         )
-        with contextlib.suppress(Exception):
-            await client.send(json.dumps(protocol.error(busy)))
-        await _close(client, 1013, "session limit")
+        await _goodbye(client, busy, 1013, "session limit")
 
     async def _lose(self, client: Any) -> None:
         self._lost.inc()
@@ -243,18 +262,24 @@ class OmniIngress:
             "the server running this conversation stopped; open a new conversation",
             type="server_error",
         )
-        with contextlib.suppress(Exception):
-            await client.send(json.dumps(protocol.error(lost)))
-        await _close(client, LOST_CLOSE_CODE, "replica lost")
+        await _goodbye(client, lost, LOST_CLOSE_CODE, "replica lost")
 
 
-async def _forward(source: Any, sink: Any) -> None:
-    """Every frame from `source` to `sink`, as it came (text stays text, bytes stay bytes)."""
+async def _goodbye(client: Any, error: ProtocolError, code: int, reason: str) -> None:
+    """The error event, then the close; bounded, as a client that stopped reading never takes either."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(client.send(json.dumps(protocol.error(error))), CLOSE_TIMEOUT_S)
+    await _close(client, code, reason)
+
+
+async def _forward(source: Any, sink: Any, timeout: float | None = None) -> None:
+    """Every frame from `source` to `sink`, as it came (text stays text, bytes stay bytes); TimeoutError
+    when `sink` takes no frame for `timeout` seconds."""
     from websockets.exceptions import ConnectionClosed
 
     with contextlib.suppress(ConnectionClosed):
         async for message in source:
-            await sink.send(message)
+            await asyncio.wait_for(sink.send(message), timeout)
 
 
 async def _drain(claim: Any) -> None:

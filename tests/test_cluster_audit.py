@@ -247,3 +247,27 @@ async def test_health_is_503_when_no_replica_can_serve(front):
     report(ingress, b, [], ok=False)
     status, _, body = await asyncio.to_thread(request, ingress, "GET", "/health")
     assert status == 503 and not json.loads(body)["ok"]
+
+
+# -- the ingress's count of sessions ---------------------------------------------------------------------
+
+
+async def test_a_session_reported_before_its_claim_returns_is_counted_once(front):
+    """A replica reports a new claim and returns its slot in two Serve calls: when the report came first,
+    the ingress added its own +1 on top, counted the session twice and refused a client with a slot free
+    (until the replica's next report)."""
+    ingress, (a, b) = front
+    b.claims += [FakeClaim(b), FakeClaim(b)]
+    report(ingress, b, [c.ticket for c in b.claims])  # b is full
+    a.accepting.clear()  # a's slot comes back after a's report of it
+    first = asyncio.ensure_future(open_conversation(ingress))
+    async with asyncio.timeout(GUARD_S):
+        while not a.claims:
+            await asyncio.sleep(0)
+    report(ingress, a, [a.claims[0].ticket])
+    a.accepting.set()
+    one = await first
+    two = await open_conversation(ingress)  # a's second slot
+    assert ingress.health()["sessions"] == 2 + 2
+    for ws in (one, two):
+        await ws.close()

@@ -61,6 +61,9 @@ class OmniIngress:
         self.settings = settings
         self._replicas = replicas.options(stream=True)
         self._reports: dict[str, dict[str, Any]] = {}
+        # tickets of the conversations relayed now, by replica: counted with the tickets each replica
+        # reports, as one set, so a session is one whether the report or the claim's slot came first
+        self._relaying: dict[str, set[str]] = {}
         self._allowed = {normalize_origin(o) for o in settings.allowed_origins}
         self.registry = CollectorRegistry(auto_describe=True)
         self._live_gauge = Gauge("omni_rt_cluster_replicas", "Replicas reporting", registry=self.registry)
@@ -128,7 +131,13 @@ class OmniIngress:
         for replica in [r for r, rep in self._reports.items() if now - rep["seen"] > STALE_S]:
             del self._reports[replica]
         self._live_gauge.set(len(self._reports))
-        return list(self._reports.values())
+        return [rep | {"sessions": self._sessions(rep)} for rep in self._reports.values()]
+
+    def _sessions(self, rep: dict[str, Any]) -> int:
+        """A replica's sessions: the claims it reported with those relayed since (a report without its
+        tickets, as its count)."""
+        tickets = set(rep.get("tickets", ())) | self._relaying.get(rep["replica"], set())
+        return max(rep["sessions"], len(tickets))
 
     # -- HTTP, before any upgrade ---------------------------------------------------------------------
 
@@ -190,12 +199,13 @@ class OmniIngress:
             log.warning("ingress: no slot: %s", exc)
             await self._refuse(client)
             return
+        relaying = self._relaying.setdefault(slot["replica"], set())
+        relaying.add(slot["ticket"])  # counted before that replica's next report says so itself
         try:
-            if (report := self._reports.get(slot["replica"])) is not None:
-                report["sessions"] += 1  # until that replica's next report says so itself
             await self._pipe(client, slot, claim)
         finally:
             claim.cancel()
+            relaying.discard(slot["ticket"])
 
     async def _pipe(self, client: Any, slot: dict[str, Any], claim: Any) -> None:
         from websockets.asyncio.client import connect

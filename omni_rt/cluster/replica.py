@@ -153,6 +153,9 @@ class OmniReplica:
             "replica": self.replica_id,
             "url": self.url,
             "sessions": len(self._claims),
+            # which claims: the ingress counts each session once, whether this report or the claim's slot
+            # reaches it first (two Serve calls)
+            "tickets": sorted(self._claims),
             "max_sessions": self.settings.max_sessions,
             "ok": self.engine.running,
         }

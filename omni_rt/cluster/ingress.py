@@ -35,7 +35,7 @@ from omni_rt.server import protocol
 from omni_rt.server.app import is_loopback, normalize_origin, origin_allowed
 from omni_rt.server.http import BodyConnection
 from omni_rt.server.protocol import ProtocolError
-from omni_rt.server.rest import RealtimeHttp
+from omni_rt.server.rest import RealtimeHttp, refused
 
 log = logging.getLogger("omni_rt.cluster")
 
@@ -157,9 +157,8 @@ class OmniIngress:
             )
         if RealtimeHttp.handles(url.path):  # the single-process server's REST endpoints (server/rest.py)
             message = "not served through the cluster ingress yet: use the realtime WebSocket (/v1/realtime)"
-            error = {"message": message, "type": "invalid_request_error", "code": "not_implemented"}
-            body = json.dumps({"error": error | {"param": None}}).encode()  # as OpenAI's REST API writes one
-            return http_response(HTTPStatus.NOT_IMPLEMENTED, body, "application/json")
+            answer = refused(HTTPStatus.NOT_IMPLEMENTED, "not_implemented", message)  # OpenAI's JSON error
+            return http_response(answer.status, answer.body, answer.content_type)
         if url.path not in REALTIME_PATHS:
             return http_response(HTTPStatus.NOT_FOUND, b"Not found.\n", "text/plain")
         try:
